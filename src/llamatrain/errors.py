@@ -1,0 +1,31 @@
+"""User-facing errors.
+
+Anything a user can fix (a bad config key, a missing file, a corrupt GGUF, a NaN loss) is
+raised as a ``LlamatrainError`` subclass with one message that names the problem and the
+fix. The CLI prints that message and exits non-zero without a traceback (``--debug`` shows
+it); anything else is a bug and keeps its traceback.
+"""
+
+
+class LlamatrainError(Exception):
+    """Base class: a problem the user can act on."""
+
+
+class ConfigError(LlamatrainError, ValueError):
+    """A config file, an override or a ModelConfig is invalid."""
+
+
+class DataError(LlamatrainError):
+    """Input text is missing, empty, binary or too short."""
+
+
+class GGUFError(LlamatrainError):
+    """A GGUF file is unreadable, corrupt or of an unsupported kind."""
+
+
+class CheckpointError(LlamatrainError):
+    """A checkpoint is missing or does not match the run."""
+
+
+class TrainingError(LlamatrainError):
+    """Training cannot go on (e.g. the loss became NaN)."""

@@ -1,0 +1,47 @@
+"""Sampling filters: each knob does what llama.cpp's sampler does."""
+
+import pytest
+import torch
+
+from llamatrain.sampling import (
+    SamplingParams,
+    apply_repeat_penalty,
+    filter_top_k,
+    filter_top_p,
+    sample_next,
+)
+
+
+def test_repeat_penalty_pushes_seen_tokens_down_whatever_their_sign():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    out = apply_repeat_penalty(logits, torch.tensor([[0, 1]]), 2.0)
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+
+
+def test_top_k_keeps_k_largest():
+    out = filter_top_k(torch.tensor([[0.1, 3.0, 2.0, -1.0]]), 2)
+    assert torch.isfinite(out).tolist() == [[False, True, True, False]]
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = filter_top_p(probs.log(), 0.75)
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+    # the most likely token always survives, even when it alone exceeds p
+    assert torch.isfinite(filter_top_p(probs.log(), 0.1)).sum() == 1
+
+
+def test_greedy_and_sampled_choices():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    assert sample_next(logits, SamplingParams(temperature=0)).item() == 1
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, top_k=1)
+    assert all(sample_next(logits, params, generator=g).item() == 1 for _ in range(20))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=-1), dict(top_k=0), dict(top_p=0.0), dict(repeat_penalty=0)]
+)
+def test_invalid_sampling_params_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
