@@ -60,9 +60,7 @@ class ModelConfig:
                 f"head_dim = dim / n_heads = {self.head_dim} must be even for rope; "
                 "change dim or n_heads"
             )
-        if self.n_kv_heads is not None and (
-            self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads
-        ):
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(
                 f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads "
                 f"({self.n_heads}); choose among {_divisors(self.n_heads)}"
@@ -301,7 +299,9 @@ class Llama(nn.Module):
         segment = self.checkpoint_segment
         if segment and torch.is_grad_enabled() and cache is None:
             for start in range(0, self.cfg.n_layers, segment):
-                x = checkpoint(self._run_blocks, x, pos, start, start + segment, use_reentrant=False)
+                x = checkpoint(
+                    self._run_blocks, x, pos, start, start + segment, use_reentrant=False
+                )
         else:
             x = self._run_blocks(x, pos, 0, self.cfg.n_layers, cache)
         if cache is not None:

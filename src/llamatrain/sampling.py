@@ -33,7 +33,9 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
 
 
-def apply_repeat_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: float) -> torch.Tensor:
+def apply_repeat_penalty(
+    logits: torch.Tensor, recent: torch.Tensor, penalty: float
+) -> torch.Tensor:
     """Make recently seen tokens less likely, as llama.cpp does.
 
     Positive logits are divided by the penalty and negative ones multiplied, so the penalty

@@ -1,0 +1,271 @@
+"""Config loading, overrides, validation messages, round trips and the shipped configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from llamatrain.config import (
+    SECTIONS,
+    Config,
+    apply_overrides,
+    config_from_dict,
+    config_reference,
+    config_to_dict,
+    config_to_toml,
+    load_config,
+    validate,
+)
+from llamatrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").glob("*.toml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "x.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def test_defaults_are_valid_and_fill_n_ubatch():
+    cfg = load_config(None)
+    assert cfg.model.dim == 256 and cfg.optim.name == "adamw"
+    assert cfg.train.n_ubatch == cfg.train.n_batch  # derived default filled by validate
+
+
+def test_file_values_and_int_accepted_for_float(tmp_path):
+    path = write(tmp_path, "[optim]\nlr = 1\n[model]\nn_kv_heads = 4\n[data]\npath = ['a', 'b']\n")
+    cfg = load_config(path)
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.model.n_kv_heads == 4
+    assert cfg.data.path == ["a", "b"]
+    assert cfg.origin("optim.lr") == str(path)
+    assert cfg.origin("optim.eps") == "the defaults"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_load_and_validate(path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config(path)
+    assert cfg.train.n_batch % cfg.data.n_ctx == 0
+    if cfg.data.path != "shakespeare":
+        assert Path(cfg.data.path).is_file()
+
+
+def test_expected_configs_are_shipped():
+    assert {p.name for p in SHIPPED} >= {"tiny.toml", "shakespeare.toml", "ggml-2023.toml"}
+
+
+def test_ggml_2023_matches_the_2023_defaults(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config("configs/ggml-2023.toml")
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    assert (cfg.data.n_ctx, m.dim, m.n_heads, m.n_layers, m.ffn_dim) == (128, 256, 8, 16, 768)
+    assert (m.norm_eps, m.rope_theta, t.n_batch // cfg.data.n_ctx) == (1e-5, 10000.0, 8)
+    assert (o.lr, o.lr_min, o.weight_decay, o.beta1, o.beta2, o.grad_clip) == (
+        1e-3, 1e-4, 0.1, 0.9, 0.999, 1.0,
+    )  # fmt: skip
+    assert (o.warmup_steps, o.cos_decay_steps, t.checkpointing) == (100, 1000, "auto")
+
+
+# ---- error kinds -------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    msg = error_of(load_config, tmp_path / "nope.toml")
+    assert "nope.toml" in msg and "not found" in msg
+
+
+def test_bad_toml_syntax(tmp_path):
+    path = write(tmp_path, "[model]\ndim = \n")
+    msg = error_of(load_config, path)
+    assert str(path) in msg and "not valid TOML" in msg and "line 2" in msg
+
+
+def test_unknown_section_suggests(tmp_path):
+    msg = error_of(load_config, write(tmp_path, "[optimizer]\nlr = 1e-3\n"))
+    assert "unknown section [optimizer]" in msg and "did you mean [optim]" in msg
+
+
+def test_top_level_key_points_to_its_section(tmp_path):
+    msg = error_of(load_config, write(tmp_path, "steps = 10\n"))
+    assert "[train]" in msg
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    path = write(tmp_path, "[optim]\nwarmup_step = 10\n")
+    msg = error_of(load_config, path)
+    assert "optim.warmup_step" in msg and str(path) in msg
+    assert "did you mean optim.warmup_steps" in msg
+
+
+def test_key_in_wrong_section_names_the_right_one(tmp_path):
+    msg = error_of(load_config, write(tmp_path, "[model]\nn_ctx = 64\n"))
+    assert "belongs in [data]" in msg and "data.n_ctx" in msg
+
+
+def test_wrong_type_message(tmp_path):
+    path = write(tmp_path, "[optim]\nlr = 'abc'\n")
+    assert error_of(load_config, path) == f"optim.lr in {path} must be a number, got 'abc'"
+
+
+@pytest.mark.parametrize(
+    "text, key, expected",
+    [
+        ("[model]\ndim = true", "model.dim", "an integer"),  # bools are not ints
+        ("[model]\ndim = 1.5", "model.dim", "an integer"),
+        ("[train]\ncompile = 1", "train.compile", "true or false"),
+        ("[data]\npath = [1]", "data.path", "a string or a list of strings"),
+        ("[model]\nn_kv_heads = 'x'", "model.n_kv_heads", "left out"),
+        ("[model]\ndim = {a = 1}", "model.dim", "an integer"),
+        ("model = 3", "model", "section"),
+    ],
+)
+def test_type_errors(tmp_path, text, key, expected):
+    msg = error_of(load_config, write(tmp_path, text + "\n"))
+    assert msg.startswith(key) and expected in msg
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (["optim.lr=0"], ["optim.lr", "> 0"]),
+        (["optim.lr=-1e-3"], ["optim.lr", "> 0"]),
+        (["train.n_batch=1000"], ["train.n_batch = 1000", "multiple of data.n_ctx = 128", "896"]),
+        (["train.n_ubatch=384"], ["train.n_ubatch = 384", "divide", "[128, 256, 512, 1024]"]),
+        (["train.n_ubatch=100"], ["train.n_ubatch = 100", "multiple of data.n_ctx"]),
+        (["model.dim=100"], ["model.dim = 100", "divisible by model.n_heads = 8"]),
+        (["model.n_kv_heads=3"], ["model.n_kv_heads = 3", "divide", "[1, 2, 4, 8]"]),
+        (["model.dim=24", "model.n_heads=8"], ["head_dim", "= 3", "even"]),
+        (["data.val_fraction=0.5"], ["data.val_fraction", "< 0.5"]),
+        (["data.val_fraction=-0.1"], ["data.val_fraction", ">= 0"]),
+        (["optim.name=sgd"], ["optim.name", "'adamw', 'lbfgs'", "'sgd'"]),
+        (["data.sample_start=random"], ["data.sample_start", "'newline'"]),
+        (["output.export_type=q5_k"], ["output.export_type", "'q4_0'"]),
+        (["optim.lr_min=0.1"], ["optim.lr_min = 0.1", "must not exceed optim.lr"]),
+        (["optim.cos_decay_restart=0.5"], ["cos_decay_restart", "0 (no restarts) or >= 1"]),
+        (["optim.beta2=1.0"], ["optim.beta2", "< 1"]),
+        (["model.dim=48", "model.n_heads=4", "output.export_type=q8_0"], ["multiples of 32"]),
+    ],
+)
+def test_impossible_values(overrides, fragments):
+    msg = error_of(load_config, None, overrides)
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+    assert "--set" in msg  # says where the bad value came from
+
+
+def test_validation_names_the_file(tmp_path):
+    path = write(tmp_path, "[train]\nn_batch = 1000\n")
+    msg = error_of(load_config, path)
+    assert str(path) in msg
+
+
+def test_init_from_skips_architecture_checks():
+    cfg = load_config(None, ["model.init_from=base.gguf", "model.dim=100"])
+    assert cfg.model.init_from == "base.gguf"
+
+
+# ---- overrides -------------------------------------------------------------------------------
+
+
+def test_override_value_parsing():
+    cfg = apply_overrides(
+        Config(),
+        [
+            "optim.lr=3e-4",
+            "model.n_layers=4",
+            "data.path=a.txt",  # bare string
+            "train.sample_prompt=1984",  # a number-looking string stays a string
+            "train.compile=true",
+            "model.rope_theta=500000",  # int for a float field
+            "data.path=['x.txt', 'y.txt']",
+            "tokenizer.path='tok.model'",
+            "model.n_kv_heads=2",
+            "model.n_kv_heads=none",  # unset again
+            "output.dir = runs/a b",  # spaces around '=' and inside the value
+        ],
+    )
+    assert cfg.optim.lr == 3e-4 and cfg.model.n_layers == 4
+    assert cfg.train.sample_prompt == "1984" and cfg.train.compile is True
+    assert cfg.model.rope_theta == 500000.0 and isinstance(cfg.model.rope_theta, float)
+    assert cfg.data.path == ["x.txt", "y.txt"] and cfg.tokenizer.path == "tok.model"
+    assert cfg.model.n_kv_heads is None and cfg.output.dir == "runs/a b"
+    assert cfg.origin("optim.lr") == "--set optim.lr=3e-4"
+
+
+def test_override_fixes_file_before_validation(tmp_path):
+    path = write(tmp_path, "[optim]\nlr = -1.0\n")
+    assert load_config(path, ["optim.lr=0.01"]).optim.lr == 0.01
+
+
+@pytest.mark.parametrize(
+    "item, fragments",
+    [
+        ("optim.lr=abc", ["optim.lr in --set optim.lr=abc must be a number, got 'abc'"]),
+        ("model.dim=true", ["model.dim", "an integer", "true"]),
+        ("optim.lrr=1", ["unknown key optim.lrr", "did you mean optim.lr"]),
+        ("optimizer.lr=1", ["unknown section [optimizer]", "[optim]"]),
+        ("lr=1", ["needs its section", "optim.lr"]),
+        ("optim.lr", ["section.key=value"]),
+        ("model.dim=none", ["model.dim", "an integer"]),  # dim cannot be unset
+    ],
+)
+def test_override_errors(item, fragments):
+    msg = error_of(apply_overrides, Config(), [item])
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+
+
+# ---- round trips and reference ----------------------------------------------------------------
+
+
+def test_dict_round_trip():
+    cfg = load_config(None, ["model.n_kv_heads=2", "data.path=['a', 'b']", "optim.lr=5e-4"])
+    again = config_from_dict(config_to_dict(cfg))
+    assert again == cfg
+    assert config_to_dict(cfg)["model"]["n_kv_heads"] == 2
+
+
+@pytest.mark.parametrize("path", [None, *SHIPPED], ids=lambda p: getattr(p, "name", "defaults"))
+def test_toml_round_trip(tmp_path, path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config(path, ['train.sample_prompt="He said \\"hi\\"\\n\\tüñ"'])
+    out = write(tmp_path, config_to_toml(cfg), "dump.toml")
+    assert load_config(out) == cfg
+
+
+def test_config_reference_covers_every_field():
+    rows = config_reference()
+    keys = [k for k, _, _ in rows]
+    expected = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    assert keys == expected
+    assert all(help_text.strip() for _, _, help_text in rows)
+    table = {k: (d, h) for k, d, h in rows}
+    assert table["optim.lr"][0] == 1e-3
+    assert "'adamw'" in table["optim.name"][1]
+
+
+def test_validate_returns_config_and_is_idempotent():
+    cfg = Config()
+    assert validate(validate(cfg)) is cfg
+
+
+def test_derived_n_ubatch_follows_a_later_n_batch_override():
+    cfg = load_config(None)
+    validate(apply_overrides(cfg, ["train.n_batch=2048"]))
+    assert cfg.train.n_ubatch == 2048
+    validate(apply_overrides(cfg, ["train.n_ubatch=512", "train.n_batch=1024"]))
+    assert cfg.train.n_ubatch == 512  # an explicit value stays
