@@ -162,6 +162,9 @@ def test_tensor_types_per_file_type(tok, tmp_path, file_type, matrix, code) -> N
     for name, t in types.items():
         assert t == ("F32" if name.endswith("norm.weight") else matrix), name
     assert gguf_io.read_gguf_metadata(path)["general.file_type"] == code
+    c = gguf_io.read_gguf(path)
+    data_bytes = sum(gguf_io.stored_nbytes(c, n) for n in c.tensors)
+    assert data_bytes < path.stat().st_size < data_bytes + 64 * 1024
 
 
 def test_rows_not_divisible_by_32_fall_back_to_f16(tok: Tokenizer, tmp_path: Path) -> None:

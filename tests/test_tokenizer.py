@@ -422,6 +422,14 @@ def test_decode_round_trip(tok: Tokenizer) -> None:
 # ------------------------------------------------------------------------------ round trips
 
 
+def test_pickle_round_trip(tok: Tokenizer) -> None:
+    import pickle
+
+    again = pickle.loads(pickle.dumps(tok))
+    assert again.fingerprint() == tok.fingerprint() and again.uses_fast_engine
+    assert again.encode("Hello  world\n") == tok.encode("Hello  world\n")
+
+
 def test_gguf_fields_round_trip(tok: Tokenizer) -> None:
     fields = tok.gguf_fields()
     assert fields["tokenizer.ggml.model"] == "llama"

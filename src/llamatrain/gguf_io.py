@@ -42,6 +42,7 @@ __all__ = [
     "model_from_contents",
     "read_gguf",
     "read_gguf_metadata",
+    "stored_nbytes",
     "write_gguf",
     "write_vocab_gguf",
 ]
@@ -124,6 +125,7 @@ class GGUFContents:
     metadata: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     tensor_types: dict[str, str] = field(default_factory=dict)
+    tensor_nbytes: dict[str, int] = field(default_factory=dict)  # bytes stored in the file
 
     @property
     def is_vocab_only(self) -> bool:
@@ -578,8 +580,14 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFContents:
     buf = np.memmap(p, mode="r", dtype=np.uint8)
     for info in infos:
         contents.tensor_types[info.name] = info.qtype.name
+        contents.tensor_nbytes[info.name] = info.n_bytes
         contents.tensors[info.name] = torch.from_numpy(_tensor_array(p, buf, info))
     return contents
+
+
+def stored_nbytes(contents: GGUFContents, name: str) -> int:
+    """How many bytes tensor ``name`` occupies in the file (its quantized size)."""
+    return contents.tensor_nbytes[name]
 
 
 def _config_from_metadata(contents: GGUFContents) -> ModelConfig:

@@ -637,6 +637,18 @@ class Tokenizer:
         """
         return [i for i in range(len(self._pieces)) if self.token_bytes(i).endswith(b"\n")]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (e.g. for DataLoader workers): the C++ engine is rebuilt on unpickling."""
+        state = self.__dict__.copy()
+        state["_sp"] = state["_sp"] is not None
+        state["_cache"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        fast = state.pop("_sp")
+        self.__dict__.update(state)
+        self._sp = self._make_fast_engine() if fast else None
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer(vocab_size={self.vocab_size}, bos={self._bos}, eos={self._eos}, "

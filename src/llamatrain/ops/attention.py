@@ -38,6 +38,9 @@ BLOCK_SIZE = 64
 # explicit path below is always used on CPU and is what the tests check.
 USE_SDPA_ON_CUDA = True
 
+# ``enable_gqa`` arrived in torch 2.5; older versions get K/V expanded instead.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -273,10 +276,25 @@ def flash_attn(
     block = BLOCK_SIZE if block_size is None else int(block_size)
     if block < 1:
         raise ValueError(f"block_size must be positive; got {block}")
-    H, T, S = q.shape[1], q.shape[2], k.shape[2]
     # SDPA's is_causal is aligned to the top-left, so it only matches ours when seq == seq_kv.
-    if USE_SDPA_ON_CUDA and q.is_cuda and (not causal or T == S):
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != H
-        )
+    if USE_SDPA_ON_CUDA and q.is_cuda and (not causal or q.shape[2] == k.shape[2]):
+        return _sdpa(q, k, v, causal, scale)
     return _FlashAttn.apply(q, k, v, causal, float(scale), block)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> torch.Tensor:
+    """The CUDA dispatch: same grouping and scale through PyTorch's fused kernels.
+
+    Only valid where SDPA's top-left causal alignment equals ours (seq == seq_kv, or no mask).
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, scale=scale, enable_gqa=True
+            )
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)

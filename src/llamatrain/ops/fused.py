@@ -1,0 +1,216 @@
+"""The lm head and the cross-entropy loss fused into one pass over row chunks.
+
+Why: with a 32000-token vocabulary and a small model, the (tokens × vocab) logits are by far
+the largest tensor of a training step (2048 tokens × 32000 × 4 bytes = 262 MB, against
+0.5 MB for the hidden states at dim 64), and writing them, reading them for the softmax and
+again for its backward dominates the step. The loss needs only one number per row, so the
+logits never have to exist all at once.
+
+``linear_cross_entropy(h, W, targets)`` equals ``cross_entropy(mul_mat(h, W), targets)``
+(the lm-head ``mul_mat`` followed by ggml's ``cross_entropy_loss`` with one-hot targets). It
+walks over chunks of ``chunk_rows`` rows and, per chunk, does the forward *and* the backward
+of both ops at once, while that chunk's logits are still in cache:
+
+    Z_c  = H_c·Wᵀ                                   (mul_mat forward)
+    loss += Σ_rows [lse(Z_c) − Z_c[target]]          (cross_entropy_loss forward)
+    dZ_c = (softmax(Z_c) − onehot_c) / n_valid       (cross_entropy_loss_back, grad = 1)
+    dH_c = dZ_c·W                                    (mul_mat backward: dX = G·W)
+    dW  += dZ_cᵀ·H_c                                 (mul_mat backward: dW = out_prod(X, G))
+
+Autograd then saves only dH (tokens × dim) and dW (vocab × dim, the size the weight's
+gradient has anyway) instead of the logits; ``backward`` just scales both by the incoming
+gradient, which is exact because both are linear in it. Peak memory of the loss is one
+chunk of logits. The cost: the gradient work is done even if backward is never called, so
+the function computes it only when grad mode is on and an input requires grad.
+
+Scores are computed in base 2 (h is pre-scaled by log2(e), ``exp2`` replaces ``exp``): the
+softmax is identical, and on CPU ``torch.exp`` takes a slow path for inputs that underflow
+while ``exp2`` does not (the same trick as ``ops/attention.py``).
+
+Precision: float32 for float32 / float16 / bfloat16 inputs (autocast is switched off inside,
+so a bf16 ``h`` under autocast is computed in float32), float64 for float64. The loss is
+returned in that computation dtype; dH and dW are cast back to the inputs' dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
+
+# Bytes of float32 logits per chunk. 8 MiB = 64 rows at vocab 32000: small enough to stay in
+# a server CPU's L3 cache (and negligible next to the 262 MB of unfused logits at 2048
+# tokens), large enough that the per-chunk dW += dZᵀ·H accumulation, which reads and writes
+# all of dW once per chunk, is amortised over enough rows.
+CHUNK_BYTES = 8 << 20
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def default_chunk_rows(vocab: int, element_size: int = 4) -> int:
+    """Rows per chunk so that one chunk of logits is about ``CHUNK_BYTES``."""
+    return max(1, CHUNK_BYTES // (vocab * element_size))
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    dtype = dtypes[0]
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        ignore_index: int,
+        chunk_rows: int,
+        with_grad: bool,
+    ) -> torch.Tensor:
+        with torch.autocast(h.device.type, enabled=False):
+            return _LinearCrossEntropy._forward(
+                ctx, h, weight, targets, ignore_index, chunk_rows, with_grad
+            )
+
+    @staticmethod
+    def _forward(
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        ignore_index: int,
+        chunk_rows: int,
+        with_grad: bool,
+    ) -> torch.Tensor:
+        cdt = _compute_dtype(h.dtype, weight.dtype)
+        dim = h.shape[-1]
+        # Base-2 scores: Z2 = (log2(e)·H)·Wᵀ = log2(e)·Z, so softmax(Z) = 2^(Z2 − lse2).
+        h2 = h.reshape(-1, dim).to(cdt) * _LOG2E
+        w = weight.to(cdt)
+        tgt = targets.reshape(-1)
+        rows = h2.shape[0]
+        valid = tgt != ignore_index
+        safe = torch.where(valid, tgt, 0).unsqueeze(-1)
+        # Mean over non-ignored rows; with none left the loss is 0 (not 0/0).
+        n_valid = valid.sum().clamp_(min=1).to(cdt)
+        # Per-row gradient factor of cross_entropy_loss_back (grad = 1): 1/n on valid rows,
+        # 0 on ignored ones.
+        row_scale = valid.to(cdt) / n_valid
+
+        need_h = with_grad and ctx.needs_input_grad[0]
+        need_w = with_grad and ctx.needs_input_grad[1]
+        dh = torch.empty(rows, dim, dtype=cdt, device=h.device) if need_h else None
+        dw = torch.zeros_like(w) if need_w else None
+        loss2 = torch.zeros((), dtype=cdt, device=h.device)  # Σ (lse2 − Z2[target]) over rows
+
+        for r0 in range(0, rows, chunk_rows):
+            r1 = min(r0 + chunk_rows, rows)
+            hc = h2[r0:r1]
+            z = torch.mm(hc, w.t())  # mul_mat forward: this chunk's logits (base 2)
+            picked = z.gather(-1, safe[r0:r1]).squeeze(-1)
+            m = z.amax(dim=-1, keepdim=True)
+            p = z.sub_(m).exp2_()  # unnormalised softmax, in the logits' buffer
+            denom = p.sum(dim=-1, keepdim=True)
+            lse2 = denom.log2().add_(m).squeeze(-1)
+            loss2 += torch.where(valid[r0:r1], lse2 - picked, 0.0).sum()
+            if dh is None and dw is None:
+                continue
+            # cross_entropy_loss_back with one-hot targets and grad = 1:
+            #   dZ = (softmax(Z) − onehot) / n_valid on valid rows, 0 on ignored rows.
+            scale = row_scale[r0:r1].unsqueeze(-1)
+            dz = p.mul_(scale / denom)
+            dz.scatter_add_(-1, safe[r0:r1], -scale)
+            # mul_mat backward (ggml): dX = G·W, dW = out_prod(X, G) = Gᵀ·X. hc carries the
+            # log2(e) factor, removed from dW at the end.
+            if dh is not None:
+                torch.mm(dz, w, out=dh[r0:r1])
+            if dw is not None:
+                dw.addmm_(dz.t(), hc)
+
+        if dw is not None:
+            dw.mul_(_LN2)
+        ctx.save_for_backward(dh, dw)
+        ctx.h_meta = (h.shape, h.dtype)
+        ctx.w_dtype = weight.dtype
+        # Base-2 loss back to nats: ln Σ e^Z − Z_t = ln2·(lse2 − Z2_t).
+        return loss2.mul_(_LN2).div_(n_valid)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Both stored gradients are linear in the incoming gradient: scale them. (Out of
+        # place, so a second backward with retain_graph=True sees the same stored values.)
+        dh, dw = ctx.saved_tensors
+        h_shape, h_dtype = ctx.h_meta
+        d_h = d_w = None
+        if ctx.needs_input_grad[0]:
+            if dh is None:
+                raise RuntimeError(
+                    "linear_cross_entropy: the forward ran without grad mode, so no gradient "
+                    "was computed"
+                )
+            d_h = (dh * grad.to(dh.dtype)).reshape(h_shape).to(h_dtype)
+        if ctx.needs_input_grad[1]:
+            if dw is None:
+                raise RuntimeError(
+                    "linear_cross_entropy: the forward ran without grad mode, so no gradient "
+                    "was computed"
+                )
+            d_w = (dw * grad.to(dw.dtype)).to(ctx.w_dtype)
+        return d_h, d_w, None, None, None, None
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``h @ weight.T`` against integer ``targets``, chunk by chunk.
+
+    Args:
+        h: hidden states (..., dim), e.g. the final-normed (batch, seq, dim).
+        weight: lm head (vocab, dim) - ``output.weight`` or the tied token embedding.
+        targets: integer class ids shaped like ``h`` without its last dim; rows whose target
+            is ``ignore_index`` are left out of the mean and get zero gradient. If every row
+            is ignored the loss is 0 and the gradients are zero.
+        chunk_rows: rows of logits computed at once (default: about ``CHUNK_BYTES`` of
+            float32 logits). Only memory and speed depend on it, never the result beyond
+            rounding.
+
+    Returns:
+        The scalar mean loss (float32, or float64 for float64 inputs), equal to
+        ``F.cross_entropy(F.linear(h, weight), targets, ignore_index=ignore_index)`` to
+        float32 rounding, with ggml's gradients (``cross_entropy_loss_back`` through the
+        ``mul_mat`` backward).
+    """
+    if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: need h (..., dim) and weight (vocab, dim), got "
+            f"{tuple(h.shape)} and {tuple(weight.shape)}"
+        )
+    if targets.shape != h.shape[:-1]:
+        raise ValueError(
+            f"linear_cross_entropy: targets shape {tuple(targets.shape)} must equal h shape "
+            f"without the feature dim {tuple(h.shape[:-1])}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(
+            f"linear_cross_entropy: targets must be an integer tensor, got {targets.dtype}"
+        )
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(weight.shape[0])
+    if chunk_rows < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_rows must be positive, got {chunk_rows}")
+    with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(
+        h, weight, targets, int(ignore_index), int(chunk_rows), with_grad
+    )
