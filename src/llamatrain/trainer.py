@@ -300,7 +300,8 @@ class Trainer:
             bar.close()
             path = self.save()
             raise TrainingError(
-                f"interrupted at step {self.state.step}; saved {path}. Continue with --resume latest"
+                f"interrupted at step {self.state.step}; saved {path}. "
+                "Continue with --resume latest"
             ) from None
         bar.close()
         if not self.history.eval or self.history.eval[-1]["step"] != self.state.step:
