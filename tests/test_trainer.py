@@ -166,3 +166,14 @@ def test_lbfgs_trains(tiny_overrides):
     trainer.state.step += 1
     second = trainer.train_step(inputs, targets)
     assert second < first
+
+
+def test_resume_refuses_a_different_tokenizer(tiny_overrides):
+    api.fit(TINY, overrides=tiny_overrides(**{"train.steps": 2}), progress=False)
+    with pytest.raises(CheckpointError, match="tokenizer differs"):
+        api.fit(
+            TINY,
+            overrides=tiny_overrides(**{"train.steps": 4, "tokenizer.vocab_size": 400}),
+            resume="latest",
+            progress=False,
+        )

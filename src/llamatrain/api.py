@@ -161,7 +161,8 @@ def fit(
     checkpoint = _resume_checkpoint(cfg, resume) if resume else None
     if checkpoint is not None:
         model, tokenizer = checkpoint.model, checkpoint.tokenizer
-        check_compatible(checkpoint, _expected_model_config(cfg, checkpoint), tokenizer)
+        expected_tokenizer = tokenizer if cfg.model.init_from else build_tokenizer(cfg, paths)
+        check_compatible(checkpoint, _expected_model_config(cfg, checkpoint), expected_tokenizer)
     else:
         model, tokenizer = _start_model(cfg, paths)
     data = build_train_data(cfg, tokenizer, paths=paths, progress=progress)

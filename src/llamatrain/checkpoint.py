@@ -186,6 +186,11 @@ def load_checkpoint(path: str | Path, ops: str = "ggml") -> Checkpoint:
 
 def check_compatible(checkpoint: Checkpoint, model_cfg: ModelConfig, tokenizer: Tokenizer) -> None:
     """Refuse to resume a checkpoint into a run whose model or tokenizer differ."""
+    if checkpoint.tokenizer.fingerprint() != tokenizer.fingerprint():
+        raise CheckpointError(
+            "checkpoint tokenizer differs from the one the config gives (tokenizer.* or the "
+            "corpus changed); resume with the config it was trained with"
+        )
     ours, theirs = model_cfg.to_dict(), checkpoint.model.cfg.to_dict()
     ours.pop("max_seq_len"), theirs.pop("max_seq_len")
     diffs = [
@@ -195,11 +200,6 @@ def check_compatible(checkpoint: Checkpoint, model_cfg: ModelConfig, tokenizer: 
         raise CheckpointError(
             "checkpoint model does not match the config (" + "; ".join(diffs) + "); "
             "resume with the config it was trained with or start a new output.dir"
-        )
-    if checkpoint.tokenizer.fingerprint() != tokenizer.fingerprint():
-        raise CheckpointError(
-            "checkpoint tokenizer differs from the run's tokenizer; resume with the same "
-            "tokenizer.path or let the run take the tokenizer from the checkpoint"
         )
 
 
