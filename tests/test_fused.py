@@ -3,18 +3,18 @@
 The fused op must be the unfused one, ``F.cross_entropy(F.linear(h, W), targets)``, to
 float32 rounding, whatever the chunking. Checks:
 
-* ``gradcheck`` in float64 (analytic gradients against finite differences, for random
-  upstream gradients, so the backward's scaling of the stored gradients is covered too);
+* ``gradcheck`` in float64 (analytic gradients against finite differences); the scaling of
+  the stored gradients by other upstream gradients is checked separately;
 * float32 agreement with PyTorch's unfused ops, forward and both gradients, at chunk sizes
   that divide the rows, do not, are 1, or exceed the rows; and with ggml's own unfused ops
   (``cross_entropy(mul_mat(...))``) in float64;
 * ignored rows, all rows ignored, a frozen weight or frozen inputs, bf16 autocast, no_grad.
 
-float32 tolerance: ``rtol=1e-5, atol=1e-7`` for gradients (entries are O(1/rows), ~1e-3),
-``rtol=1e-6`` for the loss. Measured: the largest differences are a few float32 ulps (gradient
-entries off by <= 6e-8 absolute on values up to 0.14; the 32000-class loss off by 2e-6 on 18,
-i.e. 1e-7 relative), from the different summation order and the base-2 softmax. A formula
-error shows up at >= 1e-3.
+float32 tolerance: ``rtol=1e-5, atol=2e-7`` for gradients, ``rtol=1e-6, atol=1e-7`` for the
+loss. Measured over the float32 cases here (all chunk sizes): gradient entries differ from
+PyTorch's by at most 1e-7 absolute (values up to 0.09; the dW of the 32000-class case, whose
+entries sum 300 rows, is the worst), the loss by at most 2.2e-7 relative - float32 rounding
+of a different summation order and of the base-2 softmax. A formula error shows up at >= 1e-3.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from llamatrain.ops import cross_entropy, mul_mat
 from llamatrain.ops.fused import default_chunk_rows, linear_cross_entropy
 
 F64 = torch.float64
-GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
+GRAD_TOL = {"rtol": 1e-5, "atol": 2e-7}
 LOSS_TOL = {"rtol": 1e-6, "atol": 1e-7}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -116,8 +116,9 @@ def test_float32_matches_unfused(chunk, device):
 
 
 def test_float32_vocab_32000_default_chunks():
-    """The real vocabulary: 300 rows is 4 default chunks of 65 plus a partial one."""
-    assert default_chunk_rows(32000) == 65
+    """The real vocabulary: 300 rows is 2 default chunks of 131 plus a partial one."""
+    assert default_chunk_rows(32000, 64) == 131
+    assert default_chunk_rows(32000, 256) == 256
     h, w, t = make(300, 64, 32000, seed=3, ignore_every=11)
     fused, (dh, dw) = loss_and_grads(linear_cross_entropy, h, w, t)
     ref, (rdh, rdw) = loss_and_grads(reference, h, w, t)
@@ -156,9 +157,8 @@ def test_upstream_gradient_scales_and_retain_graph():
 
 def test_ignored_rows_get_zero_gradient_and_leave_the_mean():
     h, w, t = make(12, 6, 20, seed=2)
-    t[[0, 5, 11]] = 7  # make sure the ignore value is a real class id here
-    t_ign = t.clone()
-    t_ign[[0, 5, 11]] = 7
+    t_ign = torch.where(t == 7, 8, t)
+    t_ign[[0, 5, 11]] = 7  # ignore_index is a real class id here
     loss, (dh, dw) = loss_and_grads(linear_cross_entropy, h, w, t_ign, ignore_index=7, chunk_rows=5)
     keep = t_ign != 7
     ref, (rdh, rdw) = loss_and_grads(reference, h, w, t_ign, ignore_index=7)
@@ -214,6 +214,15 @@ def test_bf16_autocast_computes_in_float32(device):
     torch.testing.assert_close(loss.detach(), ref, **LOSS_TOL)
     torch.testing.assert_close(w.grad, rdw, **GRAD_TOL)
     torch.testing.assert_close(h16.grad, rdh.to(torch.bfloat16))
+
+
+def test_int32_targets():
+    h, w, t = make(10, 4, 9, ignore_every=3)
+    ref, ref_g = loss_and_grads(linear_cross_entropy, h, w, t, chunk_rows=4)
+    loss, grads = loss_and_grads(linear_cross_entropy, h, w, t.int(), chunk_rows=4)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    for a, b in zip(grads, ref_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_rejects_bad_arguments():

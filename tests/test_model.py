@@ -5,6 +5,7 @@ import torch
 
 from llamatrain import Llama, ModelConfig
 from llamatrain.errors import ConfigError
+from llamatrain.model import tensor_shapes
 
 SMALL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
 
@@ -67,6 +68,15 @@ def test_parameter_names_are_gguf_names():
     assert sd["blk.1.ffn_down.weight"].shape == (32, 48)  # [E, F]
     tied = Llama(ModelConfig(**SMALL, tie_embeddings=True))
     assert "output.weight" not in tied.state_dict()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_embeddings": True}, {"n_kv_heads": None, "ffn_dim": 96}, {"n_layers": 3}],
+)
+def test_tensor_shape_map_matches_the_module(overrides):
+    model = Llama(ModelConfig(**{**SMALL, **overrides}))
+    assert tensor_shapes(model.cfg) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def test_num_params_counts_every_weight():

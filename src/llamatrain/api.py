@@ -8,8 +8,10 @@ loaded model. Everything here only builds and wires objects from the lower modul
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,7 @@ class FitResult:
     history: History
     run_dir: Path
     export_path: Path | None
+    curves_path: Path | None = None  # curves.png, when matplotlib is installed
 
 
 # ---- building a run ----------------------------------------------------------------------
@@ -179,7 +182,26 @@ def fit(
             run_dir / f"model-{cfg.output.export_type}.gguf",
             type=cfg.output.export_type,
         )
-    return FitResult(trainer.model, tokenizer, history, run_dir, export_path)
+    curves = _write_curves(run_dir)
+    return FitResult(trainer.model, tokenizer, history, run_dir, export_path, curves)
+
+
+def _write_curves(run_dir: Path) -> Path | None:
+    """``curves.png`` in the run folder when matplotlib is importable, else nothing.
+
+    The picture is a convenience next to results that are already saved, so a missing
+    optional dependency or a plotting failure only warns: it must never turn a finished
+    training run into an error.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from llamatrain.plot import plot_metrics
+
+    try:
+        return plot_metrics(run_dir)
+    except Exception as err:  # broad on purpose: see the docstring
+        warnings.warn(f"could not draw {run_dir}/curves.png: {err}", stacklevel=2)
+        return None
 
 
 def _expected_model_config(cfg: Config, checkpoint: Checkpoint) -> ModelConfig:
@@ -296,22 +318,108 @@ def evaluate_text(
     )
 
 
+# GGML token types (llama.cpp's llama_token_type), for the tokenizer summary.
+_TOKEN_TYPES = {1: "normal", 2: "unknown", 3: "control", 4: "user-defined", 5: "unused", 6: "byte"}
+# Keys too bulky to print that ``info`` leaves out (RNG bytes, serialized optimizer state).
+_HIDDEN_KEYS = ("training.config", "training.rng_state", "optimizer.lbfgs.state")
+
+
+def _short(value: object, width: int = 100) -> str:
+    text = str(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _tokenizer_summary(meta: dict) -> list[str]:
+    """One line for the vocabulary (size, token kinds, special ids) instead of 3 long arrays."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if "tokenizer.ggml.model" not in meta and tokens is None:
+        return ["tokenizer: none (this file cannot be run on its own)"]
+    parts = [f"model {meta.get('tokenizer.ggml.model', '?')!r}"]
+    if isinstance(tokens, list):
+        kinds: dict[str, int] = {}
+        for t in meta.get("tokenizer.ggml.token_type", []):
+            name = _TOKEN_TYPES.get(t, str(t))
+            kinds[name] = kinds.get(name, 0) + 1
+        detail = ", ".join(f"{n} {k}" for k, n in kinds.items())
+        parts.append(f"{len(tokens)} tokens" + (f" ({detail})" if detail else ""))
+    for special in ("bos", "eos", "unknown", "padding"):
+        tid = meta.get(f"tokenizer.ggml.{special}_token_id")
+        if isinstance(tid, int):
+            text = tokens[tid] if isinstance(tokens, list) and 0 <= tid < len(tokens) else "?"
+            parts.append(f"{special} {tid} {text!r}")
+    flags = [
+        f"{flag} {str(meta[f'tokenizer.ggml.{flag}']).lower()}"
+        for flag in ("add_bos_token", "add_eos_token", "add_space_prefix")
+        if f"tokenizer.ggml.{flag}" in meta
+    ]
+    lines = ["tokenizer: " + "; ".join(parts)]
+    if flags:
+        lines.append("  " + ", ".join(flags))
+    return lines
+
+
 def describe_gguf(path: str | Path) -> str:
-    """A human-readable summary: architecture, hyper-parameters, tokenizer, tensors, counters."""
+    """A human-readable summary: architecture, hyper-parameters, tokenizer, tensors, counters.
+
+    Keys are printed under their full GGUF names (``llama.block_count: 2``) so what ``info``
+    shows can be searched for in llama.cpp's sources and logs; the tokenizer's arrays are
+    summarised in one line, and a checkpoint's training counters and optimizer state get
+    their own sections.
+    """
     contents = gguf_io.read_gguf(path)
     meta = contents.metadata
-    lines = [f"{path}: {meta.get('general.type', 'model')} ({meta.get('general.architecture')})"]
+    arch = meta.get("general.architecture")
+    is_checkpoint = any(k.startswith(("training.", "optimizer.")) for k in meta)
+    kind = meta.get("general.type") or ("training checkpoint" if is_checkpoint else "model")
+    if not contents.tensors and "tokenizer.ggml.tokens" in meta:
+        kind = "vocabulary only"
+    total = sum(gguf_io.stored_nbytes(contents, name) for name in contents.tensors)
+    lines = [
+        f"{path}: {arch or 'no architecture'} {kind}, {len(contents.tensors)} tensors, "
+        f"{total:,} bytes of tensor data"
+    ]
+    sections: dict[str, list[str]] = {
+        "general": [],
+        "hyper-parameters": [],
+        "training counters": [],
+        "optimizer": [],
+        "other keys": [],
+    }
     for key, value in meta.items():
-        if key.startswith("tokenizer.ggml.") and isinstance(value, list):
-            lines.append(f"  {key}: [{len(value)} entries]")
-        elif key not in ("training.config", "training.rng_state", "optimizer.lbfgs.state"):
-            lines.append(f"  {key}: {value}")
-    total = 0
-    lines.append(f"  tensors ({len(contents.tensors)}):")
-    for name, tensor in contents.tensors.items():
-        nbytes = gguf_io.stored_nbytes(contents, name)
-        total += nbytes
-        shape = "x".join(str(d) for d in tensor.shape)
-        lines.append(f"    {name:<40} {shape:>14} {contents.tensor_types[name]:>6} {nbytes:>12,}")
-    lines.append(f"  tensor data: {total:,} bytes")
+        if key in _HIDDEN_KEYS or key.startswith("tokenizer."):
+            continue
+        if key.startswith("general."):
+            section = "general"
+        elif arch and key.startswith(f"{arch}."):
+            section = "hyper-parameters"
+        elif key.startswith("training."):
+            section = "training counters"
+        elif key.startswith("optimizer."):
+            section = "optimizer"
+        else:
+            section = "other keys"
+        shown = f"[{len(value)} entries]" if isinstance(value, list) else _short(value)
+        sections[section].append(f"  {key}: {shown}")
+    for title, entries in sections.items():
+        if entries:
+            lines += [f"{title}:", *entries]
+            if title == "hyper-parameters":
+                lines += _tokenizer_summary(meta)
+    if not sections["hyper-parameters"]:
+        lines += _tokenizer_summary(meta)
+    for key, value in meta.items():  # tokenizer keys the summary does not cover
+        if key.startswith("tokenizer.") and not key.startswith("tokenizer.ggml."):
+            shown = f"[{len(value)} entries]" if isinstance(value, list) else _short(value)
+            lines.append(f"  {key}: {shown}")
+    if contents.tensors:
+        width = max(len(name) for name in contents.tensors)
+        lines.append(f"tensors ({len(contents.tensors)}):")
+        lines.append(f"  {'name':<{width}} {'shape':>14} {'type':>6} {'bytes':>12}")
+        for name, tensor in contents.tensors.items():
+            shape = "x".join(str(d) for d in tensor.shape)
+            nbytes = gguf_io.stored_nbytes(contents, name)
+            lines.append(
+                f"  {name:<{width}} {shape:>14} {contents.tensor_types[name]:>6} {nbytes:>12,}"
+            )
+        lines.append(f"  {'total':<{width}} {'':>14} {'':>6} {total:>12,}")
     return "\n".join(lines)

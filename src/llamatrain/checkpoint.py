@@ -1,12 +1,15 @@
 """Training checkpoints: one GGUF file that resumes everything.
 
 As in llama.cpp's 2023 trainer, a checkpoint is the model GGUF (tensors, hyper-parameters,
-tokenizer keys — llama.cpp can load it as a model) plus ``training.*`` counters and
-``optimizer.*`` state. AdamW moments are stored as two flat F32 vectors over all parameters
-in ``state_dict`` order (``optimizer.adam.first_moments`` / ``second_moments``), exactly the
-2023 layout. What GGUF has no tensor type for (RNG states, the data cursor, L-BFGS history)
-travels as JSON/base64 strings. Files are written by ``gguf_io`` atomically (temp file,
-fsync, rename), so a crash never leaves a half-written checkpoint.
+tokenizer keys) plus ``training.*`` counters and ``optimizer.*`` state. AdamW moments are
+stored as two flat F32 vectors over all parameters in ``state_dict`` order
+(``optimizer.adam.first_moments`` / ``second_moments``), exactly the 2023 layout. What GGUF
+has no tensor type for (RNG states, the data cursor, L-BFGS history) travels as JSON/base64
+strings. Files are written by ``gguf_io`` atomically (temp file, fsync, rename), so a crash
+never leaves a half-written checkpoint.
+
+Today's llama.cpp refuses a model file with extra tensors, so hand it ``llamatrain export``'s
+output; ``load_gguf`` reads checkpoints as models.
 """
 
 from __future__ import annotations

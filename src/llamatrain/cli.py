@@ -1,4 +1,4 @@
-"""``llamatrain`` command line: fit | generate | eval | export | info.
+"""``llamatrain`` command line: fit | generate | eval | export | info | plot.
 
 The CLI only parses arguments, builds objects through ``llamatrain.api`` and calls them.
 User errors (``LlamatrainError``) print one line and exit 1; ``--debug`` shows the traceback.
@@ -22,6 +22,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     print(f"run directory: {result.run_dir}")
     if result.export_path is not None:
         print(f"exported GGUF: {result.export_path}")
+    if result.curves_path is not None:
+        print(f"training curves: {result.curves_path}")
     return 0
 
 
@@ -76,6 +78,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from llamatrain.plot import plot_metrics
+
+    path = plot_metrics(args.run_dir, args.output)
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llamatrain", description="Train llama models in PyTorch; run them in llama.cpp."
@@ -125,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a GGUF file")
     info.add_argument("file")
     info.set_defaults(func=cmd_info)
+
+    plot = sub.add_parser("plot", help="draw loss, lr and perplexity curves of a run to a PNG")
+    plot.add_argument("run_dir", help="run folder (output.dir) or its metrics.jsonl")
+    plot.add_argument(
+        "-o", "--output", default=None, help="PNG to write (default: RUN_DIR/curves.png)"
+    )
+    plot.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -19,6 +19,10 @@ class DataError(LlamatrainError):
     """Input text is missing, empty, binary or too short."""
 
 
+class TokenizerError(LlamatrainError):
+    """A vocabulary or tokenizer file is unusable."""
+
+
 class GGUFError(LlamatrainError):
     """A GGUF file is unreadable, corrupt or of an unsupported kind."""
 

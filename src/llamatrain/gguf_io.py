@@ -31,7 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from gguf import quants as gguf_quants
 
 from llamatrain.errors import ConfigError, GGUFError
-from llamatrain.model import Llama, ModelConfig
+from llamatrain.model import Llama, ModelConfig, tensor_shapes
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
@@ -195,33 +195,6 @@ def _model_kv(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     }
 
 
-def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Names and torch shapes of a model's tensors, i.e. ``Llama(cfg).state_dict()``.
-
-    Computed from the config rather than by building a ``Llama`` on the meta device: the
-    first meta-device initialisation in a process costs ~4 s of torch imports, too slow for
-    an export. ``tests/test_gguf.py`` checks this map against ``Llama.state_dict()``, and
-    ``load_state_dict(strict=True)`` re-checks every load.
-    """
-    e, hd, f, v = cfg.dim, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, e)}
-    for i in range(cfg.n_layers):
-        b = f"blk.{i}."
-        shapes[b + "attn_norm.weight"] = (e,)
-        shapes[b + "attn_q.weight"] = (cfg.n_heads * hd, e)
-        shapes[b + "attn_k.weight"] = (cfg.kv_heads * hd, e)
-        shapes[b + "attn_v.weight"] = (cfg.kv_heads * hd, e)
-        shapes[b + "attn_output.weight"] = (e, cfg.n_heads * hd)
-        shapes[b + "ffn_norm.weight"] = (e,)
-        shapes[b + "ffn_gate.weight"] = (f, e)
-        shapes[b + "ffn_up.weight"] = (f, e)
-        shapes[b + "ffn_down.weight"] = (e, f)
-    shapes["output_norm.weight"] = (e,)
-    if not cfg.tie_embeddings:
-        shapes["output.weight"] = (v, e)
-    return shapes
-
-
 def _to_numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return np.ascontiguousarray(t)
@@ -287,7 +260,7 @@ def write_gguf(
             )
         kv["general.file_type"] = ftype
         kv.update(_model_kv(model_cfg, tokenizer.vocab_size))
-        expected = expected_tensor_shapes(model_cfg)
+        expected = tensor_shapes(model_cfg)
         missing = [k for k in expected if k not in tensors]
         unexpected = [k for k in tensors if k not in expected]
         if missing or unexpected:
@@ -600,9 +573,16 @@ def _config_from_metadata(contents: GGUFContents) -> ModelConfig:
         )
     if int(meta.get("llama.expert_count", 0) or 0) > 0:
         raise GGUFError(f"{p} is a mixture-of-experts llama; llamatrain supports dense models only")
+    # llama.cpp's own saver writes type "linear" with factor 0 (= no scaling); only a real
+    # factor changes the model.
     scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise GGUFError(f"{p} uses rope scaling {scaling!r}; llamatrain supports plain rope only")
+    factor = float(meta.get("llama.rope.scaling.factor", 0.0) or 0.0)
+    linear = float(meta.get("llama.rope.scale_linear", 1.0) or 1.0)
+    if not (scaling == "none" or (scaling == "linear" and factor in (0.0, 1.0))) or linear != 1.0:
+        raise GGUFError(
+            f"{p} uses rope scaling ({scaling!r}, factor {factor or linear}); llamatrain "
+            "supports plain rope only"
+        )
     dim = int(meta["llama.embedding_length"])
     n_heads = int(meta["llama.attention.head_count"])
     if n_heads < 1 or dim % n_heads:
@@ -687,7 +667,7 @@ def model_from_contents(contents: GGUFContents, ops: str = "ggml") -> tuple[Llam
             "it as a tokenizer (Tokenizer.from_gguf / tokenizer.path)"
         )
     cfg = _config_from_metadata(contents)
-    expected = expected_tensor_shapes(cfg)
+    expected = tensor_shapes(cfg)
     missing = sorted(k for k in expected if k not in model_tensors)
     unexpected = sorted(k for k in model_tensors if k not in expected)
     if missing or unexpected:

@@ -90,6 +90,33 @@ class ModelConfig:
         return asdict(self)
 
 
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF names and torch shapes of a model's tensors: ``Llama(cfg).state_dict()``.
+
+    The one name map that export and import consult. Computed from the config rather than
+    by building a ``Llama`` on the meta device (the first meta-device initialisation in a
+    process costs seconds); ``tests/test_model.py`` pins it to ``Llama.state_dict()`` and
+    ``load_state_dict(strict=True)`` re-checks every load.
+    """
+    e, hd, f, v = cfg.dim, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, e)}
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        shapes[b + "attn_norm.weight"] = (e,)
+        shapes[b + "attn_q.weight"] = (cfg.n_heads * hd, e)
+        shapes[b + "attn_k.weight"] = (cfg.kv_heads * hd, e)
+        shapes[b + "attn_v.weight"] = (cfg.kv_heads * hd, e)
+        shapes[b + "attn_output.weight"] = (e, cfg.n_heads * hd)
+        shapes[b + "ffn_norm.weight"] = (e,)
+        shapes[b + "ffn_gate.weight"] = (f, e)
+        shapes[b + "ffn_up.weight"] = (f, e)
+        shapes[b + "ffn_down.weight"] = (e, f)
+    shapes["output_norm.weight"] = (e,)
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (v, e)
+    return shapes
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

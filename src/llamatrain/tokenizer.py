@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llamatrain.errors import LlamatrainError
+from llamatrain.errors import TokenizerError
 
 __all__ = [
     "Tokenizer",
@@ -84,10 +84,6 @@ _SELF_CHECK = [
     SPACE + " literal escape " + SPACE * 2,
     "<s> </s> <unk> <0x0A> not special",
 ]
-
-
-class TokenizerError(LlamatrainError):
-    """The vocabulary or tokenizer file is unusable (the message says why and how to fix it)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -850,15 +846,14 @@ class Tokenizer:
         nothing for control/unknown tokens, the byte for ``<0xNN>``, else the text with
         ``▁`` unescaped. Use it to stream generated text."""
         t = self._types[token_id]
-        if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN):
-            return b""
+        if t == TOKEN_TYPE_NORMAL:
+            return self._pieces[token_id].replace(SPACE, " ").encode("utf-8")
+        if t == TOKEN_TYPE_USER_DEFINED:
+            return self._pieces[token_id].encode("utf-8")
         bv = self._byte_value.get(token_id)
         if bv is not None:
             return bytes([bv])
-        piece = self._pieces[token_id]
-        if t == TOKEN_TYPE_USER_DEFINED:
-            return piece.encode("utf-8")
-        return piece.replace(SPACE, " ").encode("utf-8")
+        return b""  # control, unknown, unused or undefined: llama.cpp renders nothing
 
     def decode_bytes(self, ids: Iterable[int], strip_space_prefix: bool = True) -> bytes:
         """Concatenated :meth:`token_bytes`; drops the dummy-prefix space of the first text token.

@@ -1,0 +1,134 @@
+"""Training curves from a run's ``metrics.jsonl``, drawn to a PNG.
+
+The trainer appends one JSON object per line: training lines ``{step, loss, lr,
+tokens_per_s}`` and evaluation lines ``{step, val_loss, val_ppl, val_acc, sample}``. This
+module reads that file (nothing else), so a run can be plotted while it trains, after it
+finished, or on another machine with only the file copied over.
+
+matplotlib is an optional extra (``pip install 'llamatrain[plot]'``): training must not
+depend on a plotting stack, so it is imported only when a plot is asked for. Drawing goes
+through ``matplotlib.figure.Figure`` directly, not ``pyplot``, so plotting never changes the
+global backend or leaks figures into a notebook that is also showing its own plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from llamatrain.errors import LlamatrainError
+
+__all__ = ["METRICS_FILE", "CURVES_FILE", "plot_metrics", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
+
+_INSTALL_HINT = "pip install 'llamatrain[plot]' (or pip install matplotlib)"
+
+
+def _metrics_path(run: str | Path) -> Path:
+    """``run`` may be a run folder or the metrics file itself (e.g. a copied one)."""
+    path = Path(run)
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise LlamatrainError(f"run folder {path} does not exist; pass a folder from `fit`")
+    metrics = path / METRICS_FILE
+    if not metrics.is_file():
+        raise LlamatrainError(
+            f"{path} has no {METRICS_FILE}; is it a run folder (output.dir of a `fit`)? "
+            "Training writes the file at its first log_every step"
+        )
+    return metrics
+
+
+def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The (training, evaluation) records of a run, each sorted by step.
+
+    A resumed run appends to the same file; when it resumed from an older checkpoint some
+    steps appear twice, and the later line (the run that continued) wins. A truncated last
+    line (the trainer is writing it right now) is skipped; any other bad line is an error.
+    """
+    path = _metrics_path(run)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    train: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                continue
+            raise LlamatrainError(f"{path}:{number} is not a JSON line ({e})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise LlamatrainError(f"{path}:{number} is not a metrics record with a 'step'")
+        if "loss" in record:
+            train[record["step"]] = record
+        elif "val_loss" in record:
+            evals[record["step"]] = record
+    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """Steps and finite values of ``key`` (a NaN loss would blank a whole log-scale axis)."""
+    pairs = [
+        (r["step"], float(r[key]))
+        for r in records
+        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    ]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw loss (train and validation), learning rate and validation perplexity to a PNG.
+
+    ``run_dir`` is a run folder (or its ``metrics.jsonl``); ``out`` defaults to
+    ``<run_dir>/curves.png``. Returns the path written. Raises ``LlamatrainError`` when the
+    file is missing or empty, or when matplotlib is not installed.
+    """
+    path = _metrics_path(run_dir)
+    train, evals = read_metrics(path)
+    if not train and not evals:
+        raise LlamatrainError(f"{path} holds no metrics yet; train for log_every steps first")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise LlamatrainError(f"plotting needs matplotlib: {_INSTALL_HINT}") from None
+    out = Path(out) if out is not None else path.parent / CURVES_FILE
+
+    fig = Figure(figsize=(13, 4), layout="constrained")
+    loss_ax, lr_ax, ppl_ax = fig.subplots(1, 3)
+    title = path.parent.name if path.name == METRICS_FILE else path.name
+    fig.suptitle(f"llamatrain run: {title}", fontweight="bold")
+
+    steps, loss = _series(train, "loss")
+    loss_ax.plot(steps, loss, color="tab:blue", linewidth=1.2, label="train loss")
+    steps, val = _series(evals, "val_loss")
+    loss_ax.plot(steps, val, "o-", color="tab:orange", linewidth=1.5, label="validation loss")
+    loss_ax.set(title="Loss", xlabel="optimizer step", ylabel="cross-entropy (nats/token)")
+
+    steps, lr = _series(train, "lr")
+    lr_ax.plot(steps, lr, color="tab:green", label="learning rate")
+    lr_ax.set(title="Learning rate", xlabel="optimizer step", ylabel="lr")
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+
+    steps, ppl = _series(evals, "val_ppl")
+    ppl_ax.plot(steps, ppl, "o-", color="tab:red", label="validation perplexity")
+    ppl_ax.set(title="Validation perplexity", xlabel="optimizer step", ylabel="perplexity")
+    if ppl and min(ppl) > 0 and max(ppl) / min(ppl) > 10:
+        ppl_ax.set_yscale("log")  # early perplexities are near the vocab size, late ones small
+    if not ppl:
+        ppl_ax.text(0.5, 0.5, "no evaluation yet", ha="center", va="center",
+                    transform=ppl_ax.transAxes, color="gray")  # fmt: skip
+
+    for ax in (loss_ax, lr_ax, ppl_ax):
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out

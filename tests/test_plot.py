@@ -1,0 +1,122 @@
+"""Training curves: ``llamatrain.plot.plot_metrics`` and ``llamatrain plot``."""
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from llamatrain.cli import main
+from llamatrain.errors import LlamatrainError
+
+pytest.importorskip("matplotlib", reason="plotting is the optional [plot] extra")
+
+from llamatrain.plot import plot_metrics, read_metrics  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_metrics(run: Path, *, resumed: bool = True, truncated: bool = True) -> Path:
+    """A metrics.jsonl as the trainer writes it: train lines, eval lines, a resume, a torn tail."""
+    run.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(10, 101, 10):
+        lines.append({"step": step, "loss": 6.0 - step / 40, "lr": 1e-3 * step / 100,
+                      "tokens_per_s": 1000.0})  # fmt: skip
+        if step % 50 == 0:
+            val = 6.1 - step / 40
+            lines.append({"step": step, "val_loss": val, "val_ppl": 2.718281828**val,
+                          "val_acc": step / 400, "sample": "Romeo. O"})  # fmt: skip
+    if resumed:  # resumed from the step-50 checkpoint: steps 60.. are written again
+        lines.append({"step": 60, "loss": 1.25, "lr": 6e-4, "tokens_per_s": 900.0})
+    text = "\n".join(json.dumps(r) for r in lines) + "\n"
+    if truncated:
+        text += '{"step": 110, "loss": 3.'  # the trainer is writing this line right now
+    path = run / "metrics.jsonl"
+    path.write_text(text)
+    return path
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_writes_a_png_next_to_the_metrics(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run)
+    out = plot_metrics(run)
+    assert out == run / "curves.png"
+    width, height = png_size(out)
+    assert (width, height) == (1300, 400)  # 13x4 inches at 100 dpi: three readable panels
+    assert out.stat().st_size > 20_000  # curves, labels and legends, not an empty canvas
+
+
+def test_plot_to_an_explicit_path_and_from_the_file_itself(tmp_path):
+    metrics = write_metrics(tmp_path / "run", truncated=False)
+    out = plot_metrics(metrics, tmp_path / "pics" / "a.png")
+    assert out == tmp_path / "pics" / "a.png" and png_size(out)[0] == 1300
+
+
+def test_read_metrics_splits_sorts_and_lets_a_resume_win(tmp_path):
+    train, evals = read_metrics(write_metrics(tmp_path / "run"))
+    assert [r["step"] for r in train] == list(range(10, 101, 10))
+    assert next(r for r in train if r["step"] == 60)["loss"] == 1.25  # the later line wins
+    assert [r["step"] for r in evals] == [50, 100]
+
+
+def test_plot_without_evaluations(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "lr": 1e-3}) + "\n")
+    assert png_size(plot_metrics(run)) == (1300, 400)
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda p: None, "does not exist"),
+        (lambda p: p.mkdir(), "no metrics.jsonl"),
+        (lambda p: (p.mkdir(), (p / "metrics.jsonl").write_text("")), "no metrics yet"),
+        (lambda p: (p.mkdir(), (p / "metrics.jsonl").write_text("oops\n{}\n")), "JSON"),
+    ],
+)
+def test_errors_name_the_problem(tmp_path, setup, message):
+    run = tmp_path / "run"
+    setup(run)
+    with pytest.raises(LlamatrainError, match=message):
+        plot_metrics(run)
+
+
+def test_missing_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
+    write_metrics(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises
+    with pytest.raises(LlamatrainError, match=r"pip install 'llamatrain\[plot\]'"):
+        plot_metrics(tmp_path / "run")
+
+
+def test_fit_skips_curves_without_matplotlib(tmp_path, monkeypatch):
+    import importlib.util
+
+    from llamatrain import api
+
+    write_metrics(tmp_path / "run")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a)
+    )
+    assert api._write_curves(tmp_path / "run") is None
+    assert not (tmp_path / "run" / "curves.png").exists()
+
+
+def test_cli_plot(tmp_path, capsys):
+    write_metrics(tmp_path / "run")
+    out = tmp_path / "c.png"
+    assert main(["plot", str(tmp_path / "run"), "-o", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert png_size(out) == (1300, 400)
+    assert main(["plot", str(tmp_path / "nowhere")]) == 1
+    assert "does not exist" in capsys.readouterr().err
