@@ -182,3 +182,19 @@ def test_sampled_generate_is_reproducible_from_seed():
 def test_generate_stops_at_max_seq_len():
     model = Llama(ModelConfig(**SMALL, max_seq_len=10))
     assert model.generate(torch.tensor([1, 2, 3]), 50, temperature=0).shape == (10,)
+
+
+@pytest.mark.parametrize("ops", ["ggml", "torch"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_training_loss_equals_forward_loss(ops, tie):
+    # model.loss fuses lm head + cross-entropy (ggml); value and grads must match forward's.
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(**{**SMALL, "tie_embeddings": tie}), ops=ops).double()
+    tokens, targets = batch(model.cfg)
+    _, loss_ref, grads_ref = loss_and_grads(model, tokens, targets)
+    model.zero_grad()
+    loss = model.loss(tokens, targets)
+    loss.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads_ref[name], rtol=0, atol=1e-12, msg=name)

@@ -157,6 +157,14 @@ def _ggml_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return ggml_ops.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
+def _ggml_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return ggml_ops.linear_cross_entropy(h, weight, targets, ignore_index=IGNORE_INDEX)
+
+
+def _torch_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _torch_cross_entropy(F.linear(h, weight), targets)
+
+
 OP_SETS = {
     "ggml": SimpleNamespace(
         embedding=ggml_ops.get_rows,
@@ -166,6 +174,7 @@ OP_SETS = {
         swiglu=ggml_ops.swiglu,
         attention=ggml_ops.flash_attn,
         cross_entropy=_ggml_cross_entropy,
+        head_loss=_ggml_head_loss,
     ),
     "torch": SimpleNamespace(
         embedding=lambda table, ids: F.embedding(ids, table),
@@ -175,6 +184,7 @@ OP_SETS = {
         swiglu=lambda gate, up: F.silu(gate) * up,
         attention=_torch_attention,
         cross_entropy=_torch_cross_entropy,
+        head_loss=_torch_head_loss,
     ),
 }
 
@@ -354,6 +364,15 @@ class Llama(nn.Module):
         if targets is None:
             return logits
         return logits, self.op_set.cross_entropy(logits, targets)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss for training, without returning logits.
+
+        With the ggml op set the lm head and cross-entropy run fused over row chunks, so the
+        (tokens x vocab) logits never exist at once — the largest tensor of a small-model,
+        large-vocabulary step. Same value and gradients as ``forward(tokens, targets)[1]``.
+        """
+        return self.op_set.head_loss(self.hidden_states(tokens), self.lm_head_weight, targets)
 
     @torch.no_grad()
     def generate_stream(

@@ -113,7 +113,7 @@ class Trainer:
         self.progress = progress
         self.n_micro = cfg.train.n_batch // (cfg.train.n_ubatch or cfg.train.n_batch)
         self._configure_checkpointing()
-        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        self.loss_fn = torch.compile(self.model.loss) if cfg.train.compile else self.model.loss
         if resume is not None:
             self._resume_from(resume)
 
@@ -146,7 +146,7 @@ class Trainer:
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            _, loss = self.forward(inputs.to(self.device), targets.to(self.device))
+            loss = self.loss_fn(inputs.to(self.device), targets.to(self.device))
         return loss.float()
 
     def _accumulate_gradients(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:

@@ -8,6 +8,7 @@ composition. They are pure tensor math: no config objects, no I/O.
 from llamatrain.ops.activation import silu, swiglu
 from llamatrain.ops.attention import flash_attn
 from llamatrain.ops.embedding import get_rows
+from llamatrain.ops.fused import linear_cross_entropy
 from llamatrain.ops.loss import cross_entropy, cross_entropy_loss
 from llamatrain.ops.matmul import mul_mat
 from llamatrain.ops.norm import rms_norm
@@ -21,6 +22,7 @@ __all__ = [
     "diag_mask_zero",
     "flash_attn",
     "get_rows",
+    "linear_cross_entropy",
     "mul_mat",
     "rms_norm",
     "rope",
