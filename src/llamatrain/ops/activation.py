@@ -13,11 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
+from llamatrain.ops.dtypes import compute_dtype
 
 
 def _silu_back(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +35,7 @@ class _SiLU(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         # ggml silu_back: dx = dy * s * (1 + x*(1 - s)), s = sigmoid(x)
         (x,) = ctx.saved_tensors
-        cdt = _compute_dtype(x.dtype)
+        cdt = compute_dtype(x.dtype)
         return _silu_back(grad.to(cdt), x.to(cdt)).to(x.dtype)
 
 
@@ -52,7 +48,7 @@ class _SwiGLU(torch.autograd.Function):
                 f"and {tuple(up.shape)}"
             )
         ctx.save_for_backward(gate, up)
-        cdt = _compute_dtype(gate.dtype)
+        cdt = compute_dtype(gate.dtype)
         return F.silu(gate.to(cdt)).mul_(up.to(cdt)).to(gate.dtype)
 
     @staticmethod
@@ -60,7 +56,7 @@ class _SwiGLU(torch.autograd.Function):
         # ggml, for out = silu(gate) * up:
         #   d_gate = silu_back(grad * up, gate),   d_up = silu(gate) * grad
         gate, up = ctx.saved_tensors
-        cdt = _compute_dtype(gate.dtype)
+        cdt = compute_dtype(gate.dtype)
         g, u, dy = gate.to(cdt), up.to(cdt), grad.to(cdt)
         d_gate = d_up = None
         if ctx.needs_input_grad[1]:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from llamatrain.ops.dtypes import compute_dtype
+
 __all__ = ["BLOCK_SIZE", "USE_SDPA_ON_CUDA", "flash_attn"]
 
 # Query rows per block. A block's score tile holds B·H·BLOCK_SIZE·seq_kv elements, so memory
@@ -66,11 +68,6 @@ def _causal_bias(rows: int, groups: int, dtype: torch.dtype, device: torch.devic
     return bias
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64 (gradcheck); everything else accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class _FlashAttn(torch.autograd.Function):
     """Blockwise attention; see the module docstring.
 
@@ -93,7 +90,7 @@ class _FlashAttn(torch.autograd.Function):
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         G = H // Hkv
-        cdt = _compute_dtype(q.dtype)
+        cdt = compute_dtype(q.dtype)
         off = S - T  # end alignment: row i sees kv columns j <= i + off
 
         # Pre-scale q once (into base-2 units) so every score tile is a plain matmul.
@@ -147,7 +144,7 @@ class _FlashAttn(torch.autograd.Function):
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         G = H // Hkv
-        cdt = _compute_dtype(q.dtype)
+        cdt = compute_dtype(q.dtype)
         off = S - T
         dev = q.device
 

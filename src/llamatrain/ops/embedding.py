@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+from llamatrain.ops.dtypes import LOW_PRECISION
 
 
 class _GetRows(torch.autograd.Function):
@@ -37,7 +37,7 @@ class _GetRows(torch.autograd.Function):
         (flat,) = ctx.saved_tensors
         g = grad.reshape(-1, ctx.table_shape[1])
         # Accumulate half-precision gradients in float32: a frequent token sums many rows.
-        acc_dtype = torch.float32 if g.dtype in _LOW_PRECISION else g.dtype
+        acc_dtype = torch.float32 if g.dtype in LOW_PRECISION else g.dtype
         d_table = torch.zeros(ctx.table_shape, dtype=acc_dtype, device=g.device)
         d_table.index_add_(0, flat, g.to(acc_dtype))
         return d_table.to(grad.dtype), None

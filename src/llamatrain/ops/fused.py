@@ -41,13 +41,14 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from llamatrain.ops.dtypes import compute_dtype
+
 __all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
 
 # Bytes of float32 logits per chunk: 16 MiB = 131 rows at vocab 32000, a sixteenth of the
 # unfused logits of 2048 tokens, and about half a server CPU's L3 cache.
 CHUNK_BYTES = 16 << 20
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -63,13 +64,6 @@ def default_chunk_rows(vocab: int, dim: int, element_size: int = 4) -> int:
     1531 ms).
     """
     return max(1, CHUNK_BYTES // (vocab * element_size), dim)
-
-
-def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    dtype = dtypes[0]
-    for other in dtypes[1:]:
-        dtype = torch.promote_types(dtype, other)
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -98,7 +92,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_rows: int,
         with_grad: bool,
     ) -> torch.Tensor:
-        cdt = _compute_dtype(h.dtype, weight.dtype)
+        cdt = compute_dtype(h.dtype, weight.dtype)
         dim = h.shape[-1]
         # Base-2 scores: Z2 = (log2(e)·H)·Wᵀ = log2(e)·Z, so softmax(Z) = 2^(Z2 − lse2).
         h2 = h.reshape(-1, dim).to(cdt) * _LOG2E

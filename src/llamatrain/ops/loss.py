@@ -20,17 +20,13 @@ from typing import Any
 
 import torch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
+from llamatrain.ops.dtypes import compute_dtype
 
 
 class _CrossEntropyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        cdt = _compute_dtype(logits.dtype)
+        cdt = compute_dtype(logits.dtype)
         vocab = logits.shape[-1]
         z = logits.reshape(-1, vocab).to(cdt)
         t = target.reshape(-1, vocab).to(cdt)
@@ -71,7 +67,7 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     ) -> torch.Tensor:
-        cdt = _compute_dtype(logits.dtype)
+        cdt = compute_dtype(logits.dtype)
         vocab = logits.shape[-1]
         z = logits.reshape(-1, vocab)
         tgt = targets.reshape(-1)

@@ -17,17 +17,13 @@ from typing import Any
 
 import torch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
+from llamatrain.ops.dtypes import compute_dtype
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:
-        xc = x.to(_compute_dtype(x.dtype))
+        xc = x.to(compute_dtype(x.dtype))
         # rstd = 1 / sqrt(mean(x^2) + eps), one value per row: the only thing we keep besides x.
         rstd = torch.rsqrt(xc.square().mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, rstd)
@@ -40,7 +36,7 @@ class _RMSNorm(torch.autograd.Function):
         # With rstd = 1/sqrt(mean(x^2) + eps) we have sum(x^2) + N*eps = N / rstd^2, so
         #   dx = rstd * (dz - x * rstd^2 * mean(x*dz)).
         x, rstd = ctx.saved_tensors
-        cdt = _compute_dtype(x.dtype)
+        cdt = compute_dtype(x.dtype)
         xc = x.to(cdt)
         dz = grad.to(cdt)
         coef = (xc * dz).mean(-1, keepdim=True).mul_(rstd.square())

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+from llamatrain.ops.dtypes import LOW_PRECISION
+
 _MODES = ("norm", "neox")
 
 
@@ -78,7 +79,7 @@ class _Rope(torch.autograd.Function):
         mode: str,
         freq_scale: float,
     ) -> torch.Tensor:
-        cdt = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+        cdt = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
         cos, sin = _angles(pos, x.shape[-1], theta, freq_scale, cdt, x.device)
         # Keep only cos/sin (B*T*hd values, 2*heads times smaller than x) for the backward.
         ctx.save_for_backward(cos, sin)

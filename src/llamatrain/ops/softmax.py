@@ -18,17 +18,13 @@ from typing import Any
 
 import torch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
+from llamatrain.ops.dtypes import compute_dtype
 
 
 class _SoftMax(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        cdt = _compute_dtype(x.dtype)
+        cdt = compute_dtype(x.dtype)
         z = x.to(cdt)
         if mask is not None:
             z = torch.add(mask.to(cdt), z, alpha=scale)  # scale*x + mask in one pass
@@ -46,7 +42,7 @@ class _SoftMax(torch.autograd.Function):
         # ATen's softmax-backward kernel computes y * (dy - <y, dy>) in one fused pass (2-3x
         # faster than composing it); the scale is applied after.
         (y,) = ctx.saved_tensors
-        cdt = _compute_dtype(y.dtype)
+        cdt = compute_dtype(y.dtype)
         yc, dy = y.to(cdt), grad.to(cdt)
         dx = torch.ops.aten._softmax_backward_data(dy, yc, -1, cdt)
         if ctx.scale != 1.0:
