@@ -122,8 +122,9 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if ppl and min(ppl) > 0 and max(ppl) / min(ppl) > 10:
         ppl_ax.set_yscale("log")  # early perplexities are near the vocab size, late ones small
     if not ppl:
-        ppl_ax.text(0.5, 0.5, "no evaluation yet", ha="center", va="center",
-                    transform=ppl_ax.transAxes, color="gray")  # fmt: skip
+        ppl_ax.text(
+            0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ppl_ax.transAxes
+        )
 
     for ax in (loss_ax, lr_ax, ppl_ax):
         ax.grid(True, alpha=0.3)

@@ -34,6 +34,7 @@ import io
 import os
 import re
 import struct
+import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -235,6 +236,19 @@ def _build_bpe_proto(
 # --------------------------------------------------------------------------------------------
 
 
+def _quiet_stream(devnull: io.TextIOBase) -> io.TextIOBase | None:
+    """Where sentencepiece's training log goes: /dev/null when stderr is a real file.
+
+    sentencepiece redirects by file descriptor, and Jupyter's stderr has none (``fileno()``
+    raises), so in a notebook the log is left alone rather than failing the training.
+    """
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+    return devnull
+
+
 class Tokenizer:
     """A llama SPM vocabulary: pieces, scores, token types and special ids.
 
@@ -401,7 +415,7 @@ class Tokenizer:
         spm.set_random_generator_seed(seed)
         try:
             with open(os.devnull, "w") as devnull:
-                spm.SentencePieceTrainer.train(logstream=devnull, **kwargs)
+                spm.SentencePieceTrainer.train(logstream=_quiet_stream(devnull), **kwargs)
         except RuntimeError as e:
             msg = str(e).strip()
             if "required_chars" in msg:

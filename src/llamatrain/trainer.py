@@ -116,6 +116,7 @@ class Trainer:
         self.loss_fn = torch.compile(self.model.loss) if cfg.train.compile else self.model.loss
         if resume is not None:
             self._resume_from(resume)
+        self._trim_metrics()
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -136,6 +137,18 @@ class Trainer:
         self.state.step, self.state.samples = ckpt.state.step, ckpt.state.samples
         self.state.tokens, self.state.epochs = ckpt.state.tokens, ckpt.state.epochs
         self.data.sampler.load_state_dict(ckpt.state.data_state)
+
+    def _trim_metrics(self) -> None:
+        """Keep metrics.jsonl to this run's history: empty for a fresh start, and only the
+        lines up to the checkpoint's step for a resume (later lines are about to be redone)."""
+        if not self.metrics_path.exists():
+            return
+        kept = [
+            line
+            for line in self.metrics_path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= self.state.step
+        ]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.train.dtype == "bfloat16":
@@ -167,6 +180,9 @@ class Trainer:
         """One optimizer step on one batch; returns its loss."""
         set_lr(self.optimizer, lr_at(self.state.step, self.cfg.optim))
         if isinstance(self.optimizer, torch.optim.LBFGS):
+            # Each step minimises its own batch, as the 2023 trainer's L-BFGS calls did:
+            # curvature pairs from another batch's loss make the line search diverge.
+            self.optimizer.state.clear()
             loss_box: list[float] = []
 
             def closure() -> torch.Tensor:

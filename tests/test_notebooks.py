@@ -1,0 +1,85 @@
+"""The example notebooks run, end to end, in their short version (``LLAMATRAIN_QUICK=1``).
+
+Each notebook prints one ``SUMMARY {json}`` line in its last cell; the assertions read that,
+so a notebook that "runs" but no longer trains, exports or generates fails here. The committed
+notebooks must carry no outputs (they would go stale, bloat diffs and hide what a fresh run
+prints).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
+
+nbformat = pytest.importorskip("nbformat", reason="notebook tests need the [test] extra")
+
+
+def test_the_examples_exist():
+    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "baby_llama.ipynb"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_notebooks_have_no_outputs(path):
+    book = nbformat.read(path, as_version=4)
+    nbformat.validate(book)
+    for i, cell in enumerate(book.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{path.name} cell {i} has outputs; clear them"
+            assert cell.execution_count is None, f"{path.name} cell {i} has an execution count"
+    assert book.metadata.kernelspec.name == "python3"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_first_code_cell_reads_the_quick_switch(path):
+    book = nbformat.read(path, as_version=4)
+    first = next(c for c in book.cells if c.cell_type == "code")
+    assert 'QUICK = os.environ.get("LLAMATRAIN_QUICK", "0") == "1"' in first.source
+
+
+def execute(name: str, monkeypatch) -> dict:
+    """Run examples/NAME in a fresh python3 kernel (quick mode); return its SUMMARY."""
+    nbclient = pytest.importorskip("nbclient", reason="notebook tests need the [test] extra")
+    pytest.importorskip("ipykernel", reason="notebook tests need the [test] extra")
+    monkeypatch.setenv("LLAMATRAIN_QUICK", "1")  # the kernel inherits this environment
+    book = nbformat.read(EXAMPLES / name, as_version=4)
+    client = nbclient.NotebookClient(
+        book,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(EXAMPLES)}},
+    )
+    client.execute()
+    last = [c for c in book.cells if c.cell_type == "code"][-1]
+    text = "".join(o.get("text", "") for o in last.outputs if o.output_type == "stream")
+    lines = [line for line in text.splitlines() if line.startswith("SUMMARY ")]
+    assert lines, f"{name}: the last cell printed no SUMMARY line:\n{text}"
+    return json.loads(lines[-1].removeprefix("SUMMARY "))
+
+
+def test_quickstart_trains_exports_and_runs_in_llama_cpp(monkeypatch):
+    summary = execute("quickstart.ipynb", monkeypatch)
+    assert summary["quick"] is True and summary["steps"] > 0
+    # 24 steps take the loss well below the uniform ln(384) = 5.95 it starts near
+    assert summary["last_loss"] < summary["first_loss"] - 0.5
+    assert math.isfinite(summary["val_loss"]) and summary["val_loss"] < 5.5
+    assert summary["pytorch_text"].strip()
+    assert summary["llama_cpp_tokens"] > 0 and summary["llama_cpp_text"].strip()
+    assert summary["gguf_bytes"] > 100_000
+
+
+def test_baby_llama_learns_and_both_optimizers_solve_the_matrix_check(monkeypatch):
+    summary = execute("baby_llama.ipynb", monkeypatch)
+    assert summary["quick"] is True
+    for name in ("AdamW", "L-BFGS"):
+        first, last = summary["val_loss"][name]
+        assert last < 0.8 * first, f"{name} did not learn: {first} -> {last}"
+        start, end = summary["matrix_loss"][name]
+        assert end < 1e-6 * start, f"{name} did not solve the two-matrix problem: {end}"
+        assert 0 <= summary["continuation_error"][name] <= 30
