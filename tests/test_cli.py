@@ -137,3 +137,42 @@ def test_corrupt_gguf_is_reported(tmp_path, capsys):
     assert main(["generate", str(bad), "--prompt", "x"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("llamatrain: error:") and "bad.gguf" in err
+
+
+def test_export_script_wraps_the_api(tiny_run, tmp_path):
+    out = tmp_path / "script.gguf"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export_gguf.py"), str(tiny_run), "-o", str(out),
+         "--type", "f16"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 0 and "f16" in result.stdout
+
+
+def test_finetune_from_a_gguf_model_runs_in_llama_cpp(tiny_run, tmp_path):
+    """model.init_from: start from an exported model (its tokenizer too), train on, export,
+    and the result loads and runs in real llama.cpp."""
+    import llama_cpp
+    import torch
+
+    from llamatrain import api
+
+    base = tiny_run / "model-f32.gguf"
+    result = api.fit(
+        TINY,
+        overrides=[f'data.path="{TEXT}"', f'output.dir="{tmp_path / "ft"}"',
+                   f'model.init_from="{base}"', "train.steps=5", "train.eval_every=0",
+                   "optim.warmup_steps=1"],
+        progress=False,
+    )  # fmt: skip
+    base_model, base_tok = api.load(base)
+    assert result.tokenizer.fingerprint() == base_tok.fingerprint()
+    assert not torch.equal(result.model.token_embd.weight, base_model.token_embd.weight)
+    llm = llama_cpp.Llama(str(result.export_path), n_ctx=64, logits_all=True, verbose=False,
+                          type_k=0, type_v=0, flash_attn=False, n_threads=1)  # fmt: skip
+    ids = result.tokenizer.encode("Shall I compare thee", bos=True)
+    llm.eval(ids)
+    theirs = torch.tensor(llm.scores[: len(ids)])
+    ours = result.model.eval()(torch.tensor([ids]))[0].detach()
+    assert (theirs - ours).abs().max() < 1e-4
