@@ -505,13 +505,23 @@ def resolve(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info(device: torch.device) -> dict:
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

@@ -20,7 +20,8 @@ lr 1e-3, betas 0.9/0.999, eps 1e-8, decay 0.1 on matrices) - on random tokens, f
 
 Columns:
 
-* ``tok/s`` = batch·ctx / (median seconds per step), after warmup steps.
+* ``tok/s`` = batch·ctx / (median seconds per step) over at least 5 steps and 3 s (quick: 3
+  steps and 1 s), after warmup steps.
 * ``MFU`` = achieved model FLOP/s ÷ peak FLOP/s. Model FLOPs per token =
   6·N + 12·L·H·Q·T, with N = the parameters of every matrix multiplication: the attention
   and feed-forward weights of all blocks *plus the lm head* (vocab × dim; for a small model
@@ -211,6 +212,7 @@ def run_row(
     ckpt: str = "none",
     compile_: bool = False,
     steps: int = 5,
+    min_seconds: float = 3.0,
     warmup: int = 2,
     peak_flops: float,
 ) -> dict:
@@ -276,9 +278,10 @@ def run_row(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rss_reset = _reset_peak_rss()
-    times = []
+    times: list[float] = []
     loss = math.nan
-    for _ in range(steps):
+    # At least ``steps`` steps and at least ``min_seconds`` of them (fast configs get more).
+    while len(times) < steps or (sum(times) < min_seconds and len(times) < 100):
         sync(device)
         started = time.perf_counter()
         loss = step()
@@ -302,7 +305,7 @@ def run_row(
         "flops_per_token": fpt,
         "matmul_params": matmul_params(cfg),
         "mfu": fpt * tokens / s_per_step / peak_flops,
-        "steps": steps,
+        "steps": len(times),
         "load_avg": load_average(),
     }
     return row
@@ -428,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--scaling", action="store_true", help="add ctx and n_layers sweeps")
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler table")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per row")
+    parser.add_argument("--steps", type=int, default=None, help="least measured steps per row")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: PyTorch's choice)"
@@ -456,7 +459,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for bc, kind, ckpt, compile_ in plan(args):
         row = run_row(
-            bc, kind, device, ckpt=ckpt, compile_=compile_, steps=steps, peak_flops=peak_before
+            bc,
+            kind,
+            device,
+            ckpt=ckpt,
+            compile_=compile_,
+            steps=steps,
+            min_seconds=1.0 if args.quick else 3.0,
+            peak_flops=peak_before,
         )
         rows.append(row)
         print_row(row)
