@@ -528,6 +528,17 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
+def finish(results: dict, meta: dict, started: float, path: Path) -> dict:
+    """Stamp the end-of-run load and duration into ``meta`` and write ``results`` as JSON."""
+    meta["load_avg_end"] = load_average()
+    meta["seconds"] = round(time.time() - started, 1)
+    print(f"\nload {meta['load_avg_end']}, {meta['seconds']} s")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
@@ -554,14 +565,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["ops"] += run_fused_ce(device, args.quick, budget)
     results["ops"] += run_train_step(device, args.quick, 2 * budget)
     results["attention_scaling"] = run_attention_scaling(device, args.quick, budget)
-    meta["load_avg_end"] = load_average()
-    meta["seconds"] = round(time.time() - started, 1)
-    print(f"\nload {meta['load_avg_end']}, {meta['seconds']} s")
-
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.json}")
-    return results
+    return finish(results, meta, started, args.json)
 
 
 if __name__ == "__main__":

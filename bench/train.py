@@ -51,7 +51,6 @@ import argparse
 import contextlib
 import ctypes
 import gc
-import json
 import math
 import statistics
 import sys
@@ -65,7 +64,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import BaselineLlama, make_optimizer  # noqa: E402
-from ops import load_average, machine_info, peak_bytes, resolve, sync  # noqa: E402
+from ops import finish, load_average, machine_info, peak_bytes, resolve, sync  # noqa: E402
 
 from llamatrain.config import OptimSection  # noqa: E402
 from llamatrain.model import Llama, ModelConfig  # noqa: E402
@@ -494,13 +493,7 @@ def main(argv: list[str] | None = None) -> dict:
             kind: profile_step(CONFIGS["tiny32k"], kind, device)
             for kind in ("ggml", "ggml-unfused")
         }
-    meta["load_avg_end"] = load_average()
-    meta["seconds"] = round(time.time() - started, 1)
-    print(f"\nload {meta['load_avg_end']}, {meta['seconds']} s")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.json}")
-    return results
+    return finish(results, meta, started, args.json)
 
 
 if __name__ == "__main__":

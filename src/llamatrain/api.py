@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 
 from llamatrain import gguf_io
-from llamatrain.checkpoint import Checkpoint, check_compatible, load_checkpoint
+from llamatrain.checkpoint import (
+    LATEST,
+    Checkpoint,
+    CheckpointManager,
+    check_compatible,
+    checkpoint_dir,
+    load_checkpoint,
+)
 from llamatrain.config import Config, config_to_toml, load_config
 from llamatrain.data import build_train_data, check_text_file, read_text, resolve_inputs
 from llamatrain.errors import CheckpointError, DataError
@@ -121,15 +128,8 @@ def _start_model(cfg: Config, paths: Sequence[Path]) -> tuple[Llama, Tokenizer]:
 
 
 def _resume_checkpoint(cfg: Config, resume: str | Path) -> Checkpoint:
-    if str(resume) == "latest":
-        latest = Path(cfg.output.dir) / "checkpoints" / "latest.gguf"
-        if not latest.exists():
-            raise CheckpointError(
-                f"no checkpoint to resume in {latest.parent}; run without --resume first "
-                "or check output.dir"
-            )
-        resume = latest.resolve()
-    return load_checkpoint(resume, ops=cfg.model.ops)
+    manager = CheckpointManager(checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints)
+    return load_checkpoint(manager.resolve(resume), ops=cfg.model.ops)
 
 
 def _as_config(config: Config | str | Path | None, overrides: Sequence[str]) -> Config:
@@ -226,7 +226,7 @@ def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
     """A model and tokenizer from a training checkpoint or any llama GGUF file."""
     path = Path(path)
     if path.is_dir():
-        path = path / "checkpoints" / "latest.gguf"
+        path = checkpoint_dir(path) / LATEST
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a checkpoint, a GGUF or a run folder")
     return load_gguf(path, ops=ops)

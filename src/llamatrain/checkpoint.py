@@ -206,6 +206,11 @@ def check_compatible(checkpoint: Checkpoint, model_cfg: ModelConfig, tokenizer: 
         )
 
 
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    """Where a run folder keeps its checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
 class CheckpointManager:
     """Numbered checkpoints in ``<run>/checkpoints``, the last K kept (0 = all), ``latest.gguf``
     a stable name for the newest."""
@@ -247,7 +252,8 @@ class CheckpointManager:
         if str(spec) == "latest":
             if not self.latest.exists():
                 raise CheckpointError(
-                    f"no checkpoint to resume in {self.directory}; run without --resume first"
+                    f"no checkpoint to resume in {self.directory}; run without --resume first "
+                    "or check output.dir"
                 )
             return self.latest.resolve()
         return Path(spec)

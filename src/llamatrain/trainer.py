@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from llamatrain.checkpoint import Checkpoint, CheckpointManager, TrainingState
+from llamatrain.checkpoint import Checkpoint, CheckpointManager, TrainingState, checkpoint_dir
 from llamatrain.config import Config, config_to_dict
 from llamatrain.data import TrainData
 from llamatrain.errors import TrainingError
@@ -105,7 +105,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.checkpoints = CheckpointManager(
-            self.run_dir / "checkpoints", cfg.train.keep_checkpoints
+            checkpoint_dir(self.run_dir), cfg.train.keep_checkpoints
         )
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(config=config_to_dict(cfg))
