@@ -27,7 +27,7 @@ from llamatrain.checkpoint import (
     checkpoint_dir,
     load_checkpoint,
 )
-from llamatrain.config import Config, config_to_toml, load_config
+from llamatrain.config import Config, apply_overrides, config_to_toml, load_config, validate
 from llamatrain.data import build_train_data, check_text_file, read_text, resolve_inputs
 from llamatrain.errors import CheckpointError, DataError
 from llamatrain.gguf_io import export_gguf, load_gguf
@@ -132,12 +132,6 @@ def _resume_checkpoint(cfg: Config, resume: str | Path) -> Checkpoint:
     return load_checkpoint(manager.resolve(resume), ops=cfg.model.ops)
 
 
-def _as_config(config: Config | str | Path | None, overrides: Sequence[str]) -> Config:
-    if isinstance(config, Config):
-        return load_config(None, overrides) if overrides else config
-    return load_config(config, overrides)
-
-
 def fit(
     config: Config | str | Path | None = None,
     *,
@@ -154,12 +148,10 @@ def fit(
     ``"latest"``.
     """
     extra = [f"{k.replace('__', '.')}={_toml_literal(v)}" for k, v in dotted.items()]
-    if isinstance(config, Config) and (overrides or extra):
-        from llamatrain.config import apply_overrides, validate
-
+    if isinstance(config, Config):
         cfg = validate(apply_overrides(config, [*overrides, *extra]))
     else:
-        cfg = _as_config(config, [*overrides, *extra])
+        cfg = load_config(config, [*overrides, *extra])
     paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)
     checkpoint = _resume_checkpoint(cfg, resume) if resume else None
     if checkpoint is not None:
