@@ -20,8 +20,10 @@ lr 1e-3, betas 0.9/0.999, eps 1e-8, decay 0.1 on matrices) - on random tokens, f
 
 Columns:
 
-* ``tok/s`` = batch·ctx / (median seconds per step) over at least 5 steps and 3 s (quick: 3
-  steps and 1 s), after warmup steps.
+* ``tok/s`` = batch·ctx / (median seconds per step). The rows of one config (all ops and
+  modes) are built together and timed side by side: rounds of one step per row, in rotating
+  order, at least 5 rounds and 3 s of steps per row (quick: 3 rounds, 1 s), after warmup.
+  A load swing on a shared machine then hits every row of the comparison alike.
 * ``MFU`` = achieved model FLOP/s ÷ peak FLOP/s. Model FLOPs per token =
   6·N + 12·L·H·Q·T, with N = the parameters of every matrix multiplication: the attention
   and feed-forward weights of all blocks *plus the lm head* (vocab × dim; for a small model
@@ -30,17 +32,18 @@ Columns:
   full, not causally halved, attention). Recomputation under checkpointing is not counted.
   The peak is measured in the same run: the best of repeated large matmuls, float32
   4096×4096 on CPU, bf16 8192×8192 on CUDA, taken before and after the rows.
-* ``peak MB``: on CPU the process's peak RSS during the measured steps (``VmHWM``, reset
-  via ``/proc/self/clear_refs``) minus its RSS before the model was built (after
-  ``malloc_trim``) - parameters, gradients, optimizer state, activations and allocator
-  slack. On CUDA ``torch.cuda.max_memory_allocated`` over the measured steps (absolute).
+* ``peak MB``: on CPU the process's peak RSS during two steps (``VmHWM``, reset via
+  ``/proc/self/clear_refs``) minus its RSS before the model was built (after
+  ``malloc_trim``), measured for each row right after it is built and warmed up, before
+  the next row is built - parameters, gradients, optimizer state, activations and
+  allocator slack. On CUDA ``torch.cuda.max_memory_allocated`` over two steps (absolute).
 * ``step MB``: the peak of extra allocator bytes within one step above its start (CPU:
   from a ``torch.profiler`` memory trace; CUDA: allocator peak minus the allocation at the
   start): activations, gradients and temporaries - the part checkpointing and the fused
   loss change.
 
-Rows run one after another (a model per row), so on a shared machine load swings show up in
-tok/s; the load average is printed with every row. Usage:
+The process uses the trainer's allocator settings (``llamatrain.allocator``) for every row,
+the baseline included. The load average is printed with every row. Usage:
 ``python bench/train.py [--quick] [--scaling] [--compile] [--device cpu|cuda|auto]
 [--json PATH]``. The default run takes about 4-5 minutes on 2 CPU cores.
 """
@@ -56,7 +59,8 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -66,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import BaselineLlama, make_optimizer  # noqa: E402
 from ops import finish, load_average, machine_info, peak_bytes, resolve, sync  # noqa: E402
 
+from llamatrain.allocator import retain_freed_memory  # noqa: E402
 from llamatrain.config import OptimSection  # noqa: E402
 from llamatrain.model import Llama, ModelConfig  # noqa: E402
 from llamatrain.optim import build_optimizer  # noqa: E402
@@ -203,19 +208,19 @@ def build(kind: str, cfg: ModelConfig, device: torch.device):
     return model, opt, model.loss
 
 
-def run_row(
-    bc: BenchConfig,
-    kind: str,
-    device: torch.device,
-    *,
-    ckpt: str = "none",
-    compile_: bool = False,
-    steps: int = 5,
-    min_seconds: float = 3.0,
-    warmup: int = 2,
-    peak_flops: float,
-) -> dict:
-    row = {
+@dataclass
+class Variant:
+    """One row: a built model with its step function, and the row's results so far."""
+
+    bc: BenchConfig
+    row: dict
+    step: Callable[[], float]
+    times: list[float] = field(default_factory=list)
+    loss: float = math.nan
+
+
+def _row_header(bc: BenchConfig, kind: str, ckpt: str, compile_: bool) -> dict:
+    return {
         "config": bc.name,
         "ops": kind,
         "compile": compile_,
@@ -224,6 +229,18 @@ def run_row(
         "ctx": bc.ctx,
         "n_layers": bc.model.n_layers,
     }
+
+
+def prepare(
+    bc: BenchConfig, kind: str, device: torch.device, *, ckpt: str, compile_: bool, warmup: int
+) -> Variant | dict:
+    """Build one variant, warm it up and measure its memory alone; a dict if it is skipped.
+
+    Memory is measured here, before any other variant steps again: freed memory is
+    released (``malloc_trim``) before the build, so the peak RSS above the RSS before the
+    build is this variant's own.
+    """
+    row = _row_header(bc, kind, ckpt, compile_)
     cfg = replace(bc.model, max_seq_len=max(bc.model.max_seq_len, bc.ctx))
     gc.collect()
     _malloc_trim()
@@ -238,10 +255,9 @@ def run_row(
         model.checkpoint_segment = checkpoint_segment(ckpt, 1, cfg.n_layers, u, v)
         row["checkpoint_segment"] = model.checkpoint_segment
     if compile_:
-        # A fresh compile per row: otherwise a later row's new shapes make dynamo recompile
-        # with dynamic shapes, which measures something else (and can fail, see the report).
-        torch._dynamo.reset()
-        loss_fn = torch.compile(loss_fn)
+        # Static shapes: each config compiles for its own shapes instead of recompiling
+        # dynamically when the next config arrives.
+        loss_fn = torch.compile(loss_fn, dynamic=False)
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if device.type == "cuda"
@@ -270,22 +286,14 @@ def run_row(
     except Exception as exc:  # report any compile failure and go on
         if not compile_:
             raise
-        row["skipped"] = f"torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}"
         traceback.print_exc(limit=2)
-        return row
+        return row | {"skipped": f"torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}"}
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rss_reset = _reset_peak_rss()
-    times: list[float] = []
-    loss = math.nan
-    # At least ``steps`` steps and at least ``min_seconds`` of them (fast configs get more).
-    while len(times) < steps or (sum(times) < min_seconds and len(times) < 100):
-        sync(device)
-        started = time.perf_counter()
-        loss = step()
-        sync(device)
-        times.append(time.perf_counter() - started)
+    for _ in range(2):
+        step()
     if device.type == "cuda":
         row["peak_mb"] = torch.cuda.max_memory_allocated(device) / MB
         row["peak_kind"] = "cuda max_memory_allocated"
@@ -293,21 +301,69 @@ def run_row(
         row["peak_mb"] = (_status_kb("VmHWM") - rss0) / 1024
         row["peak_kind"] = "peak RSS - RSS before build"
     row["step_mb"] = peak_bytes(step, device) / MB
+    return Variant(bc, row, step)
 
-    s_per_step = statistics.median(times)
+
+def time_interleaved(
+    variants: list[Variant], device: torch.device, *, steps: int, min_seconds: float
+) -> None:
+    """Time the variants' steps in rounds, one step of each per round, rotating the order.
+
+    Interleaving puts every variant under the same machine conditions (load swings on a
+    shared machine hit all of them alike), so the ratios between rows hold even when the
+    absolute numbers wander. Runs at least ``steps`` rounds and, where steps are fast, until
+    each variant has about ``min_seconds`` of steps (at most 100 rounds).
+    """
+    rounds = 0
+    while rounds < steps or (min(sum(v.times) for v in variants) < min_seconds and rounds < 100):
+        shift = rounds % len(variants)
+        for v in variants[shift:] + variants[:shift]:
+            sync(device)
+            started = time.perf_counter()
+            v.loss = v.step()
+            sync(device)
+            v.times.append(time.perf_counter() - started)
+        rounds += 1
+
+
+def finish_row(v: Variant, peak_flops: float) -> dict:
+    """Throughput and MFU from the median step time."""
+    bc = v.bc
+    cfg = replace(bc.model, max_seq_len=max(bc.model.max_seq_len, bc.ctx))
+    s_per_step = statistics.median(v.times)
     tokens = bc.batch * bc.ctx
     fpt = flops_per_token(cfg, bc.ctx)
-    row |= {
-        "loss": loss,
+    return v.row | {
+        "loss": v.loss,
         "s_per_step": s_per_step,
         "tokens_per_s": tokens / s_per_step,
         "flops_per_token": fpt,
         "matmul_params": matmul_params(cfg),
         "mfu": fpt * tokens / s_per_step / peak_flops,
-        "steps": len(times),
+        "steps": len(v.times),
         "load_avg": load_average(),
     }
-    return row
+
+
+def run_group(
+    group: list[tuple[BenchConfig, str, str, bool]],
+    device: torch.device,
+    *,
+    steps: int,
+    min_seconds: float,
+    peak_flops: float,
+) -> list[dict]:
+    """Prepare every row of a group, then time them side by side (``time_interleaved``)."""
+    if any(compile_ for *_, compile_ in group):
+        torch._dynamo.reset()
+    prepared = [
+        prepare(bc, kind, device, ckpt=ckpt, compile_=compile_, warmup=2)
+        for bc, kind, ckpt, compile_ in group
+    ]
+    variants = [v for v in prepared if isinstance(v, Variant)]
+    if variants:
+        time_interleaved(variants, device, steps=steps, min_seconds=min_seconds)
+    return [finish_row(v, peak_flops) if isinstance(v, Variant) else v for v in prepared]
 
 
 # --------------------------------------------------------------------------- profile
@@ -381,47 +437,39 @@ def print_row(row: dict) -> None:
     )
 
 
-def plan(args: argparse.Namespace) -> list[tuple[BenchConfig, str, str, bool]]:
-    """(config, ops, checkpointing, compile) for every row of this run."""
-    rows: list[tuple[BenchConfig, str, str, bool]] = []
+Row = tuple[BenchConfig, str, str, bool]  # (config, ops, checkpointing, compile)
+
+
+def plan(args: argparse.Namespace) -> list[list[Row]]:
+    """The rows of this run in groups; the rows of a group are timed side by side."""
     kinds = ["ggml", "ggml-unfused", "torch", "baseline"]
-    if args.quick:
-        for name in ("tiny32k", "nanogpt-cpu"):
-            for kind in kinds:
-                rows.append((CONFIGS[name], kind, "none", False))
-    else:
-        for kind in kinds:
-            rows.append((CONFIGS["tiny32k"], kind, "none", False))
-        for kind in kinds:
-            rows.append((CONFIGS["ggml-2023"], kind, "none", False))
-        for ckpt in ("full", "auto"):
-            rows.append((CONFIGS["ggml-2023"], "ggml", ckpt, False))
-        for kind in ("ggml", "torch", "baseline"):
-            rows.append((CONFIGS["nanogpt-cpu"], kind, "none", False))
+    tiny, g2023, nano = CONFIGS["tiny32k"], CONFIGS["ggml-2023"], CONFIGS["nanogpt-cpu"]
+    groups: list[list[Row]] = [
+        [(tiny, kind, "none", False) for kind in kinds],
+        [(nano, kind, "none", False) for kind in ("ggml", "torch", "baseline")],
+    ]
+    if not args.quick:
+        groups.insert(
+            1,
+            [(g2023, kind, "none", False) for kind in kinds]
+            + [(g2023, "ggml", ckpt, False) for ckpt in ("full", "auto")],
+        )
     if args.compile:
-        for bc, kind in (
-            (CONFIGS["tiny32k"], "ggml"),
-            (CONFIGS["tiny32k"], "ggml-unfused"),
-            (CONFIGS["tiny32k"], "torch"),
-            (CONFIGS["tiny32k"], "baseline"),
-            (CONFIGS["nanogpt-cpu"], "ggml"),
-            (CONFIGS["nanogpt-cpu"], "torch"),
-            (CONFIGS["nanogpt-cpu"], "baseline"),
-        ):
-            rows.append((bc, kind, "none", True))
+        groups[0] += [(tiny, kind, "none", True) for kind in kinds]
+        groups[-1] += [(nano, kind, "none", True) for kind in ("ggml", "torch", "baseline")]
     if args.scaling:
-        tiny = CONFIGS["tiny32k"]
+        sweep = []
         for ctx in (256, 512, 1024, 2048, 4096):
             bc = BenchConfig(f"tiny32k-T{ctx}", replace(tiny.model, max_seq_len=ctx), 1, ctx)
             for kind in ("ggml", "ggml-unfused"):  # without and with the full logits
-                for ckpt in ("none", "auto"):
-                    rows.append((bc, kind, ckpt, False))
-        g = CONFIGS["ggml-2023"]
+                sweep += [(bc, kind, ckpt, False) for ckpt in ("none", "auto")]
+        groups.append(sweep)
+        sweep = []
         for layers in (2, 4, 8, 16):
-            for ckpt in ("none", "auto"):
-                bc = BenchConfig(f"ggml-2023-L{layers}", replace(g.model, n_layers=layers), 8, 128)
-                rows.append((bc, "ggml", ckpt, False))
-    return rows
+            bc = BenchConfig(f"ggml-2023-L{layers}", replace(g2023.model, n_layers=layers), 8, 128)
+            sweep += [(bc, "ggml", ckpt, False) for ckpt in ("none", "auto")]
+        groups.append(sweep)
+    return groups
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -438,6 +486,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     args = parser.parse_args(argv)
     device = resolve(args.device)
+    if device.type == "cpu":
+        # Process-wide, so every row (baseline included) runs with the trainer's allocator.
+        retain_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = args.steps or (3 if args.quick else 5)
@@ -456,19 +507,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(HEADER)
     print("-" * len(HEADER))
     rows = []
-    for bc, kind, ckpt, compile_ in plan(args):
-        row = run_row(
-            bc,
-            kind,
+    for group in plan(args):
+        group_rows = run_group(
+            group,
             device,
-            ckpt=ckpt,
-            compile_=compile_,
             steps=steps,
             min_seconds=1.0 if args.quick else 3.0,
             peak_flops=peak_before,
         )
-        rows.append(row)
-        print_row(row)
+        for row in group_rows:
+            print_row(row)
+        rows += group_rows
     peak_after = measure_peak_flops(device)
     peak = max(peak_before, peak_after)
     for row in rows:  # MFU against the better of the two peak measurements

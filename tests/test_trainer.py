@@ -42,6 +42,34 @@ def test_weight_decay_only_on_matrices():
     assert isinstance(optimizer, torch.optim.AdamW)
 
 
+def test_adamw_steps_follow_ggml_formula():
+    """Three steps of the (fused) optimizer against ggml's AdamW written out in float64:
+    m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g², w ← w·(1 − lr·wd) − lr·m̂/(√v̂ + eps), with
+    bias-corrected m̂, v̂ (t from 1) and wd only on matrices."""
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2)).double()
+    cfg = OptimSection(lr=1e-2, weight_decay=0.1, beta1=0.8, beta2=0.9, eps=1e-6)
+    optimizer = build_optimizer(model, cfg)
+    params = list(model.parameters())
+    w = [p.detach().clone() for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for t in range(1, 4):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+        for i, g in enumerate(grads):
+            wd = cfg.weight_decay if w[i].dim() >= 2 else 0.0
+            m[i] = cfg.beta1 * m[i] + (1 - cfg.beta1) * g
+            v[i] = cfg.beta2 * v[i] + (1 - cfg.beta2) * g * g
+            m_hat = m[i] / (1 - cfg.beta1**t)
+            v_hat = v[i] / (1 - cfg.beta2**t)
+            w[i] = w[i] * (1 - cfg.lr * wd) - cfg.lr * m_hat / (v_hat.sqrt() + cfg.eps)
+    for p, expected in zip(params, w, strict=True):
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "policy, n, expected",
     [("none", 16, 0), ("full", 16, 1), ("every_n", 16, 3), ("every_n", 2, 2)],

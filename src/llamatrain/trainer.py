@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from llamatrain.allocator import retain_freed_memory
 from llamatrain.checkpoint import Checkpoint, CheckpointManager, TrainingState, checkpoint_dir
 from llamatrain.config import Config, config_to_dict
 from llamatrain.data import TrainData
@@ -100,6 +101,8 @@ class Trainer:
     ) -> None:
         self.cfg, self.tokenizer, self.data = cfg, tokenizer, data
         self.device = resolve_device(cfg.train.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()
         self.model = model.to(self.device)
         self.run_dir = Path(cfg.output.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

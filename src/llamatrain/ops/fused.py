@@ -110,13 +110,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h = with_grad and ctx.needs_input_grad[0]
         need_w = with_grad and ctx.needs_input_grad[1]
         dh = torch.empty(rows, dim, dtype=cdt, device=h.device) if need_h else None
-        dw = torch.zeros_like(w) if need_w else None
+        # dW is written by the first chunk's matmul (beta = 0) and accumulated after that.
+        dw = (torch.empty_like(w) if rows else torch.zeros_like(w)) if need_w else None
         loss2 = torch.zeros((), dtype=cdt, device=h.device)  # Σ (lse2 − Z2[target]) over rows
+        # One logits buffer serves every chunk: no allocator round trip per chunk.
+        z_buffer = torch.empty(min(chunk_rows, rows), w.shape[0], dtype=cdt, device=h.device)
 
         for r0 in range(0, rows, chunk_rows):
             r1 = min(r0 + chunk_rows, rows)
             hc = h2[r0:r1]
-            z = torch.mm(hc, w.t())  # mul_mat forward: this chunk's logits (base 2)
+            # mul_mat forward: this chunk's logits (base 2)
+            z = torch.mm(hc, w.t(), out=z_buffer[: r1 - r0])
             picked = z.gather(-1, safe[r0:r1]).squeeze(-1)
             m = z.amax(dim=-1, keepdim=True)
             p = z.sub_(m).exp2_()  # unnormalised softmax, in the logits' buffer
@@ -135,7 +139,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if dh is not None:
                 torch.mm(dz, w, out=dh[r0:r1])
             if dw is not None:
-                dw.addmm_(dz.t(), hc)
+                dw.addmm_(dz.t(), hc, beta=1.0 if r0 else 0.0)
 
         if dw is not None:
             dw.mul_(_LN2)

@@ -1,0 +1,56 @@
+"""Let CPU training reuse freed memory instead of page-faulting it in again every step.
+
+Why: a training step allocates and frees the same activations (hundreds of tensors of a few
+MB) every step. glibc's malloc serves blocks above its mmap threshold with fresh ``mmap``s
+and hands freed memory at the top of the heap back to the kernel above its trim threshold,
+so each step faults its activations in again: ~35,000 minor faults per ggml-2023 step on
+CPU (8 × 128 tokens, dim 256, 16 layers), about a tenth of the step. Raising the mmap
+threshold to glibc's maximum (32 MiB) and keeping up to 1 GiB of freed memory in the heap
+brings that to ~0 faults per step. (PyTorch's CPU performance guides recommend preloading
+jemalloc or tcmalloc for the same reason; this needs no extra library.)
+
+The price is that up to ``TRIM_THRESHOLD`` of freed memory stays mapped to the process
+after a step: RSS falls back more slowly, the peak is unchanged. Only glibc has these knobs;
+elsewhere this is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+# mallopt parameter numbers from glibc's <malloc.h>.
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 32 << 20  # glibc's upper limit on 64-bit (HEAP_MAX_SIZE / 2)
+TRIM_THRESHOLD = 1 << 30
+TOP_PAD = 64 << 20  # grow the heap in steps of 64 MiB rather than page by page
+
+_applied = False
+
+
+def retain_freed_memory() -> bool:
+    """Set glibc's malloc to keep and reuse freed blocks (once per process).
+
+    Returns whether the settings are in effect (False where the C library is not glibc).
+    """
+    global _applied
+    if _applied:
+        return True
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    _applied = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (_M_TOP_PAD, TOP_PAD),
+        )
+    )
+    return _applied
