@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-all bench lint clean
+.PHONY: install run test test-all bench bench-ops lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,9 @@ test-all: install
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 bench: install
+	$(BIN)/python bench/train.py
+
+bench-ops: install
 	$(BIN)/python bench/ops.py
 
 lint: install

@@ -469,6 +469,13 @@ def plan(args: argparse.Namespace) -> list[list[Row]]:
             bc = BenchConfig(f"ggml-2023-L{layers}", replace(g2023.model, n_layers=layers), 8, 128)
             sweep += [(bc, "ggml", ckpt, False) for ckpt in ("none", "auto")]
         groups.append(sweep)
+        # ggml-2023 stops at 16 layers, where a block saves ~20x its input and the rule
+        # checkpoints every block; a narrow model 4 -> 256 layers deep shows the sqrt(n) regime.
+        sweep = []
+        for layers in (4, 16, 64, 256):
+            bc = BenchConfig(f"deep-L{layers}", _cfg(512, 64, layers, 4, 2, 192, 256), 4, 256)
+            sweep += [(bc, "ggml", ckpt, False) for ckpt in ("none", "auto")]
+        groups.append(sweep)
     return groups
 
 

@@ -198,3 +198,34 @@ def test_training_loss_equals_forward_loss(ops, tie):
     torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-12)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads_ref[name], rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    # aot_eager traces dynamo + AOT autograd through our Functions in seconds; inductor
+    # also generates the C++ kernels (a minute or more on 2 cores).
+    ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)],
+)
+def test_torch_compile_of_the_ggml_training_loss(backend):
+    """``train.compile``: the compiled ggml path (real-valued rope under tracing, the causal
+    bias traced as a constant) gives the eager loss and gradients, and a second call with
+    the same shapes reuses the compiled graph (no guard on a mutable cache)."""
+    torch._dynamo.reset()
+    cfg = ModelConfig(vocab_size=40, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=8)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    params = list(model.parameters())
+    tokens = torch.randint(0, 40, (2, 9))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    compiled = torch.compile(model.loss, backend=backend, dynamic=False)
+    loss = compiled(inputs, targets)
+    grads = torch.autograd.grad(loss, params)
+    eager = model.loss(inputs, targets)
+    eager_grads = torch.autograd.grad(eager, params)
+    torch.testing.assert_close(loss, eager, rtol=1e-6, atol=1e-6)
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = compiled(inputs, targets)
+    torch.testing.assert_close(again, loss, rtol=0, atol=0)
+    torch._dynamo.reset()

@@ -116,7 +116,11 @@ class Trainer:
         self.progress = progress
         self.n_micro = cfg.train.n_batch // (cfg.train.n_ubatch or cfg.train.n_batch)
         self._configure_checkpointing()
-        self.loss_fn = torch.compile(self.model.loss) if cfg.train.compile else self.model.loss
+        # Static shapes: training batches all have one shape, and dynamic-shape tracing of the
+        # ggml ops' blockwise loops is slower to compile and less robust.
+        self.loss_fn = (
+            torch.compile(self.model.loss, dynamic=False) if cfg.train.compile else self.model.loss
+        )
         if resume is not None:
             self._resume_from(resume)
         self._trim_metrics()

@@ -11,8 +11,9 @@ Angles are computed in float64 and cos/sin cast to the computation dtype. llama.
 them in float32 (theta multiplied up pair by pair), which is off from the exact angle by
 float32 rounding: ~3e-5 rad at position 1000, ~2e-4 rad at 10^4 (hd 64); ours is exact.
 The rotation runs in float32 for float16/bfloat16 inputs. NORM mode is a complex
-multiplication of (x0 + i*x1) by exp(i*angle), which PyTorch runs as one fused kernel,
-several times faster than the real-valued formulation.
+multiplication of (x0 + i*x1) by exp(i*angle), which PyTorch runs eagerly as one fused
+kernel, several times faster than the real-valued formulation; under ``torch.compile`` the
+real form is traced instead (inductor fuses it, and has no code generation for complex ops).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) ->
     ``cos``/``sin`` are shaped (B or 1, T, 1, hd/2). Passing ``-sin`` rotates backwards.
     """
     half = x.shape[-1] // 2
+    if mode == "norm" and torch.compiler.is_compiling():
+        # Inductor generates no code for complex ops; the real form fuses into one kernel.
+        x0, x1 = x.unflatten(-1, (half, 2)).unbind(-1)
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
     if mode == "norm":
         x = x.contiguous()
         if x.storage_offset() % 2:  # view_as_complex needs an even storage offset
