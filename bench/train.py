@@ -30,8 +30,9 @@ Columns:
   with a 32k vocabulary it is the largest matmul), without the token embedding (a lookup,
   no FLOPs) or the norm weights (elementwise). L layers, H heads, Q head dim, T = ctx (the
   full, not causally halved, attention). Recomputation under checkpointing is not counted.
-  The peak is measured in the same run: the best of repeated large matmuls, float32
-  4096×4096 on CPU, bf16 8192×8192 on CUDA, taken before and after the rows.
+  The peak (``of GF/s``) is measured with the rows: a large matmul (float32 4096×4096 on
+  CPU, bf16 8192×8192 on CUDA) timed once per round between the rows' steps, the best
+  sample of the group kept.
 * ``peak MB``: on CPU the process's peak RSS during two steps (``VmHWM``, reset via
   ``/proc/self/clear_refs``) minus its RSS before the model was built (after
   ``malloc_trim``), measured for each row right after it is built and warmed up, before
@@ -130,23 +131,29 @@ def flops_per_token(cfg: ModelConfig, ctx: int) -> int:
     return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx
 
 
-def measure_peak_flops(device: torch.device) -> float:
-    """Best FLOP/s of a large matmul: float32 4096² on CPU, bf16 8192² on CUDA."""
-    if device.type == "cuda":
-        n, dtype, reps = 8192, torch.bfloat16, 10
-    else:
-        n, dtype, reps = 4096, torch.float32, 3
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    torch.mm(a, b)
-    best = math.inf
-    for _ in range(reps):
-        sync(device)
+class PeakProbe:
+    """The peak of MFU: best FLOP/s of one large matmul, sampled again and again.
+
+    float32 4096² on CPU, bf16 8192² on CUDA. Each group samples it once per timing round,
+    between the rows' steps, so the peak comes from the same minutes as the rows it divides;
+    the best sample is kept (a conservative peak: the rows get their median step).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (4096, torch.float32)
+        self.device, self.flops = device, 2 * n**3
+        self.a = torch.randn(n, n, device=device, dtype=dtype)
+        self.b = torch.randn(n, n, device=device, dtype=dtype)
+        torch.mm(self.a, self.b)
+        self.best = 0.0
+
+    def sample(self) -> float:
+        sync(self.device)
         start = time.perf_counter()
-        torch.mm(a, b)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+        torch.mm(self.a, self.b)
+        sync(self.device)
+        self.best = max(self.best, self.flops / (time.perf_counter() - start))
+        return self.best
 
 
 # --------------------------------------------------------------------------- memory
@@ -305,29 +312,43 @@ def prepare(
 
 
 def time_interleaved(
-    variants: list[Variant], device: torch.device, *, steps: int, min_seconds: float
+    variants: list[Variant],
+    device: torch.device,
+    probe: PeakProbe,
+    *,
+    steps: int,
+    min_seconds: float,
 ) -> None:
     """Time the variants' steps in rounds, one step of each per round, rotating the order.
 
     Interleaving puts every variant under the same machine conditions (load swings on a
     shared machine hit all of them alike), so the ratios between rows hold even when the
-    absolute numbers wander. Runs at least ``steps`` rounds and, where steps are fast, until
-    each variant has about ``min_seconds`` of steps (at most 100 rounds).
+    absolute numbers wander. Runs at least ``steps`` rounds and, where steps are fast, more
+    rounds until each variant has ``min_seconds`` of steps, as long as the group has run
+    less than ``min_seconds`` per variant in all (a sweep mixing 0.1 s and 5 s steps stops
+    there) and at most 100 rounds. Each round also samples the matmul peak.
     """
+    budget = min_seconds * len(variants)
+    started = time.perf_counter()
     rounds = 0
-    while rounds < steps or (min(sum(v.times) for v in variants) < min_seconds and rounds < 100):
+    while rounds < steps or (
+        min(sum(v.times) for v in variants) < min_seconds
+        and time.perf_counter() - started < budget
+        and rounds < 100
+    ):
+        probe.sample()
         shift = rounds % len(variants)
         for v in variants[shift:] + variants[:shift]:
             sync(device)
-            started = time.perf_counter()
+            begun = time.perf_counter()
             v.loss = v.step()
             sync(device)
-            v.times.append(time.perf_counter() - started)
+            v.times.append(time.perf_counter() - begun)
         rounds += 1
 
 
 def finish_row(v: Variant, peak_flops: float) -> dict:
-    """Throughput and MFU from the median step time."""
+    """Throughput from the median step time, and MFU against the group's matmul peak."""
     bc = v.bc
     cfg = replace(bc.model, max_seq_len=max(bc.model.max_seq_len, bc.ctx))
     s_per_step = statistics.median(v.times)
@@ -340,6 +361,7 @@ def finish_row(v: Variant, peak_flops: float) -> dict:
         "flops_per_token": fpt,
         "matmul_params": matmul_params(cfg),
         "mfu": fpt * tokens / s_per_step / peak_flops,
+        "peak_flops": peak_flops,
         "steps": len(v.times),
         "load_avg": load_average(),
     }
@@ -351,7 +373,6 @@ def run_group(
     *,
     steps: int,
     min_seconds: float,
-    peak_flops: float,
 ) -> list[dict]:
     """Prepare every row of a group, then time them side by side (``time_interleaved``)."""
     if any(compile_ for *_, compile_ in group):
@@ -361,9 +382,11 @@ def run_group(
         for bc, kind, ckpt, compile_ in group
     ]
     variants = [v for v in prepared if isinstance(v, Variant)]
+    probe = PeakProbe(device)
     if variants:
-        time_interleaved(variants, device, steps=steps, min_seconds=min_seconds)
-    return [finish_row(v, peak_flops) if isinstance(v, Variant) else v for v in prepared]
+        time_interleaved(variants, device, probe, steps=steps, min_seconds=min_seconds)
+    del probe.a, probe.b
+    return [finish_row(v, probe.best) if isinstance(v, Variant) else v for v in prepared]
 
 
 # --------------------------------------------------------------------------- profile
@@ -414,7 +437,7 @@ def profile_step(bc: BenchConfig, kind: str, device: torch.device, top: int = 8)
 
 HEADER = (
     f"{'config':<14} {'ops':<12} {'mode':<7} {'ckpt':<9} {'batch':>8} {'tok/s':>8} "
-    f"{'s/step':>7} {'MFU':>6} {'peak MB':>8} {'step MB':>8}  load"
+    f"{'s/step':>7} {'MFU':>6} {'of GF/s':>7} {'peak MB':>8} {'step MB':>8}  load"
 )
 
 
@@ -431,7 +454,8 @@ def print_row(row: dict) -> None:
     load = row["load_avg"][0] if row["load_avg"] else float("nan")
     print(
         f"{head} {row['tokens_per_s']:>8.0f} {row['s_per_step']:>7.3f} "
-        f"{100 * row['mfu']:>5.1f}% {row.get('peak_mb', math.nan):>8.0f} "
+        f"{100 * row['mfu']:>5.1f}% {row['peak_flops'] / 1e9:>7.0f} "
+        f"{row.get('peak_mb', math.nan):>8.0f} "
         f"{row['step_mb']:>8.0f}  {load:.2f}",
         flush=True,
     )
@@ -506,43 +530,15 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": args.quick,
         "flops_formula": "6*N + 12*L*H*Q*T, N = matmul weights incl. lm head, excl. embedding",
     }
-    peak_before = measure_peak_flops(device)
-    print(
-        f"bench/train.py on {device} ({meta['threads']} threads), load {meta['load_avg_start']}, "
-        f"matmul peak {peak_before / 1e9:.0f} GFLOP/s"
-    )
+    print(f"bench/train.py on {device} ({meta['threads']} threads), load {meta['load_avg_start']}")
     print(HEADER)
     print("-" * len(HEADER))
     rows = []
     for group in plan(args):
-        group_rows = run_group(
-            group,
-            device,
-            steps=steps,
-            min_seconds=1.0 if args.quick else 3.0,
-            peak_flops=peak_before,
-        )
+        group_rows = run_group(group, device, steps=steps, min_seconds=1.0 if args.quick else 3.0)
         for row in group_rows:
             print_row(row)
         rows += group_rows
-    peak_after = measure_peak_flops(device)
-    peak = max(peak_before, peak_after)
-    for row in rows:  # MFU against the better of the two peak measurements
-        if "mfu" in row:
-            row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak
-    meta |= {
-        "peak_flops_before": peak_before,
-        "peak_flops_after": peak_after,
-        "peak_flops": peak,
-    }
-    print(
-        f"\nmatmul peak {peak_before / 1e9:.0f} GFLOP/s before the rows, "
-        f"{peak_after / 1e9:.0f} after; summary with MFU against {peak / 1e9:.0f} GFLOP/s:"
-    )
-    print(HEADER)
-    print("-" * len(HEADER))
-    for row in rows:
-        print_row(row)
     results: dict = {"meta": meta, "rows": rows}
     if not args.no_profile:
         results["profile"] = {
