@@ -43,10 +43,13 @@ Columns:
   start): activations, gradients and temporaries - the part checkpointing and the fused
   loss change.
 
-The process uses the trainer's allocator settings (``llamatrain.allocator``) for every row,
-the baseline included. The load average is printed with every row. Usage:
+On CUDA (``--device cuda``) a ``llama-124m`` group (dim 768, 12 layers, ctx 1024, bf16
+autocast with float32 master weights, fused AdamW, eager and compiled) is added for the
+GPU MFU report. The process uses the trainer's allocator settings (``llamatrain.allocator``)
+for every row, the baseline included. The load average is printed with every row. Usage:
 ``python bench/train.py [--quick] [--scaling] [--compile] [--device cpu|cuda|auto]
-[--json PATH]``. The default run takes about 4-5 minutes on 2 CPU cores.
+[--json PATH]``. The default run takes about 3-5 minutes on 2 CPU cores; ``--scaling
+--compile`` about 27 minutes.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ CONFIGS = {
     "ggml-2023": BenchConfig("ggml-2023", _cfg(32000, 256, 16, 8, None, 768, 128), 8, 128),
     # nanoGPT's CPU shakespeare_char config (≈ 12,300 tok/s on these machines).
     "nanogpt-cpu": BenchConfig("nanogpt-cpu", _cfg(65, 128, 4, 4, None, 512, 64), 12, 64),
+    # GPU only: a GPT-2-small-sized llama (~134M parameters, 85M of them in the blocks).
+    "llama-124m": BenchConfig("llama-124m", _cfg(32000, 768, 12, 12, None, 2048, 1024), 8, 1024),
 }
 
 
@@ -464,7 +469,7 @@ def print_row(row: dict) -> None:
 Row = tuple[BenchConfig, str, str, bool]  # (config, ops, checkpointing, compile)
 
 
-def plan(args: argparse.Namespace) -> list[list[Row]]:
+def plan(args: argparse.Namespace, device: torch.device) -> list[list[Row]]:
     """The rows of this run in groups; the rows of a group are timed side by side."""
     kinds = ["ggml", "ggml-unfused", "torch", "baseline"]
     tiny, g2023, nano = CONFIGS["tiny32k"], CONFIGS["ggml-2023"], CONFIGS["nanogpt-cpu"]
@@ -481,6 +486,12 @@ def plan(args: argparse.Namespace) -> list[list[Row]]:
     if args.compile:
         groups[0] += [(tiny, kind, "none", True) for kind in kinds]
         groups[-1] += [(nano, kind, "none", True) for kind in ("ggml", "torch", "baseline")]
+    if device.type == "cuda":  # the GPU report: MFU of a ~124M llama, bf16 autocast
+        big = CONFIGS["llama-124m"]
+        groups.append(
+            [(big, kind, "none", False) for kind in ("ggml", "torch", "baseline")]
+            + [(big, kind, "none", True) for kind in ("ggml", "baseline")]
+        )
     if args.scaling:
         sweep = []
         for ctx in (256, 512, 1024, 2048, 4096):
@@ -534,7 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(HEADER)
     print("-" * len(HEADER))
     rows = []
-    for group in plan(args):
+    for group in plan(args, device):
         group_rows = run_group(group, device, steps=steps, min_seconds=1.0 if args.quick else 3.0)
         for row in group_rows:
             print_row(row)
