@@ -528,9 +528,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     args = parser.parse_args(argv)
     device = resolve(args.device)
+    # The trainer's process-wide settings, for every row (baseline included).
     if device.type == "cpu":
-        # Process-wide, so every row (baseline included) runs with the trainer's allocator.
         retain_freed_memory()
+    else:  # bf16 autocast rows: the remaining float32 matmuls may use TF32, as in training
+        torch.backends.cuda.matmul.allow_tf32 = True
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = args.steps or (3 if args.quick else 5)

@@ -638,3 +638,28 @@ def test_low_precision_inputs_keep_dtype(dtype: torch.dtype, device: str) -> Non
         assert g.dtype == dtype
         torch.testing.assert_close(out.float(), ref, **tol)
         torch.testing.assert_close(g.float(), g_ref, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mul_mat_backward_runs_under_the_forwards_autocast(device: str) -> None:
+    """bf16 autocast (float32 master weights): the backward matmuls run in bf16 like the
+    forward, exactly as PyTorch's own autocast ``F.linear`` does, and the weight gradient
+    comes back in float32. Compared bit for bit with F.linear's autocast gradients."""
+    x = torch.randn(3, 7, 24, generator=gen(11)).to(device)
+    w = torch.randn(10, 24, generator=gen(12)).to(device)
+    up = torch.randn(3, 7, 10, generator=gen(13)).to(device)
+    results = []
+    for fn in (mul_mat, F.linear):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = fn(xr, wr)
+        y.backward(up.to(y.dtype))
+        results.append((y, xr.grad, wr.grad))
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = results
+    assert y.dtype == torch.bfloat16 and dx.dtype == dw.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(dx, dx_ref, rtol=0, atol=0)
+    torch.testing.assert_close(dw, dw_ref, rtol=0, atol=0)
+    # and not the float32 backward it would be without the autocast state
+    dw32 = up.reshape(-1, 10).t() @ x.reshape(-1, 24)
+    assert not torch.equal(dw, dw32)

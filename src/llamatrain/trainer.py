@@ -101,8 +101,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.tokenizer, self.data = cfg, tokenizer, data
         self.device = resolve_device(cfg.train.device)
-        if self.device.type == "cpu":
-            retain_freed_memory()
+        self._configure_device()
         self.model = model.to(self.device)
         self.run_dir = Path(cfg.output.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,6 +125,15 @@ class Trainer:
         self._trim_metrics()
 
     # ---- setup -------------------------------------------------------------------------
+
+    def _configure_device(self) -> None:
+        """Process-wide speed settings for the device trained on."""
+        if self.device.type == "cpu":
+            retain_freed_memory()  # see llamatrain.allocator
+        elif self.device.type == "cuda" and self.cfg.train.dtype == "bfloat16":
+            # Mixed precision was asked for: the float32 matmuls autocast leaves (the fused
+            # lm head + loss computes in float32) may use TF32 tensor cores too.
+            torch.backends.cuda.matmul.allow_tf32 = True
 
     def _configure_checkpointing(self) -> None:
         t = self.cfg.train

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from llamatrain.ops.dtypes import autocast_dtype, autocast_like
+
 
 class _MulMat(torch.autograd.Function):
     @staticmethod
@@ -22,21 +24,23 @@ class _MulMat(torch.autograd.Function):
                 f"{tuple(w.shape)}"
             )
         ctx.save_for_backward(x, w)
+        ctx.autocast = autocast_dtype(x.device.type)
         y = torch.mm(x.reshape(-1, x.shape[-1]), w.t())
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # ggml mul_mat backward: dW = out_prod(X, G) = G^T X summed over all rows (all
-        # leading dims flattened), dX = G W.
-        # (The casts are no-ops unless the forward ran under autocast with another dtype.)
+        # leading dims flattened), dX = G W. Under the forward's autocast (bf16 training)
+        # both products run in its dtype too; gradients come back in the inputs' dtypes.
         x, w = ctx.saved_tensors
         g = grad.reshape(-1, w.shape[0])
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.mm(g.to(w.dtype), w).reshape(x.shape).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = torch.mm(g.t().to(x.dtype), x.reshape(-1, x.shape[-1])).to(w.dtype)
+        with autocast_like(x.device.type, ctx.autocast):
+            if ctx.needs_input_grad[0]:
+                dx = torch.mm(g, w).reshape(x.shape).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = torch.mm(g.t(), x.reshape(-1, x.shape[-1])).to(w.dtype)
         return dx, dw
 
 
