@@ -555,8 +555,12 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"meta": meta, "rows": rows}
     if not args.no_profile:
         results["profile"] = {
-            kind: profile_step(CONFIGS["tiny32k"], kind, device)
-            for kind in ("ggml", "ggml-unfused")
+            f"{name} {kind}": profile_step(CONFIGS[name], kind, device)
+            for name, kind in (
+                ("tiny32k", "ggml"),
+                ("tiny32k", "ggml-unfused"),
+                ("ggml-2023", "ggml"),
+            )
         }
     return finish(results, meta, started, args.json)
 
