@@ -539,18 +539,28 @@ def finish(results: dict, meta: dict, started: float, path: Path) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
+def add_common_arguments(parser: argparse.ArgumentParser, default_json: Path) -> None:
+    """``--device``, ``--threads`` and ``--json``, shared by the bench scripts."""
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: PyTorch's choice)"
     )
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
-    args = parser.parse_args(argv)
-    device = resolve(args.device)
+    parser.add_argument("--json", type=Path, default=default_json, help="where to write results")
+
+
+def device_from_arguments(args: argparse.Namespace) -> torch.device:
+    """The device of ``--device``, with ``--threads`` applied."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    return resolve(args.device)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
+    add_common_arguments(parser, DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    device = device_from_arguments(args)
     budget = 1.5 if args.quick else 4.0
     torch.manual_seed(0)
 

@@ -72,7 +72,15 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import BaselineLlama, make_optimizer  # noqa: E402
-from ops import finish, load_average, machine_info, peak_bytes, resolve, sync  # noqa: E402
+from ops import (  # noqa: E402
+    add_common_arguments,
+    device_from_arguments,
+    finish,
+    load_average,
+    machine_info,
+    peak_bytes,
+    sync,
+)
 
 from llamatrain.allocator import retain_freed_memory  # noqa: E402
 from llamatrain.config import OptimSection  # noqa: E402
@@ -521,20 +529,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler table")
     parser.add_argument("--steps", type=int, default=None, help="least measured steps per row")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: PyTorch's choice)"
-    )
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    add_common_arguments(parser, DEFAULT_JSON)
     args = parser.parse_args(argv)
-    device = resolve(args.device)
+    device = device_from_arguments(args)
     # The trainer's process-wide settings, for every row (baseline included).
     if device.type == "cpu":
         retain_freed_memory()
     else:  # bf16 autocast rows: the remaining float32 matmuls may use TF32, as in training
         torch.backends.cuda.matmul.allow_tf32 = True
-    if args.threads:
-        torch.set_num_threads(args.threads)
     steps = args.steps or (3 if args.quick else 5)
 
     started = time.time()
