@@ -197,7 +197,10 @@ class TrainSection:
         "compute dtype; 'bfloat16' = autocast (fast on CUDA, slow on most CPUs)",
         choices=("float32", "bfloat16"),
     )
-    compile: bool = _f(False, "torch.compile the model")
+    compile: bool = _f(
+        False,
+        "torch.compile the training loss (static shapes; compiles for 0.5-2 min on 2 CPU cores)",
+    )
     sample_prompt: str = _f("Romeo.\n", "prompt of the samples printed at each evaluation")
     sample_tokens: int = _f(64, "tokens generated per sample (0 = no sample)", ge=0)
     sample_temperature: float = _f(0.8, "sampling temperature (0 = greedy)", ge=0)
