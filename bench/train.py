@@ -82,11 +82,14 @@ from ops import (  # noqa: E402
     sync,
 )
 
-from llamatrain.allocator import retain_freed_memory  # noqa: E402
 from llamatrain.config import OptimSection  # noqa: E402
 from llamatrain.model import Llama, ModelConfig  # noqa: E402
 from llamatrain.optim import build_optimizer  # noqa: E402
-from llamatrain.trainer import activation_bytes_per_block, checkpoint_segment  # noqa: E402
+from llamatrain.trainer import (  # noqa: E402
+    activation_bytes_per_block,
+    checkpoint_segment,
+    configure_device,
+)
 
 MB = 1 << 20
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "train.json"
@@ -532,11 +535,9 @@ def main(argv: list[str] | None = None) -> dict:
     add_common_arguments(parser, DEFAULT_JSON)
     args = parser.parse_args(argv)
     device = device_from_arguments(args)
-    # The trainer's process-wide settings, for every row (baseline included).
-    if device.type == "cpu":
-        retain_freed_memory()
-    else:  # bf16 autocast rows: the remaining float32 matmuls may use TF32, as in training
-        torch.backends.cuda.matmul.allow_tf32 = True
+    # The trainer's process-wide settings, for every row (baseline included); CUDA rows
+    # train under bf16 autocast.
+    configure_device(device, bf16=device.type == "cuda")
     steps = args.steps or (3 if args.quick else 5)
 
     started = time.time()

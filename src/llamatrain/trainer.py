@@ -86,6 +86,16 @@ def checkpoint_segment(policy: str, every_n: int, n_layers: int, u: int = 1, v: 
     return math.ceil(n_layers / kept)
 
 
+def configure_device(device: torch.device, *, bf16: bool) -> None:
+    """Process-wide speed settings for training on ``device`` (bench/train.py uses them too)."""
+    if device.type == "cpu":
+        retain_freed_memory()  # see llamatrain.allocator
+    elif device.type == "cuda" and bf16:
+        # Mixed precision was asked for: the float32 matmuls autocast leaves (the fused
+        # lm head + loss computes in float32) may use TF32 tensor cores too.
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
 class Trainer:
     """Owns the optimizer, schedule, evaluation, checkpoints and metrics of one run."""
 
@@ -101,7 +111,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.tokenizer, self.data = cfg, tokenizer, data
         self.device = resolve_device(cfg.train.device)
-        self._configure_device()
+        configure_device(self.device, bf16=cfg.train.dtype == "bfloat16")
         self.model = model.to(self.device)
         self.run_dir = Path(cfg.output.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -125,15 +135,6 @@ class Trainer:
         self._trim_metrics()
 
     # ---- setup -------------------------------------------------------------------------
-
-    def _configure_device(self) -> None:
-        """Process-wide speed settings for the device trained on."""
-        if self.device.type == "cpu":
-            retain_freed_memory()  # see llamatrain.allocator
-        elif self.device.type == "cuda" and self.cfg.train.dtype == "bfloat16":
-            # Mixed precision was asked for: the float32 matmuls autocast leaves (the fused
-            # lm head + loss computes in float32) may use TF32 tensor cores too.
-            torch.backends.cuda.matmul.allow_tf32 = True
 
     def _configure_checkpointing(self) -> None:
         t = self.cfg.train
