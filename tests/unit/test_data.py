@@ -31,7 +31,7 @@ from llamatrain.data import (
 )
 from llamatrain.errors import DataError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "tests" / "data" / "tiny.txt"
 ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
 

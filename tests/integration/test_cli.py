@@ -10,7 +10,7 @@ import pytest
 
 from llamatrain.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.toml"
 TEXT = REPO / "tests" / "data" / "tiny.txt"
 

@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gen_config_reference.py"
 
 

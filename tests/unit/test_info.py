@@ -7,7 +7,7 @@ import pytest
 from llamatrain import api
 from llamatrain.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from llamatrain.config import (
 )
 from llamatrain.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.toml"))
 
 

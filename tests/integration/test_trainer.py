@@ -15,7 +15,7 @@ from llamatrain.model import Llama, ModelConfig
 from llamatrain.optim import build_optimizer, lr_at, parameter_groups
 from llamatrain.trainer import Trainer, checkpoint_segment
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine():
