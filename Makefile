@@ -2,7 +2,8 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUNTIME := $(VENV)/.installed-runtime
+TESTING := $(VENV)/.installed-test
 
 .PHONY: install run test test-all bench bench-ops lint clean
 
@@ -11,31 +12,38 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is installed first and pinned so that no dependency range pulls a CUDA build.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.4"
+# `make run` needs the runtime dependencies only; the test extras (llama.cpp, built from
+# source the first time) are installed by the targets that need them.
+$(RUNTIME): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.5"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(TESTING): $(RUNTIME)
 	$(BIN)/pip install -q -e ".[test,dev]"
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+install: $(RUNTIME)
 
-run: install
-	$(BIN)/llamatrain fit --config configs/shakespeare.toml
+run: $(RUNTIME)
+	$(BIN)/llamatrain fit --config shakespeare
 
-test: install
+test: $(TESTING)
 	$(BIN)/python -m pytest -q
 
-test-all: install
+test-all: $(TESTING)
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
-bench: install
+bench: $(RUNTIME)
 	$(BIN)/python bench/train.py
 
-bench-ops: install
+bench-ops: $(RUNTIME)
 	$(BIN)/python bench/ops.py
 
-lint: install
+lint: $(TESTING)
 	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/ruff format --check src tests bench scripts
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,10 +2,20 @@
 
 from llamatrain.model import Llama, ModelConfig
 
-__all__ = ["Llama", "ModelConfig", "export_gguf", "fit", "load", "load_gguf"]
+__all__ = [
+    "Llama",
+    "ModelConfig",
+    "export_gguf",
+    "fit",
+    "generate_text",
+    "load",
+    "load_gguf",
+    "load_tokenizer",
+    "perplexity",
+]
 __version__ = "0.1.0"
 
-_API = {"fit", "load", "export_gguf", "load_gguf", "generate_text", "evaluate_text"}
+_API = {"fit", "load", "export_gguf", "load_gguf", "load_tokenizer", "generate_text", "perplexity"}
 
 
 def __getattr__(name: str):

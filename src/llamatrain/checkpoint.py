@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from llamatrain import gguf_io
 from llamatrain.errors import CheckpointError
+from llamatrain.gguf.llama import read_model, write_model
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
@@ -128,32 +128,33 @@ def save_checkpoint(
     else:
         extra_kv["optimizer.lbfgs.state"] = _pack_bytes(optimizer.state_dict())
     tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    gguf_io.write_gguf(
+    return write_model(
         path,
         model.cfg,
         tensors,
         tokenizer,
-        file_type="f32",
+        type="f32",
         extra_kv=extra_kv,
         extra_tensors=extra_tensors,
     )
-    return Path(path)
 
 
 @dataclass
 class Checkpoint:
-    """What a checkpoint file holds, loaded but not yet applied to a run."""
+    """What a checkpoint file holds, read but not yet applied to a run."""
 
-    model: Llama
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     state: TrainingState
     metadata: dict
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]  # every tensor in the file, optimizer state included
 
-    def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def restore_optimizer(self, model: Llama, optimizer: torch.optim.Optimizer) -> None:
+        """Load the optimizer state into ``optimizer``, whose parameters are ``model``'s."""
         kind = self.metadata.get("optimizer.type")
         if kind == "adam" and isinstance(optimizer, torch.optim.AdamW):
-            _restore_adam(self.model, optimizer, self.tensors, self.state.step)
+            _restore_adam(model, optimizer, self.tensors, self.state.step)
         elif kind == "lbfgs" and isinstance(optimizer, torch.optim.LBFGS):
             optimizer.load_state_dict(_unpack_bytes(self.metadata["optimizer.lbfgs.state"]))
         else:
@@ -168,14 +169,13 @@ class Checkpoint:
             _restore_rng_states(_unpack_bytes(self.metadata["training.rng_state"]))
 
 
-def load_checkpoint(path: str | Path, ops: str = "ggml") -> Checkpoint:
+def load_checkpoint(path: str | Path) -> Checkpoint:
     """Read a checkpoint (or a plain model GGUF: its counters are then zero)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    contents = gguf_io.read_gguf(path)
-    model, tokenizer = gguf_io.model_from_contents(contents, ops=ops)
-    meta = contents.metadata
+    model_file = read_model(path)
+    meta = model_file.contents.metadata
     state = TrainingState(
         step=int(meta.get("training.iteration_count", 0)),
         samples=int(meta.get("training.sample_count", 0)),
@@ -184,7 +184,14 @@ def load_checkpoint(path: str | Path, ops: str = "ggml") -> Checkpoint:
         data_state=json.loads(meta.get("training.data_state", "{}")),
         config=json.loads(meta.get("training.config", "{}")),
     )
-    return Checkpoint(model, tokenizer, state, meta, contents.tensors)
+    return Checkpoint(
+        model_file.config,
+        model_file.tensors,
+        model_file.tokenizer,
+        state,
+        meta,
+        model_file.contents.tensors,
+    )
 
 
 def check_compatible(checkpoint: Checkpoint, model_cfg: ModelConfig, tokenizer: Tokenizer) -> None:
@@ -194,7 +201,7 @@ def check_compatible(checkpoint: Checkpoint, model_cfg: ModelConfig, tokenizer: 
             "checkpoint tokenizer differs from the one the config gives (tokenizer.* or the "
             "corpus changed); resume with the config it was trained with"
         )
-    ours, theirs = model_cfg.to_dict(), checkpoint.model.cfg.to_dict()
+    ours, theirs = model_cfg.architecture(), checkpoint.config.architecture()
     ours.pop("max_seq_len"), theirs.pop("max_seq_len")
     diffs = [
         f"{k}: checkpoint {theirs[k]!r} vs config {ours[k]!r}" for k in ours if ours[k] != theirs[k]

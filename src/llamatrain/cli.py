@@ -1,18 +1,22 @@
 """``llamatrain`` command line: fit | generate | eval | export | info | plot.
 
 The CLI only parses arguments, builds objects through ``llamatrain.api`` and calls them.
-User errors (``LlamatrainError``) print one line and exit 1; ``--debug`` shows the traceback.
+User errors (``LlamatrainError``) and files that cannot be read or written (``OSError``) print
+one line and exit 1; ``--debug`` shows the traceback. ``llamatrain.api`` (and with it torch)
+is imported inside the commands, so ``--help`` and argument errors answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 
 from llamatrain.errors import LlamatrainError
-
-EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+from llamatrain.gguf.file import EXPORT_TYPES
+from llamatrain.sampling import SamplingParams
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -20,10 +24,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
     result = api.fit(args.config, overrides=args.set, resume=args.resume)
     print(f"run directory: {result.run_dir}")
-    if result.export_path is not None:
-        print(f"exported GGUF: {result.export_path}")
     if result.curves_path is not None:
         print(f"training curves: {result.curves_path}")
+    if result.export_path is not None:
+        print(f"exported GGUF: {result.export_path}")
+        prompt = shlex.quote(result.config.train.sample_prompt.strip() or "Once upon a time")
+        print(f"run it in llama.cpp: llama-cli -m {shlex.quote(str(result.export_path))} "
+              f"-p {prompt} -n 128")
     return 0
 
 
@@ -31,16 +38,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from llamatrain import api
 
     model, tokenizer = api.load(args.checkpoint)
+    params = SamplingParams(**{f.name: getattr(args, f.name) for f in fields(SamplingParams)})
     stream = api.generate_text(
-        model,
-        tokenizer,
-        args.prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repeat_penalty=args.repeat_penalty,
-        seed=args.seed,
+        model, tokenizer, args.prompt, max_tokens=args.max_tokens, params=params, seed=args.seed
     )
     for piece in stream:
         print(piece, end="", flush=True)
@@ -52,7 +52,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from llamatrain import api
 
     model, tokenizer = api.load(args.checkpoint)
-    result = api.evaluate_text(model, tokenizer, args.data, n_ctx=args.n_ctx)
+    result = api.perplexity(model, tokenizer, args.data, n_ctx=args.n_ctx)
     print(f"tokens:          {result.n_tokens}")
     print(f"mean loss:       {result.mean_loss:.4f}  (ppl {result.mean_ppl:.4f})")
     print(
@@ -94,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     fit = sub.add_parser("fit", help="train a model from a TOML config")
-    fit.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    fit.add_argument(
+        "--config",
+        help="TOML config file, or a built-in config's name: tiny, shakespeare, ggml-2023 "
+        "(default: the built-in defaults)",
+    )
     fit.add_argument(
         "--set",
         action="append",
@@ -113,10 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("checkpoint")
     gen.add_argument("--prompt", default="")
     gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=40)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--repeat-penalty", type=float, default=1.1)
+    for f in fields(SamplingParams):  # llama.cpp's flag names, SamplingParams' defaults
+        flag = "--" + f.name.replace("_", "-")
+        gen.add_argument(flag, type=float if "float" in f.type else int, default=f.default)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
 
@@ -153,6 +156,13 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
         if args.debug:
             raise
         print(f"llamatrain: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a path the user named cannot be read or written
+        if args.debug:
+            raise
+        where = f" {err.filename}" if err.filename else ""
+        print(f"llamatrain: error: cannot use{where}: {err.strerror or err}; check the path "
+              "and its permissions", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("llamatrain: interrupted", file=sys.stderr)

@@ -20,26 +20,31 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
-import math
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from llamatrain.errors import ConfigError
+from llamatrain.gguf.file import EXPORT_TYPES
+from llamatrain.model import ModelConfig
+from llamatrain.settings import check_rules, divisors, is_config_key, setting, show
 
 __all__ = [
+    "BUILTIN_CONFIGS",
     "Config",
     "DataSection",
-    "ModelSection",
     "OptimSection",
     "OutputSection",
     "TokenizerSection",
     "TrainSection",
     "apply_overrides",
+    "apply_values",
     "config_from_dict",
     "config_reference",
     "config_to_dict",
@@ -48,57 +53,24 @@ __all__ = [
     "validate",
 ]
 
-
-def _f(default: Any, help: str, **rules: Any) -> Any:
-    """A dataclass field carrying its help line and value rules (see module docstring)."""
-    return field(default=default, metadata={"help": help, **rules})
-
-
 # ---- sections ------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelSection:
-    """Architecture of a llama (ignored when ``init_from`` names a GGUF model)."""
-
-    dim: int = _f(256, "embedding width (llama.embedding_length)", gt=0)
-    n_layers: int = _f(4, "number of transformer blocks (llama.block_count)", gt=0)
-    n_heads: int = _f(8, "attention heads; head_dim = dim / n_heads must be even", gt=0)
-    n_kv_heads: int | None = _f(
-        None, "key/value heads for grouped-query attention; unset = n_heads", gt=0
-    )
-    ffn_dim: int | None = _f(
-        None, "feed-forward width; unset = 2/3·4·dim rounded up to multiple_of", gt=0
-    )
-    multiple_of: int = _f(32, "rounding of the default ffn_dim", gt=0)
-    norm_eps: float = _f(1e-5, "RMSNorm epsilon (llama.attention.layer_norm_rms_epsilon)", gt=0)
-    rope_theta: float = _f(10000.0, "RoPE frequency base (llama.rope.freq_base)", gt=0)
-    tie_embeddings: bool = _f(False, "share token embedding and output head (no output.weight)")
-    ops: str = _f(
-        "ggml",
-        "'ggml' = ops with ggml's backward semantics; 'torch' = PyTorch's built-in ops",
-        choices=("ggml", "torch"),
-    )
-    init_from: str | None = _f(
-        None, "GGUF model to finetune from; its architecture then overrides this section"
-    )
 
 
 @dataclass
 class TokenizerSection:
     """Where the vocabulary comes from."""
 
-    path: str | None = _f(
+    path: str | None = setting(
         None,
         "unset = train a sentencepiece model on the corpus; a .model file = load it; "
         "a .gguf file = use its tokenizer.* keys (like 2023's --vocab-model)",
     )
-    vocab_size: int = _f(1024, "vocabulary size when training a tokenizer", ge=8)
-    model_type: str = _f("bpe", "sentencepiece algorithm when training", choices=("bpe", "unigram"))
-    max_sentence_length: int = _f(
+    vocab_size: int = setting(1024, "vocabulary size when training a tokenizer", ge=8)
+    model_type: str = setting("bpe", "sentencepiece algorithm when training", choices=("bpe", "unigram"))
+    max_sentence_length: int = setting(
         16384, "longest line (bytes) sentencepiece trains on; longer lines are skipped", gt=0
     )
-    input_sentence_size: int = _f(
+    input_sentence_size: int = setting(
         200_000, "lines sampled to train the tokenizer (0 = all); caps training time", ge=0
     )
 
@@ -107,30 +79,30 @@ class TokenizerSection:
 class DataSection:
     """Training text and how it is cut into windows."""
 
-    path: str | list[str] = _f(
+    path: str | list[str] = setting(
         "shakespeare",
         "file, folder (all *.txt, recursive), glob, or a list of them, relative to the "
         "working directory; 'shakespeare' = the embedded default corpus",
     )
-    n_ctx: int = _f(128, "training sequence length in tokens (llama.context_length)", ge=2)
-    val_fraction: float = _f(
+    n_ctx: int = setting(128, "training sequence length in tokens (llama.context_length)", ge=2)
+    val_fraction: float = setting(
         0.05, "last fraction of the token stream held out for validation (0 = none)", ge=0, lt=0.5
     )
-    sample_start: str = _f(
+    sample_start: str = setting(
         "any",
         "where training windows may start: 'any' token, right after a 'newline', "
         "or every 'stride' tokens",
         choices=("any", "newline", "stride"),
     )
-    stride: int | None = _f(
+    stride: int | None = setting(
         None, "window spacing for sample_start = 'stride'; unset = n_ctx / 2", gt=0
     )
-    bos_prefix: bool = _f(
+    bos_prefix: bool = setting(
         True,
         "start every window with BOS as the 2023 trainer and llama.cpp prompts do; "
         "false = plain n_ctx+1 slices of the stream (llama-finetune, nanoGPT)",
     )
-    cache_dir: str = _f(
+    cache_dir: str = setting(
         ".cache/llamatrain",
         "where the downloaded corpus and tokenized data are kept (relative to the "
         "working directory unless absolute)",
@@ -141,87 +113,87 @@ class DataSection:
 class OptimSection:
     """Optimizer and learning-rate schedule (2023 train-text-from-scratch's knobs)."""
 
-    name: str = _f("adamw", "optimizer", choices=("adamw", "lbfgs"))
-    lr: float = _f(1e-3, "peak learning rate", gt=0)
-    lr_min: float = _f(1e-4, "learning rate at the end of each cosine decay (absolute)", ge=0)
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay", ge=0)
-    decay_min_ndim: int = _f(
+    name: str = setting("adamw", "optimizer", choices=("adamw", "lbfgs"))
+    lr: float = setting(1e-3, "peak learning rate", gt=0)
+    lr_min: float = setting(1e-4, "learning rate at the end of each cosine decay (absolute)", ge=0)
+    weight_decay: float = setting(0.1, "AdamW decoupled weight decay", ge=0)
+    decay_min_ndim: int = setting(
         2, "decay only tensors with at least this many dims (matrices, not norms)", ge=0
     )
-    beta1: float = _f(0.9, "AdamW first-moment decay", ge=0, lt=1)
-    beta2: float = _f(0.999, "AdamW second-moment decay", ge=0, lt=1)
-    eps: float = _f(1e-8, "AdamW epsilon", gt=0)
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
-    warmup_steps: int = _f(100, "linear warmup steps", ge=0)
-    cos_decay_steps: int = _f(1000, "length of the (first) cosine decay after warmup", gt=0)
-    cos_decay_restart: float = _f(
+    beta1: float = setting(0.9, "AdamW first-moment decay", ge=0, lt=1)
+    beta2: float = setting(0.999, "AdamW second-moment decay", ge=0, lt=1)
+    eps: float = setting(1e-8, "AdamW epsilon", gt=0)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
+    warmup_steps: int = setting(100, "linear warmup steps", ge=0)
+    cos_decay_steps: int = setting(1000, "length of the (first) cosine decay after warmup", gt=0)
+    cos_decay_restart: float = setting(
         1.1,
         "0 = no restarts (hold lr_min after one decay); >= 1 = restart the cosine, each "
         "period this factor longer than the last (1.0 = constant period)",
         ge=0,
     )
-    lbfgs_history: int = _f(10, "L-BFGS history size", gt=0)
-    lbfgs_max_iter: int = _f(20, "L-BFGS iterations per optimizer step", gt=0)
+    lbfgs_history: int = setting(10, "L-BFGS history size", gt=0)
+    lbfgs_max_iter: int = setting(20, "L-BFGS iterations per optimizer step", gt=0)
 
 
 @dataclass
 class TrainSection:
     """The loop: batch sizes, steps, saving, evaluation, device."""
 
-    steps: int = _f(1000, "optimizer steps to train (a resumed run continues up to this)", gt=0)
-    n_batch: int = _f(1024, "tokens per optimizer step; a multiple of data.n_ctx", gt=0)
-    n_ubatch: int | None = _f(
+    steps: int = setting(1000, "optimizer steps to train (a resumed run continues up to this)", gt=0)
+    n_batch: int = setting(1024, "tokens per optimizer step; a multiple of data.n_ctx", gt=0)
+    n_ubatch: int | None = setting(
         None,
         "tokens computed at once (gradient accumulation over n_batch / n_ubatch); unset = n_batch",
         gt=0,
     )
-    seed: int = _f(42, "seed for initialisation, shuffling and sampling")
-    save_every: int = _f(200, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
-    eval_every: int = _f(
+    seed: int = setting(42, "seed for initialisation, shuffling and sampling")
+    save_every: int = setting(200, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
+    eval_every: int = setting(
         200, "evaluate and print a sample every this many steps (0 = only at the end)", ge=0
     )
-    eval_batches: int = _f(8, "validation batches per evaluation (0 = all)", ge=0)
-    keep_checkpoints: int = _f(3, "checkpoints kept in the run folder (0 = keep all)", ge=0)
-    checkpointing: str = _f(
+    eval_batches: int = setting(8, "validation batches per evaluation (0 = all)", ge=0)
+    keep_checkpoints: int = setting(3, "checkpoints kept in the run folder (0 = keep all)", ge=0)
+    checkpointing: str = setting(
         "none",
         "gradient checkpointing: 'none', 'full' (every block), 'every_n' blocks, or "
         "'auto' (the 2023 sqrt(n·v/u) spacing)",
         choices=("none", "full", "every_n", "auto"),
     )
-    checkpoint_every_n: int = _f(2, "blocks per checkpointed segment for 'every_n'", gt=0)
-    device: str = _f(
+    checkpoint_every_n: int = setting(2, "blocks per checkpointed segment for 'every_n'", gt=0)
+    device: str = setting(
         "auto", "'auto' = CUDA when available, else CPU", choices=("auto", "cpu", "cuda")
     )
-    dtype: str = _f(
+    dtype: str = setting(
         "float32",
         "compute dtype; 'bfloat16' = autocast (fast on CUDA, slow on most CPUs)",
         choices=("float32", "bfloat16"),
     )
-    compile: bool = _f(
+    compile: bool = setting(
         False,
         "torch.compile the training loss (static shapes; compiles for 0.5-2 min on 2 CPU cores)",
     )
-    sample_prompt: str = _f("Romeo.\n", "prompt of the samples printed at each evaluation")
-    sample_tokens: int = _f(64, "tokens generated per sample (0 = no sample)", ge=0)
-    sample_temperature: float = _f(0.8, "sampling temperature (0 = greedy)", ge=0)
-    log_every: int = _f(10, "write a metrics line every this many steps", gt=0)
+    sample_prompt: str = setting("Romeo.\n", "prompt of the samples printed at each evaluation")
+    sample_tokens: int = setting(64, "tokens generated per sample (0 = no sample)", ge=0)
+    sample_temperature: float = setting(0.8, "sampling temperature (0 = greedy)", ge=0)
+    log_every: int = setting(10, "write a metrics line every this many steps", gt=0)
 
 
 @dataclass
 class OutputSection:
     """Where results go and what the final export is."""
 
-    dir: str = _f("runs/default", "run folder: checkpoints, metrics.jsonl, exported model")
-    export: bool = _f(True, "write a llama.cpp GGUF model at the end of training")
-    export_type: str = _f(
+    dir: str = setting("runs/default", "run folder: checkpoints, metrics.jsonl, exported model")
+    export: bool = setting(True, "write a llama.cpp GGUF model at the end of training")
+    export_type: str = setting(
         "f32",
         "tensor type of the exported model (norms stay f32)",
-        choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
+        choices=EXPORT_TYPES,
     )
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelSection,
+    "model": ModelConfig,
     "tokenizer": TokenizerSection,
     "data": DataSection,
     "optim": OptimSection,
@@ -234,7 +206,7 @@ SECTIONS: dict[str, type] = {
 class Config:
     """A whole run. ``origins`` remembers where each non-default value came from."""
 
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
@@ -251,7 +223,8 @@ class Config:
 
 
 def _fields(section_cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(section_cls)}
+    """The fields of a section that are config keys (derived ones are filled by the run)."""
+    return {f.name: f for f in dataclasses.fields(section_cls) if is_config_key(f)}
 
 
 def _hints(section_cls: type) -> dict[str, Any]:
@@ -278,15 +251,6 @@ def _describe(hint: Any) -> str:
     if type(None) in _union_args(hint):
         text += " (or left out for the default)"
     return text
-
-
-def _show(value: Any) -> str:
-    """A value as the user wrote it (TOML spelling), for error messages."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
-    return json.dumps(value, default=str) if isinstance(value, (list, dict)) else repr(value)
 
 
 _NO = object()
@@ -326,12 +290,18 @@ def _check_type(section: str, name: str, value: Any, hint: Any, where: str) -> A
     converted = _convert(value, hint)
     if converted is _NO:
         raise ConfigError(
-            f"{section}.{name} in {where} must be {_describe(hint)}, got {_show(value)}"
+            f"{section}.{name} in {where} must be {_describe(hint)}, got {show(value)}"
         )
     return converted
 
 
 def _unknown_key(section: str, name: str, where: str) -> ConfigError:
+    derived = {f.name: f for f in dataclasses.fields(SECTIONS[section])}.get(name)
+    if derived is not None:
+        return ConfigError(
+            f"{section}.{name} in {where} is not a config key: it is the "
+            f"{derived.metadata['help']}; remove it"
+        )
     for other, cls in SECTIONS.items():
         if other != section and name in _fields(cls):
             return ConfigError(
@@ -362,6 +332,23 @@ def _unknown_section(name: str, where: str) -> ConfigError:
 # ---- building, overriding, dumping ---------------------------------------------------------
 
 
+def _set(cfg: Config, sec_name: str, name: str, value: Any, where: str, *, raw: bool) -> None:
+    """Type-check one value and store it, remembering where it came from.
+
+    ``raw``: ``value`` is the text of a ``--set`` item, parsed as the field's type wants.
+    """
+    if sec_name not in SECTIONS:
+        raise _unknown_section(sec_name, where)
+    section = getattr(cfg, sec_name)
+    if name not in _fields(type(section)):
+        raise _unknown_key(sec_name, name, where)
+    hint = _hints(type(section))[name]
+    if raw:
+        value = _parse_override(value, hint)
+    setattr(section, name, _check_type(sec_name, name, value, hint, where))
+    cfg.origins[f"{sec_name}.{name}"] = where
+
+
 def config_from_dict(d: dict[str, Any], source: str = "the config") -> Config:
     """Build a Config from ``{section: {key: value}}``, type-checking every value.
 
@@ -370,37 +357,28 @@ def config_from_dict(d: dict[str, Any], source: str = "the config") -> Config:
     default is unset, so :func:`config_to_dict` output round-trips.
     """
     if not isinstance(d, dict):
-        raise ConfigError(f"{source} must be a table of sections, got {_show(d)}")
+        raise ConfigError(f"{source} must be a table of sections, got {show(d)}")
     cfg = Config()
     for sec_name, table in d.items():
-        if sec_name not in SECTIONS:
-            raise _unknown_section(sec_name, source)
-        if not isinstance(table, dict):
+        if sec_name in SECTIONS and not isinstance(table, dict):
             raise ConfigError(
                 f"{sec_name} in {source} must be a section ([{sec_name}] with keys below it), "
-                f"got {_show(table)}"
+                f"got {show(table)}"
             )
-        section = getattr(cfg, sec_name)
-        fields, hints = _fields(type(section)), _hints(type(section))
+        if sec_name not in SECTIONS:
+            raise _unknown_section(sec_name, source)
         for name, value in table.items():
-            if name not in fields:
-                raise _unknown_key(sec_name, name, source)
-            setattr(section, name, _check_type(sec_name, name, value, hints[name], source))
-            cfg.origins[f"{sec_name}.{name}"] = source
+            _set(cfg, sec_name, name, value, source, raw=False)
     return cfg
 
 
-def _split_override(item: str) -> tuple[str, str, str]:
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"--set expects section.key=value (like optim.lr=3e-4), got {item!r}")
+def _split_key(key: str, where: str) -> tuple[str, str]:
     sec_name, dot, name = key.partition(".")
     if not dot:
         owners = [s for s, cls in SECTIONS.items() if key in _fields(cls)]
         hint = f"did you mean {owners[0]}.{key}?" if owners else "keys look like optim.lr"
-        raise ConfigError(f"--set {item}: the key needs its section; {hint}")
-    return sec_name, name, raw.strip()
+        raise ConfigError(f"{where}: the key needs its section; {hint}")
+    return sec_name, name
 
 
 def _parse_override(raw: str, hint: Any) -> Any:
@@ -422,69 +400,75 @@ def _parse_override(raw: str, hint: Any) -> Any:
 def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     """Apply ``section.key=value`` strings in order (later wins); returns ``cfg``."""
     for item in overrides:
-        sec_name, name, raw = _split_override(item)
+        key, sep, raw = item.partition("=")
         where = f"--set {item}"
-        if sec_name not in SECTIONS:
-            raise _unknown_section(sec_name, where)
-        section = getattr(cfg, sec_name)
-        if name not in _fields(type(section)):
-            raise _unknown_key(sec_name, name, where)
-        hint = _hints(type(section))[name]
-        value = _check_type(sec_name, name, _parse_override(raw, hint), hint, where)
-        setattr(section, name, value)
-        cfg.origins[f"{sec_name}.{name}"] = where
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"--set expects section.key=value (like optim.lr=3e-4), got {item!r}"
+            )
+        sec_name, name = _split_key(key.strip(), where)
+        _set(cfg, sec_name, name, raw.strip(), where, raw=True)
+    return cfg
+
+
+def apply_values(cfg: Config, values: typing.Mapping[str, Any], where: str) -> Config:
+    """Set ``{"section.key": value}`` pairs given as Python values (the API's keywords)."""
+    for key, value in values.items():
+        sec_name, name = _split_key(key, f"{where} {key}")
+        _set(cfg, sec_name, name, value, f"{where} {key}", raw=False)
     return cfg
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """Plain ``{section: {key: value}}`` (JSON-able; unset keys are ``None``), for storing
     the exact configuration in checkpoints and metrics."""
-    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON escapes are valid TOML escapes
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return str(value)
+    return {
+        name: {key: getattr(getattr(cfg, name), key) for key in _fields(cls)}
+        for name, cls in SECTIONS.items()
+    }
 
 
 def config_to_toml(cfg: Config) -> str:
     """The config as a TOML file that :func:`load_config` reads back to an equal Config
     (written into each run folder so a run can be repeated). Unset keys are commented out."""
-    lines: list[str] = []
+    parts = []
     for sec_name, table in config_to_dict(cfg).items():
-        lines.append(f"[{sec_name}]")
-        for key, value in table.items():
-            if value is None:
-                lines.append(f"# {key} = (unset)")
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
+        values = {key: value for key, value in table.items() if value is not None}
+        unset = "".join(f"# {key} = (unset)\n" for key, value in table.items() if value is None)
+        parts.append(tomli_w.dumps({sec_name: values}) + unset)
+    return "\n".join(parts)
 
 
-def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> Config:
-    """Read a TOML config (``None`` = all defaults), apply overrides, validate."""
-    if path is None:
+BUILTIN_CONFIGS = resources.files("llamatrain") / "configs"
+"""Configs shipped inside the package: ``--config shakespeare`` works from any folder."""
+
+
+def builtin_config_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in BUILTIN_CONFIGS.iterdir() if p.name.endswith(".toml"))
+
+
+def _config_path(spec: str | Path) -> Path:
+    """A config file path: the file named, else the built-in config of that name."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    builtin = BUILTIN_CONFIGS / f"{Path(spec).name.removesuffix('.toml')}.toml"
+    if not path.is_dir() and builtin.is_file():
+        return Path(str(builtin))
+    what = "is a folder, not a file" if path.is_dir() else "not found"
+    raise ConfigError(
+        f"config file {path} {what} (working directory {Path.cwd()}); built-in configs: "
+        + ", ".join(builtin_config_names())
+    )
+
+
+def load_config(spec: str | Path | None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Read a TOML config (a path or a built-in name; ``None`` = all defaults), apply
+    overrides, validate."""
+    if spec is None:
         cfg = Config()
     else:
-        path = Path(path)
-        if not path.is_file():
-            shipped = sorted(p.name for p in Path("configs").glob("*.toml"))
-            listed = ", ".join(f"configs/{s}" for s in shipped)
-            hint = f"; shipped configs: {listed}" if shipped else ""
-            what = "is a folder, not a file" if path.is_dir() else "not found"
-            raise ConfigError(f"config file {path} {what} (working directory {Path.cwd()}){hint}")
+        path = _config_path(spec)
         try:
             with path.open("rb") as f:
                 data = tomllib.load(f)
@@ -495,7 +479,7 @@ def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -
             ) from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path} is not UTF-8 text ({e}); save it as UTF-8") from None
-        cfg = config_from_dict(data, source=str(path))
+        cfg = config_from_dict(data, source=str(spec))
     apply_overrides(cfg, overrides)
     return validate(cfg)
 
@@ -513,41 +497,30 @@ def _set_in(cfg: Config, *keys: str) -> str:
     return "(from " + " and ".join(places) + ")"
 
 
-def _check_rules(cfg: Config, sec_name: str) -> None:
-    section = getattr(cfg, sec_name)
-    for f in dataclasses.fields(section):
-        value, meta, key = getattr(section, f.name), f.metadata, f"{sec_name}.{f.name}"
-        if value is None:
-            continue
-        where = f"in {cfg.origin(key)}"
-        if "choices" in meta and value not in meta["choices"]:
-            allowed = ", ".join(repr(c) for c in meta["choices"])
-            raise ConfigError(f"{key} {where} must be one of {allowed}, got {_show(value)}")
-        bounds = [
-            ("gt", lambda v, b: v > b, ">"),
-            ("ge", lambda v, b: v >= b, ">="),
-            ("lt", lambda v, b: v < b, "<"),
-            ("le", lambda v, b: v <= b, "<="),
-        ]
-        for rule, ok, sign in bounds:
-            if rule in meta and not ok(value, meta[rule]):
-                raise ConfigError(
-                    f"{key} {where} must be {sign} {meta[rule]}, got {_show(value)} "
-                    f"({meta['help']})"
-                )
-
-
 def _nearest_multiples(value: int, unit: int) -> str:
     lo = max(unit, value // unit * unit)
     hi = lo + unit if lo <= value else lo
     return f"{lo}" if lo == hi else f"{lo} or {hi}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 _DERIVED = "the default (= train.n_batch)"
+
+
+def _validate_model(cfg: Config) -> None:
+    """The [model] section's own rules, plus what the export type needs of its shapes."""
+    m = cfg.model
+    if m.init_from is not None:  # the architecture comes from the file; only choices count
+        check_rules(m, "model", lambda key: f" in {cfg.origin(key)}")
+        return
+    m.validate(lambda key: " " + _set_in(cfg, "model.dim", key))
+    quantized = cfg.output.export_type in ("q8_0", "q4_0")
+    if quantized and (m.dim % 32 or m.hidden_dim % 32):
+        raise ConfigError(
+            f"output.export_type = {cfg.output.export_type!r} needs model.dim and the "
+            f"ffn width to be multiples of 32 (quant blocks), got dim {m.dim}, "
+            f"ffn {m.hidden_dim} {_set_in(cfg, 'output.export_type', 'model.dim')}; "
+            "use export_type 'f16' or change the sizes"
+        )
 
 
 def validate(cfg: Config) -> Config:
@@ -557,43 +530,13 @@ def validate(cfg: Config) -> Config:
     ``None`` there. Returns ``cfg``.
     """
     for sec_name in SECTIONS:
-        _check_rules(cfg, sec_name)
+        if sec_name != "model":
+            check_rules(getattr(cfg, sec_name), sec_name, lambda key: f" in {cfg.origin(key)}")
+    _validate_model(cfg)
 
-    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    d, o, t = cfg.data, cfg.optim, cfg.train
     if cfg.origins.get("train.n_ubatch") == _DERIVED:
         t.n_ubatch = None  # filled by an earlier validate: follow a changed n_batch
-
-    if m.init_from is None:
-        if m.dim % m.n_heads:
-            raise ConfigError(
-                f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads} "
-                f"{_set_in(cfg, 'model.dim', 'model.n_heads')}; n_heads could be one of "
-                f"{[x for x in _divisors(m.dim) if x <= 64 and (m.dim // x) % 2 == 0]}"
-            )
-        head_dim = m.dim // m.n_heads
-        if head_dim % 2:
-            raise ConfigError(
-                f"head_dim = model.dim / model.n_heads = {m.dim}/{m.n_heads} = {head_dim} must "
-                f"be even (RoPE rotates pairs) {_set_in(cfg, 'model.dim', 'model.n_heads')}; "
-                "change dim or n_heads"
-            )
-        if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
-            raise ConfigError(
-                f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads} "
-                f"{_set_in(cfg, 'model.n_kv_heads', 'model.n_heads')}; choose one of "
-                f"{_divisors(m.n_heads)}"
-            )
-        if cfg.output.export_type in ("q8_0", "q4_0"):
-            ffn = m.ffn_dim
-            if ffn is None:
-                ffn = m.multiple_of * math.ceil(int(2 * 4 * m.dim / 3) / m.multiple_of)
-            if m.dim % 32 or ffn % 32:
-                raise ConfigError(
-                    f"output.export_type = {cfg.output.export_type!r} needs model.dim and the "
-                    f"ffn width to be multiples of 32 (quant blocks), got dim {m.dim}, "
-                    f"ffn {ffn} {_set_in(cfg, 'output.export_type', 'model.dim')}; "
-                    "use export_type 'f16' or change the sizes"
-                )
 
     if o.lr_min > o.lr:
         raise ConfigError(
@@ -622,7 +565,7 @@ def validate(cfg: Config) -> Config:
             )
         if t.n_batch % t.n_ubatch:
             n_seq = t.n_batch // d.n_ctx
-            ok = [k * d.n_ctx for k in _divisors(n_seq)]
+            ok = [k * d.n_ctx for k in divisors(n_seq)]
             raise ConfigError(
                 f"train.n_ubatch = {t.n_ubatch} must divide train.n_batch = {t.n_batch} "
                 f"{_set_in(cfg, 'train.n_ubatch', 'train.n_batch')}; choose one of {ok}"
@@ -640,7 +583,7 @@ def config_reference() -> list[tuple[str, object, str]]:
     """Every key as ``(dotted key, default, help)``, in section order, for the README."""
     rows: list[tuple[str, object, str]] = []
     for sec_name, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
+        for f in _fields(cls).values():
             help_text = f.metadata["help"]
             if "choices" in f.metadata:
                 help_text += " (" + " | ".join(repr(c) for c in f.metadata["choices"]) + ")"

@@ -1,74 +1,94 @@
-"""The llama model as one readable ``nn.Module``.
+"""The llama model as one readable ``nn.Module``, and ``ModelConfig``, the ``[model]`` section.
 
 Parameter names *are* llama.cpp's GGUF tensor names (``token_embd.weight``,
 ``blk.0.attn_q.weight``, ...): the module tree is laid out so that ``state_dict()`` keys need
-no translation, which makes this file the single name map that export and import consult.
-Rope uses llama.cpp's NORM convention (adjacent pairs), so Q/K are exported unpermuted.
+no translation, which makes :func:`tensor_shapes` the single name map that export and import
+consult. Rope uses llama.cpp's NORM convention (adjacent pairs), so Q/K are exported unpermuted.
 
 The same module runs on two interchangeable op sets: ``ops="ggml"`` (our autograd Functions
 with ggml's backward formulas) and ``ops="torch"`` (plain PyTorch: F.embedding, F.rms_norm,
-SDPA, F.silu, F.cross_entropy), so each can check the other.
+F.silu, F.cross_entropy), so each can check the other. Attention is a choice of its own:
+``flash`` (memory-efficient: our blockwise ``flash_attn`` with the 2023 ``flash_attn_back``, or
+SDPA for the torch op set), ``softmax`` (the 2023 program's non-flash graph: scores,
+``diag_mask_inf``, ``soft_max``) or ``sdpa`` (PyTorch's fused kernels, the fast choice on CUDA).
+
+The model knows nothing of files, activation checkpointing, LoRA or parallelism: those wrap it
+from outside (``llamatrain.activation_checkpointing`` swaps ``blk`` for a container that
+recomputes segments; the names stay the same).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from llamatrain import ops as ggml_ops
 from llamatrain.errors import ConfigError
 from llamatrain.sampling import SamplingParams, sample_next
+from llamatrain.settings import check_rules, divisors, setting
 
 IGNORE_INDEX = -100
+OPS = ("ggml", "torch")
+ATTENTIONS = ("flash", "softmax", "sdpa")
+RUN_CHOICES = ("ops", "attention", "init_from")
+"""Fields that choose how a model is built or run, not what the network computes."""
+
+
+def _nowhere(key: str) -> str:
+    return ""
 
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of a llama; the names follow Meta's llama and llama2.c."""
+    """Architecture of a llama (ignored when ``init_from`` names a GGUF model)."""
 
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
-    multiple_of: int = 32
-    max_seq_len: int = 2048
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = False
+    dim: int = setting(256, "embedding width (llama.embedding_length)", gt=0)
+    n_layers: int = setting(4, "number of transformer blocks (llama.block_count)", gt=0)
+    n_heads: int = setting(8, "attention heads; head_dim = dim / n_heads must be even", gt=0)
+    n_kv_heads: int | None = setting(
+        None, "key/value heads for grouped-query attention; unset = n_heads", gt=0
+    )
+    ffn_dim: int | None = setting(
+        None, "feed-forward width; unset = 2/3·4·dim rounded up to multiple_of", gt=0
+    )
+    multiple_of: int = setting(32, "rounding of the default ffn_dim", gt=0)
+    norm_eps: float = setting(
+        1e-5, "RMSNorm epsilon (llama.attention.layer_norm_rms_epsilon)", gt=0
+    )
+    rope_theta: float = setting(10000.0, "RoPE frequency base (llama.rope.freq_base)", gt=0)
+    tie_embeddings: bool = setting(
+        False, "share token embedding and output head (no output.weight)"
+    )
+    ops: str = setting(
+        "ggml",
+        "'ggml' = ops with ggml's backward semantics; 'torch' = PyTorch's built-in ops",
+        choices=OPS,
+    )
+    attention: str = setting(
+        "flash",
+        "'flash' = memory-efficient attention (ggml: blockwise with the 2023 flash_attn_back; "
+        "torch: SDPA); 'softmax' = scores, diag_mask_inf and soft_max as the 2023 graph "
+        "without --use-flash; 'sdpa' = PyTorch's fused kernels (fastest on CUDA)",
+        choices=ATTENTIONS,
+    )
+    init_from: str | None = setting(
+        None, "GGUF model to finetune from; its architecture then overrides this section"
+    )
+    vocab_size: int | None = setting(None, "vocabulary size: the tokenizer's", gt=0, derived=True)
+    max_seq_len: int | None = setting(
+        None, "trained context length (llama.context_length): data.n_ctx", gt=0, derived=True
+    )
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.dim % self.n_heads:
-            raise ConfigError(
-                f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
-                f"choose n_heads among {_divisors(self.dim)}"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(
-                f"head_dim = dim / n_heads = {self.head_dim} must be even for rope; "
-                "change dim or n_heads"
-            )
-        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
-            raise ConfigError(
-                f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads "
-                f"({self.n_heads}); choose among {_divisors(self.n_heads)}"
-            )
-        if self.ffn_dim is not None and self.ffn_dim < 1:
-            raise ConfigError(f"ModelConfig.ffn_dim must be positive, got {self.ffn_dim}")
-        if self.norm_eps <= 0 or self.rope_theta <= 0:
-            raise ConfigError("ModelConfig.norm_eps and rope_theta must be positive")
+        self.validate()
 
     @property
     def head_dim(self) -> int:
@@ -86,8 +106,31 @@ class ModelConfig:
         hidden = int(2 * (4 * self.dim) / 3)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def architecture(self) -> dict:
+        """The fields that define the network (what a GGUF file records)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_CHOICES}
+
+    def validate(self, where: Callable[[str], str] = _nowhere) -> None:
+        """Raise ConfigError for an impossible architecture; ``where(key)`` names the source."""
+        check_rules(self, "model", where)
+        if self.dim % self.n_heads:
+            fits = [x for x in divisors(self.dim) if x <= 64 and (self.dim // x) % 2 == 0]
+            raise ConfigError(
+                f"model.dim = {self.dim} must be divisible by model.n_heads = {self.n_heads}"
+                f"{where('model.n_heads')}; n_heads could be one of {fits}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = "
+                f"{self.head_dim} must be even (RoPE rotates pairs){where('model.n_heads')}; "
+                "change dim or n_heads"
+            )
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads = {self.n_kv_heads} must divide model.n_heads = "
+                f"{self.n_heads}{where('model.n_kv_heads')}; choose one of "
+                f"{divisors(self.n_heads)}"
+            )
 
 
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -95,7 +138,7 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     The one name map that export and import consult. Computed from the config rather than
     by building a ``Llama`` on the meta device (the first meta-device initialisation in a
-    process costs seconds); ``tests/test_model.py`` pins it to ``Llama.state_dict()`` and
+    process is slow); a test pins it to ``Llama.state_dict()`` and
     ``load_state_dict(strict=True)`` re-checks every load.
     """
     e, hd, f, v = cfg.dim, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
@@ -117,11 +160,10 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# ---- the two op sets ---------------------------------------------------------------------
 
 
-def _torch_rope(x: torch.Tensor, pos: torch.Tensor, *, theta: float) -> torch.Tensor:
+def torch_rope(x: torch.Tensor, pos: torch.Tensor, *, theta: float) -> torch.Tensor:
     """Adjacent-pair (llama.cpp NORM) rope written with differentiable PyTorch ops."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / (2 * half))
@@ -137,7 +179,7 @@ def _torch_rope(x: torch.Tensor, pos: torch.Tensor, *, theta: float) -> torch.Te
     return out.flatten(-2).to(x.dtype)
 
 
-def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """SDPA with causal masking aligned to the end (queries are the last rows of the keys)."""
     t, t_kv = q.shape[-2], k.shape[-2]
     if t == t_kv:
@@ -147,71 +189,93 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Q·Kᵀ with the G query heads of a group sharing one kv head (ggml's broadcasting)."""
+    group = q.shape[1] // k.shape[1]
+    return q @ k.repeat_interleave(group, dim=1).transpose(-1, -2)
+
+
+def _values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return p @ v.repeat_interleave(p.shape[1] // v.shape[1], dim=1)
+
+
+def _ggml_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The 2023 graph without flash attention: KQ, diag_mask_inf, soft_max(scale), KQV."""
+    masked = ggml_ops.diag_mask_inf(_scores(q, k), n_past=k.shape[-2] - q.shape[-2])
+    return _values(ggml_ops.soft_max(masked, scale=1.0 / math.sqrt(q.shape[-1])), v)
+
+
+def _torch_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    t, t_kv = q.shape[-2], k.shape[-2]
+    scores = _scores(q, k) / math.sqrt(q.shape[-1])
+    future = torch.ones(t, t_kv, dtype=torch.bool, device=q.device).triu_(t_kv - t + 1)
+    return _values(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1), v)
+
+
 def _torch_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     rows = logits.flatten(0, -2)
     rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
     return F.cross_entropy(rows, targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def _ggml_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return ggml_ops.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
-
-
-def _ggml_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return ggml_ops.linear_cross_entropy(h, weight, targets, ignore_index=IGNORE_INDEX)
-
-
-def _torch_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return _torch_cross_entropy(F.linear(h, weight), targets)
-
-
-OP_SETS = {
-    "ggml": SimpleNamespace(
+_OP_SETS = {
+    "ggml": dict(
         embedding=ggml_ops.get_rows,
         rms_norm=ggml_ops.rms_norm,
         rope=lambda x, pos, theta: ggml_ops.rope(x, pos, theta=theta, mode="norm"),
         linear=ggml_ops.mul_mat,
         swiglu=ggml_ops.swiglu,
-        attention=ggml_ops.flash_attn,
-        cross_entropy=_ggml_cross_entropy,
-        head_loss=_ggml_head_loss,
+        flash=ggml_ops.flash_attn,
+        softmax=_ggml_softmax_attention,
+        cross_entropy=lambda z, t: ggml_ops.cross_entropy(z, t, ignore_index=IGNORE_INDEX),
+        head_loss=lambda h, w, t: ggml_ops.linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX),
     ),
-    "torch": SimpleNamespace(
+    "torch": dict(
         embedding=lambda table, ids: F.embedding(ids, table),
         rms_norm=lambda x, eps: F.rms_norm(x, (x.shape[-1],), eps=eps),
-        rope=lambda x, pos, theta: _torch_rope(x, pos, theta=theta),
+        rope=lambda x, pos, theta: torch_rope(x, pos, theta=theta),
         linear=F.linear,
         swiglu=lambda gate, up: F.silu(gate) * up,
-        attention=_torch_attention,
+        flash=_sdpa,
+        softmax=_torch_softmax_attention,
         cross_entropy=_torch_cross_entropy,
-        head_loss=_torch_head_loss,
+        head_loss=lambda h, w, t: _torch_cross_entropy(F.linear(h, w), t),
     ),
 }
+
+
+def op_set(ops: str, attention: str) -> SimpleNamespace:
+    """The functions a model calls, for one op set and one attention choice."""
+    table = dict(_OP_SETS[ops])
+    table["attention"] = _sdpa if attention == "sdpa" else table[attention]
+    return SimpleNamespace(**table)
+
+
+# ---- the modules -------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
     """RMS normalisation followed by a learned per-channel scale (ggml: rms_norm then mul)."""
 
-    def __init__(self, dim: int, eps: float, op_set: SimpleNamespace) -> None:
+    def __init__(self, dim: int, eps: float, ops: SimpleNamespace) -> None:
         super().__init__()
-        self.eps = eps
-        self.op_set = op_set
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op_set.rms_norm(x, self.eps) * self.weight
+        return self.ops.rms_norm(x, self.eps) * self.weight
 
 
 class Linear(nn.Module):
     """A bias-free projection whose matmul comes from the selected op set."""
 
-    def __init__(self, in_features: int, out_features: int, op_set: SimpleNamespace) -> None:
+    def __init__(self, in_features: int, out_features: int, ops: SimpleNamespace) -> None:
         super().__init__()
-        self.op_set = op_set
+        self.ops = ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op_set.linear(x, self.weight)
+        return self.ops.linear(x, self.weight)
 
 
 class KVCache:
@@ -225,7 +289,6 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.length = 0
-        self.max_len = max_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append this step's k/v (batch, heads, t, hd) and return all keys/values so far."""
@@ -242,19 +305,19 @@ class Block(nn.Module):
     llama.cpp's (``blk.N.attn_q.weight``, ``blk.N.ffn_gate.weight``, ...).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, op_set: SimpleNamespace) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: SimpleNamespace) -> None:
         super().__init__()
-        self.cfg, self.layer, self.op_set = cfg, layer, op_set
+        self.cfg, self.layer, self.ops = cfg, layer, ops
         hd, kv_dim = cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, op_set)
-        self.attn_q = Linear(cfg.dim, cfg.n_heads * hd, op_set)
-        self.attn_k = Linear(cfg.dim, kv_dim, op_set)
-        self.attn_v = Linear(cfg.dim, kv_dim, op_set)
-        self.attn_output = Linear(cfg.n_heads * hd, cfg.dim, op_set)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, op_set)
-        self.ffn_gate = Linear(cfg.dim, cfg.hidden_dim, op_set)
-        self.ffn_up = Linear(cfg.dim, cfg.hidden_dim, op_set)
-        self.ffn_down = Linear(cfg.hidden_dim, cfg.dim, op_set)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
+        self.attn_q = Linear(cfg.dim, cfg.n_heads * hd, ops)
+        self.attn_k = Linear(cfg.dim, kv_dim, ops)
+        self.attn_v = Linear(cfg.dim, kv_dim, ops)
+        self.attn_output = Linear(cfg.n_heads * hd, cfg.dim, ops)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
+        self.ffn_gate = Linear(cfg.dim, cfg.hidden_dim, ops)
+        self.ffn_up = Linear(cfg.dim, cfg.hidden_dim, ops)
+        self.ffn_down = Linear(cfg.hidden_dim, cfg.dim, ops)
 
     def attention(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -262,16 +325,16 @@ class Block(nn.Module):
         q = self.attn_q(x).view(b, t, self.cfg.n_heads, hd)
         k = self.attn_k(x).view(b, t, self.cfg.kv_heads, hd)
         v = self.attn_v(x).view(b, t, self.cfg.kv_heads, hd)
-        q = self.op_set.rope(q, pos, self.cfg.rope_theta).transpose(1, 2)
-        k = self.op_set.rope(k, pos, self.cfg.rope_theta).transpose(1, 2)
+        q = self.ops.rope(q, pos, self.cfg.rope_theta).transpose(1, 2)
+        k = self.ops.rope(k, pos, self.cfg.rope_theta).transpose(1, 2)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        out = self.op_set.attention(q, k, v)  # (b, heads, t, hd), causal, end-aligned
+        out = self.ops.attention(q, k, v)  # (b, heads, t, hd), causal, end-aligned
         return self.attn_output(out.transpose(1, 2).reshape(b, t, -1))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn_down(self.op_set.swiglu(self.ffn_gate(x), self.ffn_up(x)))
+        return self.ffn_down(self.ops.swiglu(self.ffn_gate(x), self.ffn_up(x)))
 
     def forward(
         self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None
@@ -280,22 +343,33 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class Blocks(nn.ModuleList):
+    """The stack of blocks, run in order (a container others may replace; see module doc)."""
+
+    def forward(
+        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        for block in self:
+            x = block(x, pos, cache)
+        return x
+
+
 class Llama(nn.Module):
     """A llama decoder. ``forward(tokens)`` gives logits; with ``targets`` also the loss."""
 
-    def __init__(self, cfg: ModelConfig, ops: str = "ggml") -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if ops not in OP_SETS:
-            raise ConfigError(f"ops must be one of {sorted(OP_SETS)}, got {ops!r}")
-        self.cfg, self.ops = cfg, ops
-        self.op_set = OP_SETS[ops]
+        cfg.validate()
+        for name in ("vocab_size", "max_seq_len"):
+            if getattr(cfg, name) is None:
+                raise ConfigError(f"ModelConfig.{name} must be set to build a Llama")
+        self.cfg = cfg
+        ops = op_set(cfg.ops, cfg.attention)
         self.token_embd = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blk = nn.ModuleList(Block(cfg, i, self.op_set) for i in range(cfg.n_layers))
-        self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps, self.op_set)
-        self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, self.op_set)
-        # Activation checkpointing (set by the trainer): 0 = off; k = run the blocks in
-        # segments of k, keeping only each segment's input and recomputing it in backward.
-        self.checkpoint_segment = 0
+        self.blk = Blocks(Block(cfg, i, ops) for i in range(cfg.n_layers))
+        self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, ops)
+        self.ops = ops
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -326,31 +400,11 @@ class Llama(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final-normed hidden states (batch, seq, dim) — everything but the lm head."""
         start = cache.length if cache is not None else 0
-        t = tokens.shape[1]
-        if start + t > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sequence of {start + t} tokens exceeds max_seq_len {self.cfg.max_seq_len}"
-            )
-        pos = torch.arange(start, start + t, device=tokens.device)
-        x = self.op_set.embedding(self.token_embd.weight, tokens)
-        segment = self.checkpoint_segment
-        if segment and torch.is_grad_enabled() and cache is None:
-            for start in range(0, self.cfg.n_layers, segment):
-                x = checkpoint(
-                    self._run_blocks, x, pos, start, start + segment, use_reentrant=False
-                )
-        else:
-            x = self._run_blocks(x, pos, 0, self.cfg.n_layers, cache)
+        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        x = self.blk(self.ops.embedding(self.token_embd.weight, tokens), pos, cache)
         if cache is not None:
-            cache.length += t
+            cache.length += tokens.shape[1]
         return self.output_norm(x)
-
-    def _run_blocks(
-        self, x: torch.Tensor, pos: torch.Tensor, start: int, end: int, cache: KVCache | None = None
-    ) -> torch.Tensor:
-        for block in self.blk[start:end]:
-            x = block(x, pos, cache)
-        return x
 
     def forward(
         self,
@@ -360,10 +414,10 @@ class Llama(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab); with ``targets`` (-100 = ignore) also the mean loss."""
-        logits = self.op_set.linear(self.hidden_states(tokens, cache), self.lm_head_weight)
+        logits = self.ops.linear(self.hidden_states(tokens, cache), self.lm_head_weight)
         if targets is None:
             return logits
-        return logits, self.op_set.cross_entropy(logits, targets)
+        return logits, self.ops.cross_entropy(logits, targets)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss for training, without returning logits.
@@ -372,23 +426,34 @@ class Llama(nn.Module):
         (tokens x vocab) logits never exist at once — the largest tensor of a small-model,
         large-vocabulary step. Same value and gradients as ``forward(tokens, targets)[1]``.
         """
-        return self.op_set.head_loss(self.hidden_states(tokens), self.lm_head_weight, targets)
+        return self.ops.head_loss(self.hidden_states(tokens), self.lm_head_weight, targets)
 
     @torch.no_grad()
     def generate_stream(
         self,
         tokens: torch.Tensor,
         max_new_tokens: int,
-        params: SamplingParams,
+        params: SamplingParams | None = None,
         seed: int | None = None,
         stop_tokens: frozenset[int] = frozenset(),
     ) -> Iterator[torch.Tensor]:
-        """Yield the next token (batch,) one step at a time, decoding with a KV cache."""
+        """Yield the next token (batch,) one step at a time, decoding with a KV cache.
+
+        Like llama.cpp, generation goes on past the context the model was trained for (rope
+        extends to any position) and warns once when it does: what comes out there is the
+        model's, and llama.cpp's, best guess outside its training.
+        """
         if tokens.dim() == 1:
             tokens = tokens[None]
-        total = min(tokens.shape[1] + max_new_tokens, self.cfg.max_seq_len)
-        if tokens.shape[1] >= total:
+        if max_new_tokens < 1:
             return
+        total = tokens.shape[1] + max_new_tokens
+        if total > self.cfg.max_seq_len:
+            warnings.warn(
+                f"generating {total} tokens, past the {self.cfg.max_seq_len} the model was "
+                "trained on (llama.context_length); llama.cpp continues too, quality may drop",
+                stacklevel=2,
+            )
         param = next(self.parameters())
         cache = KVCache(self.cfg, tokens.shape[0], total, param.device, param.dtype)
         generator = None
@@ -397,7 +462,7 @@ class Llama(nn.Module):
         history = tokens.to(param.device)
         logits = self(history, cache=cache)[:, -1]
         while True:
-            next_token = sample_next(logits, params, history, generator)
+            next_token = sample_next(logits, params or SamplingParams(), history, generator)
             yield next_token
             history = torch.cat((history, next_token[:, None]), dim=1)
             if history.shape[1] >= total or (stop_tokens and next_token[0].item() in stop_tokens):
@@ -408,18 +473,14 @@ class Llama(nn.Module):
         self,
         tokens: torch.Tensor,
         max_new_tokens: int,
-        *,
-        temperature: float = 0.8,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repeat_penalty: float = 1.0,
+        params: SamplingParams | None = None,
         seed: int | None = None,
     ) -> torch.Tensor:
-        """Prompt + up to ``max_new_tokens`` sampled tokens (LongTensor, same batch shape).
+        """Prompt + ``max_new_tokens`` sampled tokens (LongTensor, same batch shape).
 
-        Generation stops early only at ``max_seq_len``; temperature 0 is greedy decoding.
+        ``params`` defaults to llama.cpp's sampler settings; ``SamplingParams(temperature=0)``
+        is greedy decoding.
         """
-        params = SamplingParams(temperature, top_k, top_p, repeat_penalty)
         squeeze = tokens.dim() == 1
         prompt = tokens[None] if squeeze else tokens
         was_training = self.training

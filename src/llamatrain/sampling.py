@@ -14,11 +14,17 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. ``temperature == 0`` means greedy (argmax)."""
+    """How to pick the next token. ``temperature == 0`` means greedy (argmax).
+
+    The defaults are llama.cpp's own sampler defaults (``llama-cli`` with no sampling flags,
+    minus min-p, which llamatrain does not implement), so a model sampled here and in
+    llama.cpp behaves alike out of the box. This is the one home of sampling defaults: the
+    CLI, the API and the trainer's samples all start from it.
+    """
 
     temperature: float = 0.8
-    top_k: int | None = None
-    top_p: float | None = None
+    top_k: int | None = 40
+    top_p: float | None = 0.95
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
 

@@ -1,8 +1,11 @@
 """The training loop: batches → loss → backward → clip → step → schedule; eval; save.
 
-The trainer takes already-built objects (model, tokenizer, data, config) so that notebooks
-drive it exactly as the CLI does. One optimizer step consumes ``n_batch`` tokens computed
-``n_ubatch`` at a time (llama.cpp finetune's semantics): gradients of equal-sized
+The trainer takes already-built objects (a model, prepared as the run wants it: initialised or
+loaded, checkpointing applied; the data; the tokenizer; the config) so that notebooks drive it
+exactly as the CLI does. Building it changes nothing outside it: the run folder is written when
+``fit`` or ``save`` run, and process-wide settings are the caller's
+(``llamatrain.device.configure_process``). One optimizer step consumes ``n_batch`` tokens
+computed ``n_ubatch`` at a time (llama.cpp finetune's semantics): gradients of equal-sized
 micro-batches are accumulated with weight 1/n_micro, so the update equals the full batch's up
 to float rounding whatever ``n_ubatch`` is.
 """
@@ -19,13 +22,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from llamatrain.allocator import retain_freed_memory
 from llamatrain.checkpoint import Checkpoint, CheckpointManager, TrainingState, checkpoint_dir
 from llamatrain.config import Config, config_to_dict
 from llamatrain.data import TrainData
+from llamatrain.device import resolve_device
 from llamatrain.errors import TrainingError
+from llamatrain.evaluate import validation_metrics
 from llamatrain.model import Llama
 from llamatrain.optim import build_optimizer, lr_at, set_lr
+from llamatrain.plot import METRICS_FILE
+from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
 
 
@@ -38,125 +44,55 @@ class History:
     samples: list[str] = field(default_factory=list)
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present, so the same config runs on a laptop and a GPU box."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("train.device = 'cuda' but no CUDA device is available; use 'auto'")
-    return torch.device(name)
-
-
-def activation_bytes_per_block(model: Llama, n_seq: int, n_ctx: int) -> tuple[int, int]:
-    """Measure (u, v): bytes of one block's input and of everything one block saves.
-
-    These are the two sizes in the 2023 spacing rule; measuring them (rather than guessing)
-    keeps the rule honest for GQA, wide FFNs or other op sets.
-    """
-    block = model.blk[0]
-    param = next(model.parameters())
-    x = torch.zeros(n_seq, n_ctx, model.cfg.dim, device=param.device, requires_grad=True)
-    pos = torch.arange(n_ctx, device=param.device)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter) and t.data_ptr() not in saved:
-            saved[t.data_ptr()] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, pos)
-    return x.numel() * x.element_size(), sum(saved.values())
-
-
-def checkpoint_segment(policy: str, every_n: int, n_layers: int, u: int = 1, v: int = 1) -> int:
-    """Blocks per checkpointed segment (0 = no checkpointing).
-
-    ``auto`` follows the 2023 trainer: keeping k segment inputs (u bytes each) and
-    recomputing one segment of n/k blocks (v bytes each) costs k·u + (n/k)·v, smallest at
-    k = sqrt(n·v/u); so the segment length is n/k.
-    """
-    if policy == "none":
-        return 0
-    if policy == "full":
-        return 1
-    if policy == "every_n":
-        return max(1, min(every_n, n_layers))
-    kept = min(n_layers, max(1, round(math.sqrt(n_layers * v / u))))
-    return math.ceil(n_layers / kept)
-
-
-def configure_device(device: torch.device, *, bf16: bool) -> None:
-    """Process-wide speed settings for training on ``device`` (bench/train.py uses them too)."""
-    if device.type == "cpu":
-        retain_freed_memory()  # see llamatrain.allocator
-    elif device.type == "cuda" and bf16:
-        # Mixed precision was asked for: the float32 matmuls autocast leaves (the fused
-        # lm head + loss computes in float32) may use TF32 tensor cores too.
-        torch.backends.cuda.matmul.allow_tf32 = True
-
-
 class Trainer:
-    """Owns the optimizer, schedule, evaluation, checkpoints and metrics of one run."""
+    """Owns the optimizer, schedule, evaluation, checkpoints and metrics of one run.
+
+    ``data`` and ``tokenizer`` are needed by :meth:`fit` (batches, samples, checkpoints);
+    :meth:`train_step` alone needs neither, which is how the benchmarks time the trainer's own
+    step.
+    """
 
     def __init__(
         self,
         model: Llama,
-        tokenizer: Tokenizer,
-        data: TrainData,
         cfg: Config,
         *,
-        resume: Checkpoint | None = None,
+        data: TrainData | None = None,
+        tokenizer: Tokenizer | None = None,
         progress: bool = True,
     ) -> None:
-        self.cfg, self.tokenizer, self.data = cfg, tokenizer, data
+        self.cfg, self.data, self.tokenizer, self.progress = cfg, data, tokenizer, progress
         self.device = resolve_device(cfg.train.device)
-        configure_device(self.device, bf16=cfg.train.dtype == "bfloat16")
         self.model = model.to(self.device)
-        self.run_dir = Path(cfg.output.dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.checkpoints = CheckpointManager(
-            checkpoint_dir(self.run_dir), cfg.train.keep_checkpoints
-        )
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(config=config_to_dict(cfg))
         self.history = History()
-        self.progress = progress
-        self.n_micro = cfg.train.n_batch // (cfg.train.n_ubatch or cfg.train.n_batch)
-        self._configure_checkpointing()
+        self.n_micro = cfg.train.n_batch // cfg.train.n_ubatch
+        self.checkpoints = CheckpointManager(
+            checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints
+        )
+        self.metrics_path = Path(cfg.output.dir) / METRICS_FILE
         # Static shapes: training batches all have one shape, and dynamic-shape tracing of the
         # ggml ops' blockwise loops is slower to compile and less robust.
         self.loss_fn = (
             torch.compile(self.model.loss, dynamic=False) if cfg.train.compile else self.model.loss
         )
-        if resume is not None:
-            self._resume_from(resume)
-        self._trim_metrics()
 
-    # ---- setup -------------------------------------------------------------------------
+    def load_state(self, checkpoint: Checkpoint) -> None:
+        """Continue from ``checkpoint``: weights, optimizer state, RNG, counters, data cursor."""
+        self.model.load_state_dict(checkpoint.weights)
+        checkpoint.restore_optimizer(self.model, self.optimizer)
+        checkpoint.restore_rng()
+        saved = checkpoint.state
+        self.state.step, self.state.samples = saved.step, saved.samples
+        self.state.tokens, self.state.epochs = saved.tokens, saved.epochs
+        if self.data is not None:
+            self.data.sampler.load_state_dict(saved.data_state)
 
-    def _configure_checkpointing(self) -> None:
-        t = self.cfg.train
-        u = v = 1
-        if t.checkpointing == "auto":
-            n_seq = (t.n_ubatch or t.n_batch) // self.cfg.data.n_ctx
-            u, v = activation_bytes_per_block(self.model, n_seq, self.cfg.data.n_ctx)
-        self.model.checkpoint_segment = checkpoint_segment(
-            t.checkpointing, t.checkpoint_every_n, self.model.cfg.n_layers, u, v
-        )
-
-    def _resume_from(self, ckpt: Checkpoint) -> None:
-        self.model.load_state_dict(ckpt.model.state_dict())
-        ckpt.restore_optimizer(self.optimizer)
-        ckpt.restore_rng()
-        self.state.step, self.state.samples = ckpt.state.step, ckpt.state.samples
-        self.state.tokens, self.state.epochs = ckpt.state.tokens, ckpt.state.epochs
-        self.data.sampler.load_state_dict(ckpt.state.data_state)
-
-    def _trim_metrics(self) -> None:
+    def _start_metrics(self) -> None:
         """Keep metrics.jsonl to this run's history: empty for a fresh start, and only the
         lines up to the checkpoint's step for a resume (later lines are about to be redone)."""
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         if not self.metrics_path.exists():
             return
         kept = [
@@ -226,36 +162,18 @@ class Trainer:
 
     # ---- evaluation and samples ---------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
         """Validation loss, perplexity and next-token accuracy over the held-out windows."""
-        self.model.eval()
-        loss_sum, correct, count = 0.0, 0, 0
-        try:
-            for inputs, targets in self.data.val_batches(self.cfg.train.eval_batches):
-                inputs, targets = inputs.to(self.device), targets.to(self.device)
-                with self._autocast():
-                    logits, loss = self.model(inputs, targets)
-                loss_sum += loss.item() * targets.numel()
-                correct += (logits.argmax(-1) == targets).sum().item()
-                count += targets.numel()
-        finally:
-            self.model.train()
-        val_loss = loss_sum / max(count, 1)
-        return {
-            "step": self.state.step,
-            "val_loss": val_loss,
-            "val_ppl": math.exp(min(val_loss, 700.0)),
-            "val_acc": correct / max(count, 1),
-        }
+        batches = self.data.val_batches(self.cfg.train.eval_batches)
+        metrics = validation_metrics(self.model, batches, self.device, self._autocast())
+        return {"step": self.state.step, **metrics}
 
     def sample(self) -> str:
         """A short continuation of the configured prompt, to see what the model learned."""
         t = self.cfg.train
         prompt = torch.tensor(self.tokenizer.encode(t.sample_prompt, bos=True), device=self.device)
-        out = self.model.generate(
-            prompt, t.sample_tokens, temperature=t.sample_temperature, top_k=40, seed=t.seed
-        )
+        params = SamplingParams(temperature=t.sample_temperature)
+        out = self.model.generate(prompt, t.sample_tokens, params, seed=t.seed)
         return self.tokenizer.decode(out.tolist())
 
     # ---- bookkeeping --------------------------------------------------------------------
@@ -265,6 +183,7 @@ class Trainer:
             f.write(json.dumps(record) + "\n")
 
     def save(self) -> Path:
+        """Write a checkpoint of the run as it stands (model, optimizer, counters, cursor)."""
         self.state.data_state = self.data.sampler.state_dict()
         self.state.epochs = self.data.sampler.epoch
         return self.checkpoints.save(self.model, self.tokenizer, self.optimizer, self.state)
@@ -273,14 +192,17 @@ class Trainer:
         if self.data.val is None:
             return  # data.val_fraction = 0: nothing held out to evaluate on
         record = self.evaluate()
-        record["sample"] = self.sample()
-        self.history.eval.append(record)
-        self.history.samples.append(record["sample"])
-        self._log(record)
-        bar.write(
+        lines = [
             f"step {record['step']}: val_loss {record['val_loss']:.4f} "
-            f"ppl {record['val_ppl']:.2f} acc {record['val_acc']:.3f}\n{record['sample']!r}"
-        )
+            f"ppl {record['val_ppl']:.2f} acc {record['val_acc']:.3f}"
+        ]
+        if self.cfg.train.sample_tokens > 0:
+            record["sample"] = self.sample()
+            self.history.samples.append(record["sample"])
+            lines += [f"---- sample at step {record['step']} ----", record["sample"], "-" * 32]
+        self.history.eval.append(record)
+        self._log(record)
+        bar.write("\n".join(lines))
 
     def _every(self, period: int) -> bool:
         return period > 0 and self.state.step % period == 0
@@ -299,6 +221,7 @@ class Trainer:
             unit="step",
             dynamic_ncols=True,
         )
+        self._start_metrics()
         self.model.train()
         try:
             while self.state.step < t.steps:

@@ -1,4 +1,4 @@
-"""The golden run: configs/tiny.toml, 20 steps on CPU, must train exactly as it always has.
+"""The golden run: the built-in config "tiny", 20 steps on CPU, must train exactly as it always has.
 
 Why: restructuring the code around the model and the loop must not change what a run
 computes. The record (``golden_tiny.json``) holds the loss of every step and the sha256 of
@@ -23,7 +23,6 @@ import torch
 
 import llamatrain
 
-REPO = Path(__file__).resolve().parents[2]
 RECORD = Path(__file__).with_name("golden_tiny.json")
 STEPS = 20
 
@@ -35,9 +34,8 @@ def _environment() -> dict[str, str]:
 def golden_run(cache_dir: Path, out_dir: Path) -> dict:
     """Train configs/tiny.toml for STEPS steps on CPU; the losses and the weights' sha256."""
     result = llamatrain.fit(
-        REPO / "configs" / "tiny.toml",
+        "tiny",
         overrides=[
-            f'data.path="{REPO / "tests" / "data" / "tiny.txt"}"',
             f'data.cache_dir="{cache_dir}"',
             f'output.dir="{out_dir}"',
             f"train.steps={STEPS}",

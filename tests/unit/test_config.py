@@ -11,6 +11,8 @@ from llamatrain.config import (
     SECTIONS,
     Config,
     apply_overrides,
+    apply_values,
+    builtin_config_names,
     config_from_dict,
     config_reference,
     config_to_dict,
@@ -19,9 +21,9 @@ from llamatrain.config import (
     validate,
 )
 from llamatrain.errors import ConfigError
+from llamatrain.settings import is_config_key
 
-REPO = Path(__file__).resolve().parents[2]
-SHIPPED = sorted((REPO / "configs").glob("*.toml"))
+SHIPPED = builtin_config_names()
 
 
 def write(tmp_path: Path, text: str, name: str = "x.toml") -> Path:
@@ -55,22 +57,27 @@ def test_file_values_and_int_accepted_for_float(tmp_path):
     assert cfg.origin("optim.eps") == "the defaults"
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_shipped_configs_load_and_validate(path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    cfg = load_config(path)
+@pytest.mark.parametrize("name", SHIPPED)
+def test_built_in_configs_load_by_name_from_any_folder(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing of the repository is here
+    cfg = load_config(name)
+    assert cfg == load_config(f"{name}.toml")
     assert cfg.train.n_batch % cfg.data.n_ctx == 0
-    if cfg.data.path != "shakespeare":
-        assert Path(cfg.data.path).is_file()
+    assert cfg.data.path in ("shakespeare", "sonnets")  # built-in corpora, found anywhere
 
 
 def test_expected_configs_are_shipped():
-    assert {p.name for p in SHIPPED} >= {"tiny.toml", "shakespeare.toml", "ggml-2023.toml"}
+    assert set(SHIPPED) >= {"tiny", "shakespeare", "ggml-2023"}
 
 
-def test_ggml_2023_matches_the_2023_defaults(monkeypatch):
-    monkeypatch.chdir(REPO)
-    cfg = load_config("configs/ggml-2023.toml")
+def test_a_file_wins_over_a_built_in_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "[train]\nsteps = 7\n", "tiny")
+    assert load_config("tiny").train.steps == 7
+
+
+def test_ggml_2023_matches_the_2023_defaults():
+    cfg = load_config("ggml-2023")
     m, o, t = cfg.model, cfg.optim, cfg.train
     assert (cfg.data.n_ctx, m.dim, m.n_heads, m.n_layers, m.ffn_dim) == (128, 256, 8, 16, 768)
     assert (m.norm_eps, m.rope_theta, t.n_batch // cfg.data.n_ctx) == (1e-5, 10000.0, 8)
@@ -86,6 +93,14 @@ def test_ggml_2023_matches_the_2023_defaults(monkeypatch):
 def test_missing_file(tmp_path):
     msg = error_of(load_config, tmp_path / "nope.toml")
     assert "nope.toml" in msg and "not found" in msg
+    assert "built-in configs: ggml-2023, shakespeare, tiny" in msg
+
+
+def test_derived_model_fields_are_not_config_keys(tmp_path):
+    msg = error_of(load_config, write(tmp_path, "[model]\nvocab_size = 100\n"))
+    assert "model.vocab_size" in msg and "not a config key" in msg and "tokenizer" in msg
+    msg = error_of(load_config, None, ["model.max_seq_len=64"])
+    assert "not a config key" in msg and "data.n_ctx" in msg
 
 
 def test_bad_toml_syntax(tmp_path):
@@ -206,6 +221,14 @@ def test_override_value_parsing():
     assert cfg.origin("optim.lr") == "--set optim.lr=3e-4"
 
 
+def test_python_values_are_checked_like_overrides():
+    cfg = apply_values(Config(), {"train.steps": 20, "data.path": ["a", "b"]}, "fit(...)")
+    assert cfg.train.steps == 20 and cfg.origin("train.steps") == "fit(...) train.steps"
+    msg = error_of(apply_values, Config(), {"train.steps": "20"}, "fit(...)")
+    assert msg == "train.steps in fit(...) train.steps must be an integer, got '20'"
+    assert "did you mean optim.lr" in error_of(apply_values, Config(), {"optim.lrr": 1}, "x")
+
+
 def test_override_fixes_file_before_validation(tmp_path):
     path = write(tmp_path, "[optim]\nlr = -1.0\n")
     assert load_config(path, ["optim.lr=0.01"]).optim.lr == 0.01
@@ -239,10 +262,9 @@ def test_dict_round_trip():
     assert config_to_dict(cfg)["model"]["n_kv_heads"] == 2
 
 
-@pytest.mark.parametrize("path", [None, *SHIPPED], ids=lambda p: getattr(p, "name", "defaults"))
-def test_toml_round_trip(tmp_path, path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    cfg = load_config(path, ['train.sample_prompt="He said \\"hi\\"\\n\\tüñ"'])
+@pytest.mark.parametrize("name", [None, *SHIPPED])
+def test_toml_round_trip(tmp_path, name):
+    cfg = load_config(name, ['train.sample_prompt="He said \\"hi\\"\\n\\tüñ"'])
     out = write(tmp_path, config_to_toml(cfg), "dump.toml")
     assert load_config(out) == cfg
 
@@ -250,8 +272,14 @@ def test_toml_round_trip(tmp_path, path, monkeypatch):
 def test_config_reference_covers_every_field():
     rows = config_reference()
     keys = [k for k, _, _ in rows]
-    expected = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
-    assert keys == expected
+    expected = [
+        f"{s}.{f.name}"
+        for s, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if is_config_key(f)
+    ]
+    assert keys == expected and "model.attention" in keys
+    assert "model.vocab_size" not in keys and "model.max_seq_len" not in keys
     assert all(help_text.strip() for _, _, help_text in rows)
     table = {k: (d, h) for k, d, h in rows}
     assert table["optim.lr"][0] == 1e-3

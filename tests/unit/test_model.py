@@ -1,23 +1,31 @@
-"""The llama module: config rules, GGUF naming, ggml vs torch op sets, KV-cache decoding."""
+"""The llama module: config rules, GGUF naming, op sets and attention choices, decoding."""
+
+import dataclasses
+import warnings
 
 import pytest
 import torch
 
 from llamatrain import Llama, ModelConfig
 from llamatrain.errors import ConfigError
-from llamatrain.model import tensor_shapes
+from llamatrain.model import ATTENTIONS, KVCache, tensor_shapes
+from llamatrain.sampling import SamplingParams
 
-SMALL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
+SMALL = dict(
+    vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64
+)
+GREEDY = SamplingParams(temperature=0)
+
+
+def make_model(dtype: torch.dtype = torch.float32, **overrides) -> Llama:
+    """A small model with the weights of seed 0, whatever its op set or attention."""
+    torch.manual_seed(0)
+    return Llama(ModelConfig(**{**SMALL, **overrides})).to(dtype)
 
 
 def make_pair(dtype: torch.dtype, **overrides) -> tuple[Llama, Llama]:
     """The same weights under both op sets."""
-    cfg = ModelConfig(**{**SMALL, **overrides})
-    torch.manual_seed(0)
-    ggml = Llama(cfg, ops="ggml").to(dtype)
-    torch_model = Llama(cfg, ops="torch").to(dtype)
-    torch_model.load_state_dict(ggml.state_dict())
-    return ggml, torch_model
+    return make_model(dtype, ops="ggml", **overrides), make_model(dtype, ops="torch", **overrides)
 
 
 def batch(cfg: ModelConfig, b: int = 2, t: int = 11, seed: int = 1):
@@ -38,21 +46,38 @@ def loss_and_grads(model: Llama, tokens, targets):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(dim=30, n_heads=4), "divisible by n_heads"),
-        (dict(n_kv_heads=3), "must divide n_heads"),
+        (dict(dim=30, n_heads=4), "divisible by model.n_heads"),
+        (dict(n_kv_heads=3), "must divide model.n_heads"),
         (dict(dim=12, n_heads=4), "must be even"),
-        (dict(n_layers=0), "n_layers must be a positive integer"),
+        (dict(n_layers=0), "model.n_layers must be > 0"),
+        (dict(ops="numpy"), "model.ops must be one of 'ggml', 'torch'"),
+        (dict(attention="linear"), "model.attention must be one of 'flash', 'softmax', 'sdpa'"),
     ],
 )
-def test_config_rejects_impossible_shapes(kwargs, message):
+def test_config_rejects_impossible_shapes_and_choices(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**{**SMALL, **kwargs})
 
 
+def test_a_llama_needs_the_sizes_a_run_derives():
+    with pytest.raises(ConfigError, match="vocab_size must be set"):
+        Llama(ModelConfig(dim=32, n_heads=4, max_seq_len=8))
+    with pytest.raises(ConfigError, match="max_seq_len must be set"):
+        Llama(ModelConfig(dim=32, n_heads=4, vocab_size=8))
+
+
+def test_architecture_leaves_out_the_run_choices():
+    cfg = ModelConfig(**SMALL, ops="torch", attention="softmax", init_from="base.gguf")
+    arch = cfg.architecture()
+    assert "ops" not in arch and "attention" not in arch and "init_from" not in arch
+    assert arch == dataclasses.replace(cfg, ops="ggml", init_from=None).architecture()
+    assert arch["vocab_size"] == 61 and arch["max_seq_len"] == 64
+
+
 def test_ffn_width_follows_llama_rule():
-    assert ModelConfig(32000, 4096, 1, 32, multiple_of=256).hidden_dim == 11008
-    assert ModelConfig(32000, 288, 1, 6, multiple_of=32).hidden_dim == 768  # stories15M
-    assert ModelConfig(10, 64, 1, 4, ffn_dim=100).hidden_dim == 100
+    assert ModelConfig(dim=4096, n_heads=32, multiple_of=256).hidden_dim == 11008
+    assert ModelConfig(dim=288, n_heads=6, multiple_of=32).hidden_dim == 768  # stories15M
+    assert ModelConfig(dim=64, n_heads=4, ffn_dim=100).hidden_dim == 100
 
 
 def test_parameter_names_are_gguf_names():
@@ -88,7 +113,7 @@ def test_num_params_counts_every_weight():
 
 def test_initialisation_scales_residual_projections():
     torch.manual_seed(0)
-    model = Llama(ModelConfig(vocab_size=512, dim=128, n_layers=8, n_heads=4))
+    model = Llama(ModelConfig(vocab_size=512, dim=128, n_layers=8, n_heads=4, max_seq_len=8))
     sd = model.state_dict()
     assert sd["blk.0.attn_q.weight"].std().item() == pytest.approx(0.02, rel=0.05)
     assert sd["blk.0.ffn_down.weight"].std().item() == pytest.approx(0.02 / 4, rel=0.05)
@@ -126,30 +151,28 @@ def test_forward_without_targets_returns_logits_only():
     assert model(tokens).shape == (3, 5, 61)
 
 
-def test_sequence_longer_than_max_seq_len_is_rejected():
-    model = Llama(ModelConfig(**SMALL, max_seq_len=8))
-    with pytest.raises(ValueError, match="max_seq_len"):
-        model(torch.zeros(1, 9, dtype=torch.long))
-
-
-@pytest.mark.parametrize("segment", [1, 2, 3])
-def test_activation_checkpointing_gives_identical_gradients(segment):
-    model, _ = make_pair(torch.float64, n_layers=3)
-    tokens, targets = batch(model.cfg)
-    _, loss_plain, grads_plain = loss_and_grads(model, tokens, targets)
-    model.checkpoint_segment = segment
-    _, loss_ckpt, grads_ckpt = loss_and_grads(model, tokens, targets)
-    assert loss_plain.item() == loss_ckpt.item()
-    for name in grads_plain:
-        torch.testing.assert_close(grads_plain[name], grads_ckpt[name], rtol=0, atol=1e-12)
+@pytest.mark.parametrize("ops", ["ggml", "torch"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_attention_choices_compute_the_same_model(ops, attention):
+    # float64: flash (blockwise), softmax (scores + diag_mask_inf + soft_max) and SDPA differ
+    # only in summation order (~1e-16 observed); 1e-10 asserted, logits and every gradient.
+    ref = make_model(torch.float64)
+    model = make_model(torch.float64, ops=ops, attention=attention)
+    tokens, targets = batch(ref.cfg)
+    logits_r, loss_r, grads_r = loss_and_grads(ref, tokens, targets)
+    logits, loss, grads = loss_and_grads(model, tokens, targets)
+    torch.testing.assert_close(logits, logits_r, rtol=0, atol=1e-10)
+    torch.testing.assert_close(loss, loss_r, rtol=0, atol=1e-10)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_r[name], rtol=0, atol=1e-10, msg=name)
 
 
 @pytest.mark.parametrize("ops", ["ggml", "torch"])
-def test_kv_cache_decoding_matches_full_forward(ops):
-    from llamatrain.model import KVCache
-
-    torch.manual_seed(0)
-    model = Llama(ModelConfig(**SMALL), ops=ops).double().eval()
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_kv_cache_decoding_matches_full_forward(ops, attention):
+    # Decoding attends with fewer queries than keys: every attention aligns its causal mask
+    # to the end of the keys.
+    model = make_model(torch.float64, ops=ops, attention=attention).eval()
     tokens, _ = batch(model.cfg, b=2, t=12)
     full = model(tokens)
     cache = KVCache(model.cfg, 2, 12, "cpu", torch.float64)
@@ -159,10 +182,9 @@ def test_kv_cache_decoding_matches_full_forward(ops):
 
 
 def test_greedy_generate_equals_argmax_of_full_forward():
-    torch.manual_seed(0)
-    model = Llama(ModelConfig(**SMALL)).double()
+    model = make_model(torch.float64)
     prompt = torch.tensor([3, 14, 15, 9])
-    out = model.generate(prompt, 10, temperature=0)
+    out = model.generate(prompt, 10, GREEDY)
     assert out.shape == (14,) and torch.equal(out[:4], prompt)
     for i in range(4, 14):
         assert out[i].item() == model(out[None, :i])[0, -1].argmax().item()
@@ -172,24 +194,34 @@ def test_sampled_generate_is_reproducible_from_seed():
     torch.manual_seed(0)
     model = Llama(ModelConfig(**SMALL))
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    kw = dict(temperature=1.0, top_k=20, top_p=0.9, repeat_penalty=1.1)
-    a = model.generate(prompt, 16, seed=7, **kw)
-    b = model.generate(prompt, 16, seed=7, **kw)
-    c = model.generate(prompt, 16, seed=8, **kw)
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repeat_penalty=1.1)
+    a = model.generate(prompt, 16, params, seed=7)
+    b = model.generate(prompt, 16, params, seed=7)
+    c = model.generate(prompt, 16, params, seed=8)
     assert a.shape == (2, 19) and torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_generate_stops_at_max_seq_len():
-    model = Llama(ModelConfig(**SMALL, max_seq_len=10))
-    assert model.generate(torch.tensor([1, 2, 3]), 50, temperature=0).shape == (10,)
+def test_generate_goes_past_the_trained_context_with_one_warning():
+    # As llama.cpp does: every requested token comes, each the argmax of a full forward.
+    model = make_model(torch.float64, max_seq_len=10)
+    prompt = torch.tensor([1, 2, 3])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(prompt, 20, GREEDY)
+    assert out.shape == (23,)
+    assert [str(w.message) for w in caught if "trained on" in str(w.message)] == [
+        "generating 23 tokens, past the 10 the model was trained on (llama.context_length); "
+        "llama.cpp continues too, quality may drop"
+    ]
+    for i in (9, 10, 22):
+        assert out[i].item() == model(out[None, :i])[0, -1].argmax().item()
 
 
 @pytest.mark.parametrize("ops", ["ggml", "torch"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_training_loss_equals_forward_loss(ops, tie):
     # model.loss fuses lm head + cross-entropy (ggml); value and grads must match forward's.
-    torch.manual_seed(0)
-    model = Llama(ModelConfig(**{**SMALL, "tie_embeddings": tie}), ops=ops).double()
+    model = make_model(torch.float64, ops=ops, tie_embeddings=tie)
     tokens, targets = batch(model.cfg)
     _, loss_ref, grads_ref = loss_and_grads(model, tokens, targets)
     model.zero_grad()

@@ -22,26 +22,17 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from llamatrain.ops.dtypes import compute_dtype
 
-__all__ = ["BLOCK_SIZE", "USE_SDPA_ON_CUDA", "flash_attn"]
+__all__ = ["BLOCK_SIZE", "flash_attn"]
 
 # Query rows per block. A block's score tile holds B·H·BLOCK_SIZE·seq_kv elements, so memory
 # is linear in the sequence. 64 measured fastest on CPU across (B, H, T, D) from
 # (8, 8, 128, 32) to (1, 4, 2048, 64): smaller tiles stay in cache and let causal blocks skip
 # more of the kv columns they cannot see; at 32 the per-block overhead starts to show.
 BLOCK_SIZE = 64
-
-# On CUDA, hand attention to ``F.scaled_dot_product_attention`` (fused flash/memory-efficient
-# kernels with their own recomputing backward) when its masking convention matches ours. The
-# explicit path below is always used on CPU and is what the tests check.
-USE_SDPA_ON_CUDA = True
-
-# ``enable_gqa`` arrived in torch 2.5; older versions get K/V expanded instead.
-_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -262,7 +253,7 @@ def flash_attn(
     *,
     causal: bool = True,
     scale: float | None = None,
-    block_size: int | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> torch.Tensor:
     """Attention ``softmax(Q·Kᵀ·scale + mask)·V`` without storing the attention matrix.
 
@@ -276,8 +267,8 @@ def flash_attn(
             incremental decoding against a KV cache needs (for seq_kv == seq it is the usual
             lower triangle).
         scale: score scale; defaults to ``1/sqrt(head_dim)``.
-        block_size: query rows per block (defaults to the module's ``BLOCK_SIZE``); only
-            memory and speed depend on it, never the result beyond rounding.
+        block_size: query rows per block; only memory and speed depend on it, never the
+            result beyond rounding.
 
     Returns:
         (batch, n_heads, seq, head_dim) in q's dtype. bf16/fp16 inputs are computed with
@@ -286,28 +277,8 @@ def flash_attn(
     _validate(q, k, v, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    block = BLOCK_SIZE if block_size is None else int(block_size)
+    block = int(block_size)
     if block < 1:
         raise ValueError(f"block_size must be positive; got {block}")
-    # SDPA's is_causal is aligned to the top-left, so it only matches ours when seq == seq_kv.
-    if USE_SDPA_ON_CUDA and q.is_cuda and (not causal or q.shape[2] == k.shape[2]):
-        return _sdpa(q, k, v, causal, scale)
     return _FlashAttn.apply(q, k, v, causal, float(scale), block)
 
-
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> torch.Tensor:
-    """The CUDA dispatch: same grouping and scale through PyTorch's fused kernels.
-
-    Only valid where SDPA's top-left causal alignment equals ours (seq == seq_kv, or no mask).
-    """
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        if _SDPA_HAS_GQA:
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, scale=scale, enable_gqa=True
-            )
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)

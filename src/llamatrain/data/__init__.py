@@ -1,0 +1,107 @@
+"""Training text → token stream → windows → batches.
+
+Each step lives in its own module:
+
+- :mod:`~llamatrain.data.sources` turns ``data.path`` into checked text files;
+  :mod:`~llamatrain.data.shakespeare` provides the downloadable default corpus.
+- :mod:`~llamatrain.data.cache` tokenizes the files once into a memory-mapped stream.
+- :mod:`~llamatrain.data.windows` cuts the stream into training and validation windows and
+  draws shuffled, resumable batches.
+
+:func:`build_train_data` wires them together the way ``cfg.data`` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from llamatrain.data.cache import load_tokens
+from llamatrain.data.sources import (
+    SHAKESPEARE,
+    SONNETS,
+    SONNETS_PATH,
+    check_text_file,
+    read_text,
+    resolve_inputs,
+)
+from llamatrain.data.windows import (
+    BatchSampler,
+    TokenWindows,
+    line_end_ids,
+    split_windows,
+    val_batches,
+)
+
+if TYPE_CHECKING:
+    from llamatrain.config import Config
+    from llamatrain.tokenizer import Tokenizer
+
+__all__ = [
+    "SHAKESPEARE",
+    "SONNETS",
+    "SONNETS_PATH",
+    "BatchSampler",
+    "TokenWindows",
+    "TrainData",
+    "build_train_data",
+    "check_text_file",
+    "load_tokens",
+    "read_text",
+    "resolve_inputs",
+    "split_windows",
+    "val_batches",
+]
+
+
+@dataclass
+class TrainData:
+    """The data side of a run: files, token stream, windows and the batch sampler."""
+
+    paths: list[Path]
+    tokens: np.ndarray
+    train: TokenWindows
+    val: TokenWindows | None
+    sampler: BatchSampler
+    n_seq: int
+    """Windows per batch: ``train.n_batch // data.n_ctx``."""
+
+    def val_batches(self, max_batches: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``max_batches`` (0 = all) validation batches; see :func:`val_batches`."""
+        return val_batches(self.val, self.n_seq, max_batches)
+
+
+def build_train_data(
+    cfg: Config,
+    tokenizer: Tokenizer,
+    *,
+    paths: Iterable[Path] | None = None,
+    progress: bool | None = None,
+) -> TrainData:
+    """Resolve, tokenize (cached), window and batch the data that ``cfg`` describes.
+
+    Pass ``paths`` when they were already resolved (e.g. to train the tokenizer first).
+    With ``data.bos_prefix`` every window starts with BOS, so documents in the stream do not;
+    without it, each document does (see :mod:`~llamatrain.data.cache`).
+    """
+    d = cfg.data
+    paths = list(paths) if paths is not None else resolve_inputs(d.path, d.cache_dir)
+    tokens = load_tokens(
+        paths, tokenizer, d.cache_dir, doc_bos=not d.bos_prefix, doc_eos=True, progress=progress
+    )
+    train, val = split_windows(
+        tokens,
+        n_ctx=d.n_ctx,
+        val_fraction=d.val_fraction,
+        sample_start=d.sample_start,
+        stride=d.stride,
+        bos_id=tokenizer.bos_id if d.bos_prefix else None,
+        line_ends=line_end_ids(tokenizer) if d.sample_start == "newline" else None,
+    )
+    n_seq = cfg.train.n_batch // d.n_ctx
+    return TrainData(paths, tokens, train, val, BatchSampler(train, n_seq, cfg.train.seed), n_seq)

@@ -1,0 +1,108 @@
+"""How well a model predicts text: validation during training, perplexity afterwards.
+
+Two measures, because the field uses both. :func:`validation_metrics` is what the trainer
+reports on its held-out windows (mean next-token loss, its perplexity, next-token accuracy,
+like ``llama-finetune``). :func:`perplexity` is ``llama-perplexity``'s number, computed its way,
+so a figure from ``llamatrain eval`` compares with one from llama.cpp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llamatrain.data import check_text_file, read_text
+from llamatrain.errors import DataError
+from llamatrain.model import Llama
+from llamatrain.tokenizer import Tokenizer
+
+
+@torch.no_grad()
+def validation_metrics(
+    model: Llama,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> dict[str, float]:
+    """Mean loss, perplexity and next-token accuracy over ``batches``, weighted by tokens."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    try:
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(device), targets.to(device)
+            with autocast or contextlib.nullcontext():
+                logits, loss = model(inputs, targets)
+            loss_sum += loss.item() * targets.numel()
+            correct += (logits.argmax(-1) == targets).sum().item()
+            count += targets.numel()
+    finally:
+        model.train(was_training)
+    val_loss = loss_sum / max(count, 1)
+    return {
+        "val_loss": val_loss,
+        "val_ppl": math.exp(min(val_loss, 700.0)),
+        "val_acc": correct / max(count, 1),
+    }
+
+
+@dataclass
+class PerplexityResult:
+    """Two views of how well a model predicts a text."""
+
+    perplexity: float  # llama-perplexity's method
+    mean_loss: float  # every next-token prediction inside the chunks
+    mean_ppl: float
+    n_tokens: int
+    n_chunks: int
+    n_ctx: int
+
+
+@torch.no_grad()
+def perplexity(
+    model: Llama, tokenizer: Tokenizer, path: str | Path, n_ctx: int | None = None
+) -> PerplexityResult:
+    """Perplexity computed exactly as llama.cpp's ``llama-perplexity`` does.
+
+    The text is tokenized with BOS and cut into non-overlapping chunks of ``n_ctx``; each
+    chunk's first token is replaced by BOS and only the second half of each chunk is scored,
+    so every scored token has at least n_ctx/2 tokens of context. ``mean_loss`` also scores
+    the first half (plain mean next-token loss over the chunks).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} does not exist; pass a UTF-8 text file to score with --data")
+    check_text_file(path)
+    n_ctx = n_ctx or model.cfg.max_seq_len
+    tokens = tokenizer.encode(read_text(path), bos=True)
+    n_chunks = len(tokens) // n_ctx
+    if n_chunks < 1:
+        raise DataError(
+            f"{path} has {len(tokens)} tokens, fewer than one chunk of n_ctx = {n_ctx}; "
+            "use a longer text or a smaller --n-ctx"
+        )
+    model.eval()
+    first = n_ctx // 2
+    nll_second_half, nll_all = 0.0, 0.0
+    for i in range(n_chunks):
+        chunk = torch.tensor(tokens[i * n_ctx : (i + 1) * n_ctx])
+        chunk[0] = tokenizer.bos_id
+        logits = model(chunk[None])[0].double()
+        nll = -torch.log_softmax(logits[:-1], dim=-1).gather(1, chunk[1:, None]).squeeze(1)
+        nll_second_half += nll[first:].sum().item()
+        nll_all += nll.sum().item()
+    scored = n_chunks * (n_ctx - 1 - first)
+    mean_loss = nll_all / (n_chunks * (n_ctx - 1))
+    return PerplexityResult(
+        perplexity=math.exp(nll_second_half / scored),
+        mean_loss=mean_loss,
+        mean_ppl=math.exp(mean_loss),
+        n_tokens=len(tokens),
+        n_chunks=n_chunks,
+        n_ctx=n_ctx,
+    )

@@ -1,0 +1,503 @@
+"""The GGUF container: read any GGUF into Python values and torch tensors, write one atomically.
+
+This module knows the file format and nothing of llama: which keys and tensors a model needs is
+``llamatrain.gguf.llama``'s business. It is the only module in llamatrain that imports the
+``gguf`` package, so that package's API churn stays behind one door.
+
+Writing goes through ``gguf.GGUFWriter`` (the writer llama.cpp's own converter uses, so the
+bytes are laid out the way llama.cpp expects) into a temp file in the target's folder that is
+fsynced and renamed over the target: an interrupted save never leaves a half-written file, and
+an old file survives a failed overwrite. Reading is a ``struct`` parser of our own (see
+``_Parser``) that checks every length against the file size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import struct
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import quants as gguf_quants
+
+from llamatrain.errors import ConfigError, GGUFError
+
+__all__ = [
+    "EXPORT_TYPES",
+    "FILE_TYPES",
+    "INTEGER_TYPES",
+    "QUANT_BLOCK",
+    "GGUFContents",
+    "TensorToWrite",
+    "general_file_type",
+    "read_gguf",
+    "read_gguf_metadata",
+    "write_gguf",
+]
+
+_T = GGMLQuantizationType
+_V = GGUFValueType
+
+FILE_TYPES: dict[str, tuple[GGMLQuantizationType, int]] = {
+    "f32": (_T.F32, int(LlamaFileType.ALL_F32)),
+    "f16": (_T.F16, int(LlamaFileType.MOSTLY_F16)),
+    "bf16": (_T.BF16, int(LlamaFileType.MOSTLY_BF16)),
+    "q8_0": (_T.Q8_0, int(LlamaFileType.MOSTLY_Q8_0)),
+    "q4_0": (_T.Q4_0, int(LlamaFileType.MOSTLY_Q4_0)),
+}
+"""Export type name -> (the GGML type matrices are stored as, its ``general.file_type``)."""
+
+EXPORT_TYPES: tuple[str, ...] = tuple(FILE_TYPES)
+"""The type names a tensor can be written as, for command-line choices and config checks."""
+
+QUANT_BLOCK = 32
+"""Values per Q8_0 / Q4_0 block: a quantized row must be a whole number of blocks."""
+
+INTEGER_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
+    _T.I8: torch.int8,
+    _T.I16: torch.int16,
+    _T.I32: torch.int32,
+    _T.I64: torch.int64,
+}
+"""Integer tensor types: read back with their own dtype, never dequantized to float."""
+
+
+@dataclass
+class GGUFContents:
+    """A GGUF file read into memory.
+
+    ``metadata``: every key as a plain Python value (str, int, float, bool, list).
+    ``tensors``: float tensors dequantized to float32 (integer tensors keep their dtype), in
+    torch's (row-major, numpy) shape. ``tensor_types``: the stored GGML type name per tensor
+    (``"F32"``, ``"Q8_0"``, ...). ``tensor_nbytes``: the bytes each tensor occupies in the file.
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    tensor_nbytes: dict[str, int] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ writing
+
+TensorToWrite: TypeAlias = tuple[torch.Tensor | np.ndarray, str]
+"""A tensor and the export type (an ``EXPORT_TYPES`` name) its matrices are to be stored as."""
+
+_EncodedValue: TypeAlias = tuple[Any, GGUFValueType, GGUFValueType | None]
+_EncodedTensor: TypeAlias = tuple[np.ndarray, GGMLQuantizationType | None]
+
+_NUMPY_VALUE_TYPES: dict[type, GGUFValueType] = {
+    np.uint8: _V.UINT8,
+    np.int8: _V.INT8,
+    np.uint16: _V.UINT16,
+    np.int16: _V.INT16,
+    np.uint32: _V.UINT32,
+    np.int32: _V.INT32,
+    np.uint64: _V.UINT64,
+    np.int64: _V.INT64,
+    np.float32: _V.FLOAT32,
+    np.float64: _V.FLOAT64,
+    np.bool_: _V.BOOL,
+}
+
+
+def _check_export_type(type_name: str) -> None:
+    """Raise ConfigError unless ``type_name`` is one of ``EXPORT_TYPES``."""
+    if type_name not in FILE_TYPES:
+        raise ConfigError(f"unknown GGUF type {type_name!r}; choose one of {', '.join(FILE_TYPES)}")
+
+
+def general_file_type(type_name: str) -> int:
+    """The ``general.file_type`` code of an export type (llama.cpp reports it as the ftype)."""
+    _check_export_type(type_name)
+    return FILE_TYPES[type_name][1]
+
+
+def write_gguf(
+    path: str | os.PathLike[str],
+    architecture: str,
+    metadata: Mapping[str, Any],
+    tensors: Mapping[str, TensorToWrite],
+) -> Path:
+    """Write a GGUF atomically and return its path.
+
+    ``metadata`` values take their GGUF type from numpy where one is given (``np.uint32(4)``
+    is UINT32, a 1-D ``np.float32`` array an ARRAY of FLOAT32), so a caller can spell exactly
+    the types its readers expect; plain Python values are inferred (bool BOOL, int INT64 or
+    UINT64 when too large, float FLOAT64, str STRING, a list an ARRAY of its items' type).
+    Each tensor is stored as its export type (see ``_encode_tensor``); integer tensors keep
+    an integer type. Everything is encoded before the file system is touched, so a value that
+    cannot be stored fails without leaving anything behind.
+    """
+    path = Path(path)
+    if "general.architecture" in metadata:
+        raise GGUFError("metadata sets general.architecture; pass it as the architecture instead")
+    encoded_metadata = {key: _encode_value(key, value) for key, value in metadata.items()}
+    encoded_tensors = {
+        name: _encode_tensor(name, data, type_name) for name, (data, type_name) in tensors.items()
+    }
+    writer = GGUFWriter(None, architecture)
+    for key, (value, value_type, item_type) in encoded_metadata.items():
+        writer.add_key_value(key, value, value_type, sub_type=item_type)
+    for name, (array, raw_type) in encoded_tensors.items():
+        writer.add_tensor(name, array, raw_dtype=raw_type)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(writer, path)
+    return path
+
+
+def _write_atomically(writer: GGUFWriter, path: Path) -> None:
+    """Temp file in the target's folder, fsync, rename, fsync the folder; no trace on failure."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        _write_and_sync(writer, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _write_and_sync(writer: GGUFWriter, tmp: Path) -> None:
+    """Write the whole file and fsync it; its handle is closed however this ends.
+
+    Closing never raises: after a failed write it flushes what is still buffered and fails the
+    same way, and that second error would bury the first, the one worth reporting.
+    """
+    try:
+        writer.write_header_to_file(path=tmp)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.flush()
+        for fout in writer.fout or []:
+            os.fsync(fout.fileno())
+    finally:
+        with contextlib.suppress(OSError):
+            writer.close()
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _encode_value(key: str, value: Any) -> _EncodedValue:
+    """(value as GGUFWriter packs it, GGUF type, item type of an array)."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise TypeError(f"GGUF key {key!r}: an array value must be 1-D, got {value.shape}")
+        value = list(value)
+    if isinstance(value, (list, tuple)):
+        return _encode_array(key, value)
+    scalar, value_type = _encode_scalar(key, value)
+    return scalar, value_type, None
+
+
+def _encode_array(key: str, items: Sequence[Any]) -> _EncodedValue:
+    if not items:
+        raise TypeError(f"GGUF key {key!r}: GGUF cannot store an empty array; leave the key out")
+    encoded = [_encode_scalar(key, item) for item in items]
+    item_type = encoded[0][1]
+    if any(t != item_type for _, t in encoded):
+        raise TypeError(f"GGUF key {key!r}: all items of an array must have the same type")
+    return [v for v, _ in encoded], _V.ARRAY, item_type
+
+
+def _encode_scalar(key: str, value: Any) -> tuple[Any, GGUFValueType]:
+    if isinstance(value, np.generic) and type(value) in _NUMPY_VALUE_TYPES:
+        return value.item(), _NUMPY_VALUE_TYPES[type(value)]
+    if isinstance(value, bool):
+        return value, _V.BOOL
+    if isinstance(value, int):
+        if not -(1 << 63) <= value < 1 << 64:
+            raise TypeError(f"GGUF key {key!r}: {value} does not fit in 64 bits")
+        return value, (_V.UINT64 if value >= 1 << 63 else _V.INT64)
+    if isinstance(value, float):
+        return value, _V.FLOAT64
+    if isinstance(value, str):
+        value.encode("utf-8")  # a lone surrogate fails here rather than mid-write
+        return value, _V.STRING
+    raise TypeError(
+        f"GGUF key {key!r}: cannot store a {type(value).__name__}; use str/int/float/bool, "
+        "a numpy scalar or 1-D array, or a list of those"
+    )
+
+
+def _to_numpy(data: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data)
+    data = data.detach().cpu()
+    if data.dtype in (torch.bfloat16, torch.float16, torch.float64):
+        data = data.float()
+    return np.ascontiguousarray(data.numpy())
+
+
+def _encode_tensor(name: str, data: torch.Tensor | np.ndarray, type_name: str) -> _EncodedTensor:
+    """(array as GGUFWriter takes it, raw GGML type when numpy's dtype does not say it).
+
+    Matrices take the requested type; 1-D tensors (norms) stay F32 as llama.cpp's own
+    converter leaves them; rows that are not whole quantization blocks fall back to F16 (with
+    a warning) because llama.cpp cannot hold a partial block. Integer tensors keep an integer
+    type.
+    """
+    _check_export_type(type_name)
+    array = _to_numpy(data)
+    if array.dtype.kind in "biu":
+        return _integer_array(name, array), None
+    array = array.astype(np.float32, copy=False)
+    qtype = FILE_TYPES[type_name][0]
+    if array.ndim < 2 or qtype == _T.F32:
+        return array, None
+    if qtype in (_T.Q8_0, _T.Q4_0) and array.shape[-1] % QUANT_BLOCK:
+        warnings.warn(
+            f"{name}: row length {array.shape[-1]} is not a multiple of {QUANT_BLOCK}, so it "
+            f"cannot be {qtype.name}; writing it as F16 instead",
+            stacklevel=2,
+        )
+        qtype = _T.F16
+    if qtype == _T.F16:
+        return array.astype(np.float16), None
+    return gguf_quants.quantize(array, qtype), qtype
+
+
+def _integer_array(name: str, array: np.ndarray) -> np.ndarray:
+    """GGUF's integer tensors are signed: bools and unsigned ints widen to one that holds them."""
+    signed = np.promote_types(array.dtype, np.int8)
+    if signed.kind != "i":
+        raise TypeError(f"tensor {name}: GGUF cannot store {array.dtype}; convert it to int64")
+    return array.astype(signed, copy=False)
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+_SCALARS: dict[int, tuple[str, int]] = {
+    int(_V.UINT8): ("<B", 1),
+    int(_V.INT8): ("<b", 1),
+    int(_V.UINT16): ("<H", 2),
+    int(_V.INT16): ("<h", 2),
+    int(_V.UINT32): ("<I", 4),
+    int(_V.INT32): ("<i", 4),
+    int(_V.FLOAT32): ("<f", 4),
+    int(_V.BOOL): ("<?", 1),
+    int(_V.UINT64): ("<Q", 8),
+    int(_V.INT64): ("<q", 8),
+    int(_V.FLOAT64): ("<d", 8),
+}
+_MAX_DIMS = 8
+
+
+class _Corrupt(Exception):
+    """Raised inside the parser; turned into one GGUFError naming the file."""
+
+
+@dataclass
+class _TensorInfo:
+    name: str
+    np_shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    offset: int  # absolute, in bytes
+    n_bytes: int
+
+
+class _Parser:
+    """GGUF v2/v3 header parser.
+
+    Why not ``gguf.GGUFReader``: it builds a numpy view per array element, which makes reading
+    a large vocabulary slow on every checkpoint or tokenizer load; ``struct`` reads the same
+    header at a fraction of the cost. Every length is checked against the file size, so a
+    truncated or corrupt file is reported as such instead of surfacing as an odd exception.
+    """
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise _Corrupt(f"needs {n} bytes at offset {self.pos}, past the end of the file")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str, size: int) -> Any:
+        return struct.unpack(fmt, self.take(size))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q", 8)
+        try:
+            return bytes(self.take(n)).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _Corrupt(f"a string at offset {self.pos - n} is not UTF-8") from e
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(*_SCALARS[vtype])
+        if vtype == int(_V.STRING):
+            return self.string()
+        if vtype == int(_V.ARRAY):
+            return self.array()
+        raise _Corrupt(f"unknown metadata value type {vtype}")
+
+    def array(self) -> list[Any]:
+        item_type = self.scalar("<I", 4)
+        count = self.scalar("<Q", 8)
+        if item_type in _SCALARS:
+            fmt, size = _SCALARS[item_type]
+            return np.frombuffer(self.take(count * size), dtype=np.dtype(fmt)).tolist()
+        if count > len(self.buf) - self.pos:
+            raise _Corrupt(f"an array claims {count} elements, more than the file holds")
+        return [self.value(item_type) for _ in range(count)]
+
+    def metadata(self, n_kv: int) -> dict[str, Any]:
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self.string()
+            vtype = self.scalar("<I", 4)
+            meta[key] = self.value(vtype)
+            if vtype == int(_V.FLOAT32):
+                # float32 -> the shortest decimal that round-trips, so 1e-5 reads back as 1e-5
+                meta[key] = float(str(np.float32(meta[key])))
+        return meta
+
+    def tensor_info(self) -> tuple[str, list[int], int, int]:
+        """(name, ggml dims fastest-first, raw type id, offset in the data section)."""
+        name = self.string()
+        n_dims = self.scalar("<I", 4)
+        if n_dims > _MAX_DIMS:
+            raise _Corrupt(f"tensor {name} claims {n_dims} dimensions")
+        dims = [self.scalar("<Q", 8) for _ in range(n_dims)]
+        raw_type = self.scalar("<I", 4)
+        offset = self.scalar("<Q", 8)
+        return name, dims, raw_type, offset
+
+
+def _check_magic(p: Path) -> None:
+    if not p.is_file():
+        raise GGUFError(f"GGUF file {str(p)!r} does not exist; check the path")
+    with open(p, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise GGUFError(
+            f"{p} is not a GGUF file (it starts with {head!r}, a GGUF starts with b'GGUF'); "
+            "pass a .gguf written by llamatrain or llama.cpp"
+        )
+
+
+def _parse(p: Path) -> tuple[dict[str, Any], list[_TensorInfo]]:
+    """(metadata, tensor infos) of a GGUF; raises GGUFError."""
+    _check_magic(p)
+    size = p.stat().st_size
+    r = _Parser(memoryview(np.memmap(p, mode="r", dtype=np.uint8)))
+    try:
+        r.take(4)
+        version = r.scalar("<I", 4)
+        if version & 0xFFFF == 0:
+            raise GGUFError(f"{p} is a big-endian GGUF; llamatrain reads little-endian files")
+        if version not in (2, 3):
+            raise GGUFError(f"{p} is GGUF version {version}; llamatrain reads versions 2 and 3")
+        n_tensors = r.scalar("<Q", 8)
+        n_kv = r.scalar("<Q", 8)
+        if n_tensors > size or n_kv > size:
+            raise _Corrupt(f"it claims {n_tensors} tensors and {n_kv} keys")
+        meta = r.metadata(n_kv)
+        raw_infos = [r.tensor_info() for _ in range(n_tensors)]
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise _Corrupt(f"general.alignment {align!r} is not a power of two")
+        data_start = (r.pos + align - 1) // align * align
+    except _Corrupt as e:
+        raise GGUFError(f"{p} is truncated or corrupt ({e}); re-export or re-download it") from e
+    finally:
+        del r  # release the memory map
+    return meta, _tensor_infos(p, raw_infos, data_start, size)
+
+
+def _tensor_infos(
+    p: Path, raw_infos: list[tuple[str, list[int], int, int]], data_start: int, size: int
+) -> list[_TensorInfo]:
+    """Resolve types, shapes and byte ranges, checking each tensor lies inside the file."""
+    infos: list[_TensorInfo] = []
+    seen: set[str] = set()
+    for name, dims, raw_type, offset in raw_infos:
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError as e:
+            raise GGUFError(
+                f"{p}: tensor {name} has unknown type id {raw_type}; the file is corrupt or "
+                f"from a newer llama.cpp — re-export it as {', '.join(EXPORT_TYPES)}"
+            ) from e
+        if name in seen:
+            raise GGUFError(f"{p} is corrupt: tensor {name} appears twice")
+        seen.add(name)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if dims and dims[0] % block:
+            raise GGUFError(f"{p} is corrupt: tensor {name} rows are not whole {qtype.name} blocks")
+        n_bytes = int(np.prod(dims)) // block * type_size
+        start = data_start + offset
+        if start + n_bytes > size:
+            raise GGUFError(
+                f"{p} is truncated: tensor {name} ends at byte {start + n_bytes} but the file "
+                f"has {size}; re-export or re-download it"
+            )
+        infos.append(_TensorInfo(name, tuple(reversed(dims)), qtype, start, n_bytes))
+    return infos
+
+
+def _read_tensor(p: Path, buf: np.ndarray, info: _TensorInfo) -> torch.Tensor:
+    """One tensor: integers as stored, everything else dequantized to float32."""
+    raw = buf[info.offset : info.offset + info.n_bytes]
+    qtype, shape = info.qtype, info.np_shape
+    if qtype in INTEGER_TYPES:
+        return torch.from_numpy(np.array(raw)).view(INTEGER_TYPES[qtype]).reshape(shape)
+    if qtype == _T.F32:
+        return torch.from_numpy(np.array(raw.view(np.float32).reshape(shape)))
+    if qtype in (_T.F16, _T.F64):
+        wide = np.float16 if qtype == _T.F16 else np.float64
+        return torch.from_numpy(raw.view(wide).reshape(shape).astype(np.float32))
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    byte_shape = (*shape[:-1], shape[-1] // block * type_size)
+    try:
+        out = gguf_quants.dequantize(raw.reshape(byte_shape), qtype)
+    except NotImplementedError as e:
+        raise GGUFError(
+            f"{p}: tensor {info.name} has type {qtype.name}, which llamatrain cannot read; "
+            f"re-quantize the model to {', '.join(EXPORT_TYPES)}"
+        ) from e
+    return torch.from_numpy(np.array(out, dtype=np.float32).reshape(shape))
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Only the key/value metadata (cheap: tensors are not read)."""
+    return _parse(Path(path))[0]
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFContents:
+    """Everything in a GGUF: metadata as Python values, tensors as torch tensors."""
+    p = Path(path)
+    meta, infos = _parse(p)
+    contents = GGUFContents(p, meta)
+    if not infos:
+        return contents
+    buf = np.memmap(p, mode="r", dtype=np.uint8)
+    for info in infos:
+        contents.tensor_types[info.name] = info.qtype.name
+        contents.tensor_nbytes[info.name] = info.n_bytes
+        contents.tensors[info.name] = _read_tensor(p, buf, info)
+    return contents

@@ -1,0 +1,439 @@
+"""The llama mapping of GGUF: which keys and tensors make a file llama.cpp runs as a llama.
+
+llama.cpp expects ``general.architecture = "llama"``, the ``llama.*`` hyper-parameter keys, the
+``tokenizer.ggml.*`` keys and *exactly* the model's tensors (an extra tensor makes it refuse the
+file). An exported model, a training checkpoint (the model plus ``training.*`` keys and
+``optimizer.*`` / ``training.*`` tensors) and a vocabulary are all written by ``write_model`` /
+``write_vocab`` here, so a checkpoint is guaranteed to carry exactly what an exported model
+carries; ``read_model`` reads any of them, ours or llama.cpp's, back into a ``ModelConfig``, the
+model's tensors and the tokenizer (the caller builds the ``Llama``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llamatrain.errors import ConfigError, GGUFError, TokenizerError
+from llamatrain.gguf.file import (
+    INTEGER_TYPES,
+    GGUFContents,
+    TensorToWrite,
+    general_file_type,
+    read_gguf,
+    read_gguf_metadata,
+    write_gguf,
+)
+from llamatrain.model import ModelConfig, tensor_shapes
+from llamatrain.tokenizer import TOKEN_TYPE_NORMAL, SpmTokenizer
+
+__all__ = [
+    "ARCHITECTURE",
+    "CHECKPOINT_TENSOR_PREFIXES",
+    "CONFIG_KEY",
+    "LlamaFile",
+    "check_tensors",
+    "model_config_from_metadata",
+    "model_metadata",
+    "read_model",
+    "read_tokenizer",
+    "tokenizer_from_metadata",
+    "tokenizer_metadata",
+    "write_model",
+    "write_vocab",
+]
+
+ARCHITECTURE = "llama"
+CONFIG_KEY = "llamatrain.model_config"
+"""Our exact ModelConfig as JSON, so our files reload into the same config (llama.cpp ignores
+unknown keys); a foreign file's config is rebuilt from the ``llama.*`` keys alone."""
+CHECKPOINT_TENSOR_PREFIXES = ("optimizer.", "training.")
+"""Tensors under these prefixes are a checkpoint's training state, never model weights."""
+REQUIRED_MODEL_KEYS = (
+    "llama.context_length",
+    "llama.embedding_length",
+    "llama.block_count",
+    "llama.attention.head_count",
+    "llama.attention.layer_norm_rms_epsilon",
+)
+_DERIVED_FIELDS = {
+    "vocab_size": "the tokenizer's vocabulary size",
+    "max_seq_len": "the context length the model is trained for",
+}
+_TENSOR_FIX = "a llama GGUF holds exactly Llama(config).state_dict() — re-export the model"
+_INTEGER_TYPE_NAMES = {dtype: qtype.name for qtype, dtype in INTEGER_TYPES.items()}
+
+
+# ----------------------------------------------------------------------------- the config
+
+
+def model_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``llama.*`` keys (the set llama.cpp's own model saver writes) and ``CONFIG_KEY``.
+
+    Values carry the numpy types llama.cpp reads them as (UINT32, FLOAT32).
+    """
+    for name, meaning in _DERIVED_FIELDS.items():
+        if getattr(cfg, name) is None:
+            raise GGUFError(
+                f"the model config has no {name}; a GGUF records it — set it to {meaning}"
+            )
+    u32, f32 = np.uint32, np.float32
+    return {
+        "llama.context_length": u32(cfg.max_seq_len),
+        "llama.embedding_length": u32(cfg.dim),
+        "llama.block_count": u32(cfg.n_layers),
+        "llama.feed_forward_length": u32(cfg.hidden_dim),
+        "llama.attention.head_count": u32(cfg.n_heads),
+        "llama.attention.head_count_kv": u32(cfg.kv_heads),
+        "llama.attention.layer_norm_rms_epsilon": f32(cfg.norm_eps),
+        "llama.rope.freq_base": f32(cfg.rope_theta),
+        "llama.rope.dimension_count": u32(cfg.head_dim),
+        "llama.vocab_size": u32(cfg.vocab_size),
+        CONFIG_KEY: json.dumps(cfg.architecture(), sort_keys=True),
+    }
+
+
+def model_config_from_metadata(contents: GGUFContents) -> ModelConfig:
+    """The ModelConfig a llama GGUF describes: ours from ``CONFIG_KEY``, checked against the
+    ``llama.*`` keys and tensor shapes; a foreign file's from those alone."""
+    meta, p = contents.metadata, contents.path
+    _check_required_keys(meta, p)
+    _check_dense_with_plain_rope(meta, p)
+    derived = _architecture_from_llama_keys(contents)
+    try:
+        if CONFIG_KEY in meta:
+            cfg = _config_from_json(meta[CONFIG_KEY], derived, p)
+        else:
+            cfg = ModelConfig(**derived)
+        cfg.validate()
+    except (ConfigError, TypeError, ValueError) as e:
+        raise GGUFError(f"{p} describes an invalid llama model: {e}") from e
+    return cfg
+
+
+def _check_required_keys(meta: Mapping[str, Any], p: Path) -> None:
+    missing = [k for k in REQUIRED_MODEL_KEYS if k not in meta]
+    if missing:
+        raise GGUFError(
+            f"{p} lacks the required key(s) {', '.join(missing)}; it is not a complete llama "
+            "model — re-export it with llamatrain or llama.cpp's converter"
+        )
+
+
+def _check_dense_with_plain_rope(meta: Mapping[str, Any], p: Path) -> None:
+    if int(meta.get("llama.expert_count", 0) or 0) > 0:
+        raise GGUFError(f"{p} is a mixture-of-experts llama; llamatrain supports dense models only")
+    # llama.cpp's own saver writes type "linear" with factor 0 (= no scaling); only a real
+    # factor changes the model.
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    factor = float(meta.get("llama.rope.scaling.factor", 0.0) or 0.0)
+    linear = float(meta.get("llama.rope.scale_linear", 1.0) or 1.0)
+    if not (scaling == "none" or (scaling == "linear" and factor in (0.0, 1.0))) or linear != 1.0:
+        raise GGUFError(
+            f"{p} uses rope scaling ({scaling!r}, factor {factor or linear}); llamatrain "
+            "supports plain rope only"
+        )
+
+
+def _architecture_from_llama_keys(contents: GGUFContents) -> dict[str, Any]:
+    """ModelConfig keyword arguments from the ``llama.*`` keys, the vocabulary and tensors."""
+    meta, p, tensors = contents.metadata, contents.path, contents.tensors
+    dim = int(meta["llama.embedding_length"])
+    n_heads = int(meta["llama.attention.head_count"])
+    if n_heads < 1 or dim % n_heads:
+        raise GGUFError(f"{p}: embedding_length {dim} is not divisible by head_count {n_heads}")
+    head_dim = dim // n_heads
+    for key in (
+        "llama.rope.dimension_count",
+        "llama.attention.key_length",
+        "llama.attention.value_length",
+    ):
+        if key in meta and int(meta[key]) != head_dim:
+            raise GGUFError(
+                f"{p}: {key} = {meta[key]} differs from embedding_length/head_count = "
+                f"{head_dim}; llamatrain supports full-width rope and equal head sizes only"
+            )
+    if "llama.feed_forward_length" in meta:
+        ffn_dim = int(meta["llama.feed_forward_length"])
+    elif "blk.0.ffn_gate.weight" in tensors:
+        ffn_dim = int(tensors["blk.0.ffn_gate.weight"].shape[0])
+    else:
+        raise GGUFError(f"{p} lacks llama.feed_forward_length and blk.0.ffn_gate.weight")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise GGUFError(f"{p} has no vocabulary (tokenizer.ggml.tokens); re-export the model")
+    return dict(
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        dim=dim,
+        n_layers=int(meta["llama.block_count"]),
+        n_heads=n_heads,
+        n_kv_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
+        ffn_dim=ffn_dim,
+        max_seq_len=int(meta["llama.context_length"]),
+        norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        tie_embeddings="output.weight" not in tensors,
+    )
+
+
+def _config_from_json(text: str, derived: Mapping[str, Any], p: Path) -> ModelConfig:
+    """Our recorded config, which must agree with what the llama.* keys say.
+
+    Only architecture fields are taken: a file may predate a field's removal, and run choices
+    (which op set, which attention) belong to the run that loads the file, not to the file.
+    """
+    architecture_fields = ModelConfig().architecture().keys()
+    recorded = {k: v for k, v in json.loads(text).items() if k in architecture_fields}
+    cfg = ModelConfig(**recorded)
+    ours = dict(
+        vocab_size=cfg.vocab_size,
+        dim=cfg.dim,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.kv_heads,
+        ffn_dim=cfg.hidden_dim,
+        max_seq_len=cfg.max_seq_len,
+        tie_embeddings=cfg.tie_embeddings,
+    )
+    disagreeing = [k for k, v in ours.items() if derived[k] != v]
+    if disagreeing:
+        raise GGUFError(
+            f"{p}: {CONFIG_KEY} disagrees with the llama.* keys/tensors on {disagreeing}; the "
+            "file was edited inconsistently — re-export it"
+        )
+    return cfg
+
+
+# -------------------------------------------------------------------------- the tokenizer
+
+
+def tokenizer_metadata(tokenizer: SpmTokenizer) -> dict[str, Any]:
+    """The ``tokenizer.ggml.*`` keys, typed as llama.cpp reads them.
+
+    ``tokenizer_from_metadata(tokenizer_metadata(t))`` rebuilds an identical tokenizer (same
+    fingerprint, same ids).
+    """
+    u32 = np.uint32
+    metadata: dict[str, Any] = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokenizer.pieces,
+        "tokenizer.ggml.scores": np.asarray(tokenizer.scores, dtype=np.float32),
+        "tokenizer.ggml.token_type": np.asarray(tokenizer.token_types, dtype=np.int32),
+        "tokenizer.ggml.bos_token_id": u32(tokenizer.bos_id),
+        "tokenizer.ggml.eos_token_id": u32(tokenizer.eos_id),
+        "tokenizer.ggml.unknown_token_id": u32(tokenizer.unk_id),
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.add_space_prefix": tokenizer.add_space_prefix,
+    }
+    if tokenizer.pad_id is not None:
+        metadata["tokenizer.ggml.padding_token_id"] = u32(tokenizer.pad_id)
+    return metadata
+
+
+def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "GGUF") -> SpmTokenizer:
+    """The vocabulary a GGUF's ``tokenizer.ggml.*`` keys describe; ``source`` names it in errors."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None or "tokenizer.ggml.tokens" not in meta:
+        raise TokenizerError(
+            f"{source} has no tokenizer (tokenizer.ggml.model / tokens missing); use a GGUF "
+            "exported by llamatrain or llama.cpp's convert script."
+        )
+    if model != "llama":
+        raise TokenizerError(
+            f"{source} has a {model!r} tokenizer; llamatrain supports llama's SPM "
+            "tokenizer ('llama') only — train a tokenizer with llamatrain instead."
+        )
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    n = len(tokens)
+    scores = [float(s) for s in meta.get("tokenizer.ggml.scores", [0.0] * n)]
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * n)]
+    if len(scores) < n or len(types) < n:
+        raise TokenizerError(
+            f"{source}: {n} tokens but {len(scores)} scores / {len(types)} token types; "
+            "the file is corrupt — re-export it."
+        )
+
+    def special(key: str, default: int | None) -> int | None:
+        """A special token id; out-of-range ids fall back to llama's default, if it fits."""
+        value = meta.get(f"tokenizer.ggml.{key}", default)
+        if value is None or not 0 <= int(value) < n:
+            return default if default is not None and default < n else None
+        return int(value)
+
+    bos = special("bos_token_id", 1)
+    eos = special("eos_token_id", 2)
+    unk = special("unknown_token_id", 0)
+    if bos is None or eos is None or unk is None:
+        raise TokenizerError(f"{source}: the vocabulary is too small for <unk>/<s>/</s>.")
+    return SpmTokenizer(
+        tokens,
+        scores[:n],
+        types[:n],
+        bos_id=bos,
+        eos_id=eos,
+        unk_id=unk,
+        pad_id=special("padding_token_id", None),
+        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+    )
+
+
+# ---------------------------------------------------------------------------- the tensors
+
+
+def check_tensors(
+    cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
+) -> None:
+    """Raise GGUFError unless ``tensors`` are exactly the float tensors of ``Llama(cfg)``.
+
+    Checked before writing, because llama.cpp refuses a file with a missing or an extra
+    tensor, and after reading, because a model that silently lacks a weight is worse than a
+    refused file.
+    """
+    expected = tensor_shapes(cfg)
+    missing = sorted(k for k in expected if k not in tensors)
+    unexpected = sorted(k for k in tensors if k not in expected)
+    if missing or unexpected:
+        raise GGUFError(
+            f"{path}: the tensors are not those of the llama its config describes (missing: "
+            f"{_first_few(missing)}; unexpected: {_first_few(unexpected)}); {_TENSOR_FIX}"
+        )
+    for name, shape in expected.items():
+        tensor = tensors[name]
+        if not tensor.is_floating_point():
+            stored = _INTEGER_TYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+            raise GGUFError(
+                f"{path}: tensor {name} has type {stored}; model weights must be F32, F16, "
+                f"BF16 or a quantized float type — {_TENSOR_FIX}"
+            )
+        if tuple(tensor.shape) != shape:
+            raise GGUFError(
+                f"{path}: tensor {name} has shape {tuple(tensor.shape)} but the config needs "
+                f"{shape}; {_TENSOR_FIX}"
+            )
+
+
+def _first_few(names: list[str], n: int = 6) -> str:
+    return f"{names[:n]}{' …' if len(names) > n else ''}"
+
+
+# -------------------------------------------------------------------------------- writing
+
+
+def write_model(
+    path: str | os.PathLike[str],
+    cfg: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    tokenizer: SpmTokenizer,
+    *,
+    type: str = "f32",
+    extra_kv: Mapping[str, Any] | None = None,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write a llama GGUF atomically: a model llama.cpp runs, or with extras a checkpoint.
+
+    ``tensors`` must be exactly ``Llama(cfg).state_dict()``; their matrices are stored as
+    ``type`` (one of ``EXPORT_TYPES``). ``extra_kv`` / ``extra_tensors`` carry a checkpoint's
+    state: keys of its own, and tensors under ``CHECKPOINT_TENSOR_PREFIXES`` written F32 (or
+    their integer type), which readers never take for weights.
+    """
+    file_type = general_file_type(type)
+    if cfg.vocab_size != tokenizer.vocab_size:
+        raise GGUFError(
+            f"the model has vocab_size {cfg.vocab_size} but the tokenizer has "
+            f"{tokenizer.vocab_size} tokens; build the model with "
+            f"vocab_size={tokenizer.vocab_size}"
+        )
+    check_tensors(cfg, tensors, path)
+    metadata = {
+        "general.name": "llamatrain",
+        "general.file_type": np.uint32(file_type),
+        **model_metadata(cfg),
+        **tokenizer_metadata(tokenizer),
+    }
+    extra_kv, extra_tensors = dict(extra_kv or {}), dict(extra_tensors or {})
+    _check_extras(metadata, extra_kv, extra_tensors)
+    to_write: dict[str, TensorToWrite] = {name: (t, type) for name, t in tensors.items()}
+    to_write.update({name: (t, "f32") for name, t in extra_tensors.items()})
+    return write_gguf(path, ARCHITECTURE, {**metadata, **extra_kv}, to_write)
+
+
+def _check_extras(
+    metadata: Mapping[str, Any],
+    extra_kv: Mapping[str, Any],
+    extra_tensors: Mapping[str, torch.Tensor],
+) -> None:
+    for key in extra_kv:
+        if key in metadata or key == "general.architecture":
+            raise GGUFError(f"extra_kv key {key!r} collides with a key llamatrain writes itself")
+    for name in extra_tensors:
+        if not name.startswith(CHECKPOINT_TENSOR_PREFIXES):
+            raise GGUFError(
+                f"extra tensor {name!r} would be read back as a model weight; name it "
+                f"{' or '.join(p + '*' for p in CHECKPOINT_TENSOR_PREFIXES)}"
+            )
+
+
+def write_vocab(path: str | os.PathLike[str], tokenizer: SpmTokenizer) -> Path:
+    """A vocab-only GGUF (tokenizer keys, no tensors), like llama.cpp's models/ggml-vocab-*."""
+    metadata = {"general.name": "llamatrain-vocab", **tokenizer_metadata(tokenizer)}
+    return write_gguf(path, ARCHITECTURE, metadata, {})
+
+
+# -------------------------------------------------------------------------------- reading
+
+
+@dataclass
+class LlamaFile:
+    """A llama GGUF read back: what ``Llama(config).load_state_dict(tensors)`` needs.
+
+    ``tensors`` holds the model's weights only; a checkpoint's ``optimizer.*`` / ``training.*``
+    tensors and keys stay in ``contents``.
+    """
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: SpmTokenizer
+    contents: GGUFContents
+
+
+def read_model(path: str | os.PathLike[str]) -> LlamaFile:
+    """Read a llama model or checkpoint (ours or llama.cpp's, any type gguf can dequantize)."""
+    contents = read_gguf(path)
+    p = contents.path
+    _check_architecture(contents.metadata, p)
+    tokenizer = tokenizer_from_metadata(contents.metadata, source=str(p))
+    weights = {
+        name: tensor
+        for name, tensor in contents.tensors.items()
+        if not name.startswith(CHECKPOINT_TENSOR_PREFIXES)
+    }
+    if not weights:
+        raise GGUFError(
+            f"{p} is a vocab-only GGUF (tokenizer keys, no weights); pass a model file, or use "
+            "it as a tokenizer (read_tokenizer / tokenizer.path)"
+        )
+    cfg = model_config_from_metadata(contents)
+    check_tensors(cfg, weights, p)
+    return LlamaFile(cfg, weights, tokenizer, contents)
+
+
+def _check_architecture(meta: Mapping[str, Any], p: Path) -> None:
+    if "general.architecture" not in meta:
+        raise GGUFError(f"{p} lacks the required key general.architecture; it is not a model")
+    if meta["general.architecture"] != ARCHITECTURE:
+        raise GGUFError(
+            f"{p} is a {meta['general.architecture']!r} model; llamatrain supports the "
+            f"{ARCHITECTURE!r} architecture only"
+        )
+
+
+def read_tokenizer(path: str | os.PathLike[str]) -> SpmTokenizer:
+    """The vocabulary of any llama GGUF: a model, a checkpoint or a vocab-only file."""
+    return tokenizer_from_metadata(read_gguf_metadata(path), source=str(path))

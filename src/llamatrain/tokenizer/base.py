@@ -1,0 +1,104 @@
+"""What llamatrain needs of a tokenizer, and the token types llama.cpp gives vocabulary entries.
+
+The trainer, the data pipeline, checkpoints and text generation only ever call the methods of
+:class:`Tokenizer`, so a vocabulary of another family (a BPE one, say) plugs in by providing
+them; nothing outside this package needs to know which kind it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "TOKEN_TYPE_BYTE",
+    "TOKEN_TYPE_CONTROL",
+    "TOKEN_TYPE_NAMES",
+    "TOKEN_TYPE_NORMAL",
+    "TOKEN_TYPE_UNKNOWN",
+    "TOKEN_TYPE_UNUSED",
+    "TOKEN_TYPE_USER_DEFINED",
+    "Tokenizer",
+]
+
+# llama.cpp's llama_token_type, stored per token in GGUF files; sentencepiece numbers its piece
+# types the same way, so a sentencepiece model's types carry over unchanged.
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+
+TOKEN_TYPE_NAMES: dict[int, str] = {
+    TOKEN_TYPE_NORMAL: "normal",
+    TOKEN_TYPE_UNKNOWN: "unknown",
+    TOKEN_TYPE_CONTROL: "control",
+    TOKEN_TYPE_USER_DEFINED: "user-defined",
+    TOKEN_TYPE_UNUSED: "unused",
+    TOKEN_TYPE_BYTE: "byte",
+}
+"""Human-readable token type names, as vocabulary summaries print them."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """A vocabulary that turns text into the ids a model is trained on, and back.
+
+    Ids must be the ones llama.cpp produces for the exported GGUF: a model trained on other ids
+    sees different ones at inference time.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids; the model's embedding has this many rows."""
+        ...
+
+    @property
+    def bos_id(self) -> int:
+        """Beginning-of-sequence id, put before every document."""
+        ...
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-sequence id; generation stops on it."""
+        ...
+
+    @property
+    def unk_id(self) -> int:
+        """The id text falls back to when the vocabulary cannot spell it."""
+        ...
+
+    @property
+    def pad_id(self) -> int | None:
+        """The padding id, or None when the vocabulary has none (llama's usually has not)."""
+        ...
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """Ids for ``text``, exactly as llama.cpp tokenizes it; optionally framed by BOS/EOS."""
+        ...
+
+    def encode_batch(
+        self, texts: Sequence[str], bos: bool = False, eos: bool = False
+    ) -> list[list[int]]:
+        """:meth:`encode` for many strings at once, which an implementation may parallelise."""
+        ...
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``; bytes that are not valid UTF-8 become U+FFFD."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """What llama.cpp renders for one token, so generated text can be streamed."""
+        ...
+
+    def fingerprint(self) -> str:
+        """A hash of everything that decides ids: equal fingerprints mean equal tokenization.
+
+        Checkpoints and token caches store it to refuse a different vocabulary.
+        """
+        ...
+
+    def newline_ids(self) -> list[int]:
+        """Ids whose text ends in a newline, where training windows may start."""
+        ...

@@ -1,0 +1,43 @@
+"""Shared test doubles for the unit tests."""
+
+from __future__ import annotations
+
+import pytest
+
+ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
+
+
+class CharTokenizer:
+    """One id per character: 0 unk, 1 BOS, 2 EOS, then newline and printable ASCII.
+
+    ``texts`` records every text given to :meth:`encode_batch`, so tests can see what was
+    (re-)tokenized and in which pieces.
+    """
+
+    unk_id, bos_id, eos_id = 0, 1, 2
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        self.index = {c: i + 3 for i, c in enumerate(ALPHABET)}
+        self.vocab_size = vocab_size or 3 + len(ALPHABET)
+        self.texts: list[str] = []
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        return [self.bos_id] * bos + [self.index.get(c, 0) for c in text] + [self.eos_id] * eos
+
+    def encode_batch(
+        self, texts: list[str], bos: bool = False, eos: bool = False
+    ) -> list[list[int]]:
+        self.texts.extend(texts)
+        return [self.encode(t, bos, eos) for t in texts]
+
+    def newline_ids(self) -> list[int]:
+        return [self.index["\n"]]
+
+    def fingerprint(self) -> str:
+        return f"char-{self.vocab_size}"
+
+
+@pytest.fixture
+def char_tokenizer() -> type[CharTokenizer]:
+    """The :class:`CharTokenizer` class: call it (optionally with a vocab_size) for one."""
+    return CharTokenizer

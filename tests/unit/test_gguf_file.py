@@ -1,0 +1,329 @@
+"""llamatrain.gguf.file: the GGUF container — value and tensor types, atomic writes, the reader.
+
+What we write is read back twice: by our reader and by the ``gguf`` package's ``GGUFReader``,
+an implementation independent of ours, so a bug shared by our writer and reader cannot hide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from llamatrain.errors import ConfigError, GGUFError
+from llamatrain.gguf.file import (
+    EXPORT_TYPES,
+    FILE_TYPES,
+    general_file_type,
+    read_gguf,
+    read_gguf_metadata,
+    write_gguf,
+)
+
+
+def value_types(path: Path) -> dict[str, tuple[str, ...]]:
+    """GGUF value type names per key, as GGUFReader sees them (arrays: ARRAY and the item type)."""
+    fields = GGUFReader(path).fields.items()  # the header is listed too, as GGUF.* pseudo-keys
+    return {n: tuple(t.name for t in f.types) for n, f in fields if not n.startswith("GGUF.")}
+
+
+def stored_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """(GGML type name, ggml dims fastest-first, bytes) per tensor, as GGUFReader sees them."""
+    return {
+        t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.n_bytes))
+        for t in GGUFReader(path).tensors
+    }
+
+
+def weights(rows: int = 4, cols: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------- metadata
+
+EXPLICIT = {
+    "t.u8": (np.uint8(200), ("UINT8",)),
+    "t.i8": (np.int8(-100), ("INT8",)),
+    "t.u16": (np.uint16(60000), ("UINT16",)),
+    "t.i16": (np.int16(-30000), ("INT16",)),
+    "t.u32": (np.uint32(4_000_000_000), ("UINT32",)),
+    "t.i32": (np.int32(-2_000_000_000), ("INT32",)),
+    "t.u64": (np.uint64(2**64 - 1), ("UINT64",)),
+    "t.i64": (np.int64(-(2**62)), ("INT64",)),
+    "t.f32": (np.float32(1e-5), ("FLOAT32",)),
+    "t.f64": (np.float64(0.1), ("FLOAT64",)),
+    "t.np_bool": (np.bool_(True), ("BOOL",)),
+    "t.f32_array": (np.array([0.5, -1.25], dtype=np.float32), ("ARRAY", "FLOAT32")),
+    "t.i32_array": (np.array([1, 6, 3], dtype=np.int32), ("ARRAY", "INT32")),
+}
+INFERRED = {
+    "t.bool": (False, ("BOOL",)),
+    "t.int": (-3, ("INT64",)),
+    "t.huge": (2**63, ("UINT64",)),
+    "t.float": (3e-4, ("FLOAT64",)),
+    "t.str": ("héllo ▁world", ("STRING",)),
+    "t.strs": (["<s>", "▁the", "<0x0A>"], ("ARRAY", "STRING")),
+    "t.ints": ((1, 2, 3), ("ARRAY", "INT64")),
+    "t.bools": ([True, False], ("ARRAY", "BOOL")),
+}
+
+
+def test_metadata_types_are_explicit_or_inferred(tmp_path: Path) -> None:
+    metadata = {key: value for key, (value, _) in {**EXPLICIT, **INFERRED}.items()}
+    path = write_gguf(tmp_path / "kv.gguf", "test", metadata, {})
+    expected_types = {key: types for key, (_, types) in {**EXPLICIT, **INFERRED}.items()}
+    assert value_types(path) == {"general.architecture": ("STRING",), **expected_types}
+    meta = read_gguf_metadata(path)
+    assert list(meta) == ["general.architecture", *metadata]  # order kept
+    assert meta["general.architecture"] == "test"
+    for key, value in metadata.items():
+        expected = value.tolist() if isinstance(value, np.ndarray) else value
+        expected = list(expected) if isinstance(expected, tuple) else expected
+        assert meta[key] == expected, key
+    assert meta["t.f32"] == 1e-5  # FLOAT32 reads back as the shortest decimal that round-trips
+    assert type(meta["t.u64"]) is int and type(meta["t.np_bool"]) is bool
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error"),
+    [
+        ("t.empty", [], TypeError),
+        ("t.mixed", [1, "one"], TypeError),
+        ("t.dict", {"a": 1}, TypeError),
+        ("t.too_big", 2**64, TypeError),
+        ("t.matrix", np.zeros((2, 2), dtype=np.float32), TypeError),
+        ("t.surrogate", "\udc80", UnicodeEncodeError),
+        ("general.architecture", "gemma", GGUFError),
+    ],
+)
+def test_unstorable_metadata_fails_before_touching_the_disk(tmp_path, key, value, error) -> None:
+    folder = tmp_path / "not-yet"
+    with pytest.raises(error):
+        write_gguf(folder / "x.gguf", "test", {key: value}, {"w": (weights(), "f32")})
+    assert not folder.exists()
+
+
+# ---------------------------------------------------------------------------------- tensors
+
+
+def test_export_types_are_one_list() -> None:
+    assert EXPORT_TYPES == tuple(FILE_TYPES) == ("f32", "f16", "bf16", "q8_0", "q4_0")
+    # llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q8_0, MOSTLY_Q4_0
+    assert [general_file_type(t) for t in EXPORT_TYPES] == [0, 1, 32, 7, 2]
+    with pytest.raises(ConfigError, match="unknown GGUF type 'q5_k'; choose one of f32, f16"):
+        general_file_type("q5_k")
+
+
+@pytest.mark.parametrize(
+    ("type_name", "stored", "bytes_per_64", "tolerance"),
+    [
+        ("f32", "F32", 256, 0.0),
+        ("f16", "F16", 128, 1e-3),
+        ("bf16", "BF16", 128, 8e-3),
+        ("q8_0", "Q8_0", 68, 1 / 127),
+        ("q4_0", "Q4_0", 36, 1 / 8),
+    ],
+)
+def test_matrices_take_their_type_and_vectors_stay_f32(
+    tmp_path, type_name, stored, bytes_per_64, tolerance
+) -> None:
+    matrix, vector = weights(4, 64), torch.linspace(0.5, 1.5, 64)
+    tensors = {"m.weight": (matrix, type_name), "norm.weight": (vector, type_name)}
+    path = write_gguf(tmp_path / "t.gguf", "test", {}, tensors)
+    assert stored_tensors(path) == {
+        "m.weight": (stored, (64, 4), 4 * bytes_per_64),  # ggml dims: the row length first
+        "norm.weight": ("F32", (64,), 256),
+    }
+    contents = read_gguf(path)
+    assert contents.tensor_types == {"m.weight": stored, "norm.weight": "F32"}
+    assert contents.tensor_nbytes == {"m.weight": 4 * bytes_per_64, "norm.weight": 256}
+    assert torch.equal(contents.tensors["norm.weight"], vector)
+    back = contents.tensors["m.weight"]
+    assert back.dtype == torch.float32 and back.shape == matrix.shape
+    assert (back - matrix).abs().max() <= tolerance * matrix.abs().max()
+
+
+def test_rows_that_are_not_whole_blocks_fall_back_to_f16(tmp_path: Path) -> None:
+    tensors = {"narrow": (weights(4, 48), "q8_0"), "wide": (weights(4, 64), "q8_0")}
+    with pytest.warns(UserWarning, match="narrow: row length 48 is not a multiple of 32"):
+        path = write_gguf(tmp_path / "t.gguf", "test", {}, tensors)
+    assert read_gguf(path).tensor_types == {"narrow": "F16", "wide": "Q8_0"}
+
+
+def test_wider_floats_are_stored_f32(tmp_path: Path) -> None:
+    tensors = {
+        "f64": (torch.tensor([[0.1, 0.2]], dtype=torch.float64), "f32"),
+        "bf16": (torch.tensor([0.5, 2.0], dtype=torch.bfloat16), "f32"),
+        "numpy": (np.arange(6, dtype=np.float64).reshape(2, 3), "f32"),
+    }
+    contents = read_gguf(write_gguf(tmp_path / "t.gguf", "test", {}, tensors))
+    assert set(contents.tensor_types.values()) == {"F32"}
+    assert contents.tensors["f64"].tolist() == [[np.float32(0.1), np.float32(0.2)]]
+    assert contents.tensors["numpy"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_integer_tensors_keep_an_integer_type(tmp_path: Path) -> None:
+    """GGUF's integer types are signed: bool and unsigned tensors widen to one that holds
+    every value, whatever export type is asked for (an integer cannot be quantized)."""
+    tensors = {
+        "i64": (torch.tensor([-(2**40), 2**40]), "q8_0"),
+        "i32": (torch.tensor([[1, -2], [3, -4]], dtype=torch.int32), "f16"),
+        "i16": (torch.tensor([-300], dtype=torch.int16), "f32"),
+        "i8": (torch.tensor([-7], dtype=torch.int8), "f32"),
+        "bool": (torch.tensor([True, False]), "f32"),
+        "u8": (torch.tensor([0, 200, 255], dtype=torch.uint8), "f32"),
+    }
+    contents = read_gguf(write_gguf(tmp_path / "t.gguf", "test", {}, tensors))
+    assert contents.tensor_types == {
+        "i64": "I64", "i32": "I32", "i16": "I16", "i8": "I8", "bool": "I8", "u8": "I16",
+    }  # fmt: skip
+    for name, (tensor, _) in tensors.items():
+        back = contents.tensors[name]
+        assert not back.is_floating_point() and back.tolist() == tensor.tolist(), name
+    with pytest.raises(TypeError, match="cannot store uint64"):
+        write_gguf(tmp_path / "u.gguf", "test", {}, {"u64": (np.array([1], np.uint64), "f32")})
+
+
+def test_unknown_tensor_type_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown GGUF type 'q5_k'"):
+        write_gguf(tmp_path / "t.gguf", "test", {}, {"w": (weights(), "q5_k")})
+    assert list(tmp_path.iterdir()) == []
+
+
+# -------------------------------------------------------------------------------- atomicity
+
+
+@contextlib.contextmanager
+def file_size_limit(n_bytes: int) -> Iterator[None]:
+    """Make writing past ``n_bytes`` of any file fail with EFBIG, as a full disk would fail.
+
+    SIGXFSZ is ignored meanwhile, so the kernel refuses the write instead of killing pytest.
+    """
+    resource = pytest.importorskip("resource")
+    signal = pytest.importorskip("signal")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("limit", [40, 64 * 1024], ids=["in-the-header", "in-the-tensors"])
+def test_a_write_that_fails_midway_leaves_no_trace(tmp_path: Path, limit: int) -> None:
+    target = tmp_path / "m.gguf"
+    big = {"w": (weights(256, 256), "f32")}  # 256 KiB of tensor data
+    with file_size_limit(limit), pytest.raises(OSError):
+        write_gguf(target, "test", {"t.note": "first"}, big)
+    assert list(tmp_path.iterdir()) == []  # neither the target nor a temp file
+
+    write_gguf(target, "test", {"t.note": "first"}, big)
+    before = target.read_bytes()
+    with file_size_limit(limit), pytest.raises(OSError):
+        write_gguf(target, "test", {"t.note": "second"}, {"w": (weights(256, 256, 1), "f32")})
+    assert target.read_bytes() == before  # the old file survives a failed overwrite
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_a_successful_write_replaces_the_file(tmp_path: Path) -> None:
+    target = write_gguf(tmp_path / "sub" / "m.gguf", "test", {"t.note": "first"}, {})
+    write_gguf(target, "test", {"t.note": "second"}, {})
+    assert read_gguf_metadata(target)["t.note"] == "second"
+    assert [p.name for p in target.parent.iterdir()] == ["m.gguf"]
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+@pytest.fixture()
+def small_file(tmp_path: Path) -> Path:
+    tensors = {"a.weight": (weights(4, 64), "f32"), "b.weight": (weights(2, 32), "q8_0")}
+    return write_gguf(tmp_path / "s.gguf", "test", {"t.name": "small"}, tensors)
+
+
+def test_read_everything(small_file: Path) -> None:
+    contents = read_gguf(small_file)
+    assert contents.path == small_file
+    assert contents.metadata == read_gguf_metadata(small_file)
+    assert contents.metadata == {"general.architecture": "test", "t.name": "small"}
+    assert list(contents.tensors) == ["a.weight", "b.weight"]
+    assert torch.equal(contents.tensors["a.weight"], weights(4, 64))
+    data_bytes = sum(contents.tensor_nbytes.values())
+    assert data_bytes < small_file.stat().st_size < data_bytes + 1024
+
+
+def patch(path: Path, old: bytes, new: bytes) -> None:
+    """Replace the first occurrence of ``old`` by ``new`` (same length) in a file."""
+    assert len(old) == len(new)
+    data = bytearray(path.read_bytes())
+    i = data.index(old)
+    data[i : i + len(old)] = new
+    path.write_bytes(bytes(data))
+
+
+def test_error_not_a_gguf(tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match="does not exist; check the path"):
+        read_gguf(tmp_path / "missing.gguf")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, I am text")
+    with pytest.raises(GGUFError, match=r"not a GGUF file \(it starts with b'hell'"):
+        read_gguf_metadata(text)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        read_gguf(empty)
+
+
+def test_error_truncated(small_file: Path) -> None:
+    data = small_file.read_bytes()
+    for cut in (6, 30, len(data) // 3, len(data) - 40):  # the last 28 bytes are padding
+        small_file.write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match="truncated"):
+            read_gguf(small_file)
+
+
+def test_error_corrupt_header(small_file: Path) -> None:
+    data = small_file.read_bytes()
+    small_file.write_bytes(data[:4] + b"\x03\x00\x00\x00" + b"\xff" * 16 + data[24:])
+    with pytest.raises(GGUFError, match=r"truncated or corrupt \(it claims"):
+        read_gguf(small_file)
+    small_file.write_bytes(data[:4] + b"\x07\x00\x00\x00" + data[8:])
+    with pytest.raises(GGUFError, match="is GGUF version 7; llamatrain reads versions 2 and 3"):
+        read_gguf(small_file)
+    small_file.write_bytes(data[:4] + b"\x00\x00\x00\x03" + data[8:])
+    with pytest.raises(GGUFError, match="big-endian"):
+        read_gguf(small_file)
+
+
+def test_error_unknown_metadata_type(small_file: Path) -> None:
+    key = b"t.name"
+    patch(small_file, key + struct.pack("<I", 8), key + struct.pack("<I", 77))
+    with pytest.raises(GGUFError, match="unknown metadata value type 77"):
+        read_gguf_metadata(small_file)
+
+
+def test_error_bad_alignment(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "a.gguf", "test", {"general.alignment": np.uint32(24)}, {})
+    with pytest.raises(GGUFError, match="general.alignment 24 is not a power of two"):
+        read_gguf(path)
+
+
+def test_error_tensor_records(small_file: Path) -> None:
+    data = small_file.read_bytes()
+    name = b"a.weight"
+    i = data.index(name) + len(name) + 4 + 2 * 8  # past the name, n_dims and both dims
+    small_file.write_bytes(data[:i] + struct.pack("<I", 99) + data[i + 4 :])
+    with pytest.raises(GGUFError, match="tensor a.weight has unknown type id 99"):
+        read_gguf(small_file)
+    small_file.write_bytes(data)
+    patch(small_file, b"b.weight", b"a.weight")
+    with pytest.raises(GGUFError, match="corrupt: tensor a.weight appears twice"):
+        read_gguf(small_file)
