@@ -1,15 +1,22 @@
-"""A plain eager PyTorch llama, written independently of ``llamatrain.model``.
+"""A plain eager PyTorch llama and training step, written independently of ``llamatrain``.
 
-Why: ``Llama(ops="torch")`` already swaps our ops for PyTorch's, but it is still our module
-(our rope, our checkpointing hooks, our parameter layout). This is what a PyTorch user
-would write from scratch - ``nn.Embedding``, ``nn.RMSNorm``, bias-free ``nn.Linear``, rope
-as a complex multiplication (Meta's reference code), ``F.scaled_dot_product_attention``
-with ``enable_gqa``, ``F.silu`` gating, ``F.cross_entropy`` and ``torch.optim.AdamW`` - so
-``bench/train.py`` can show where our model stands against an ordinary implementation of the
-same architecture, measured in the same run.
+Why: ``Llama(ModelConfig(ops="torch"))`` already swaps our ops for PyTorch's, but it is still
+our module (our rope, our parameter layout) trained by our ``Trainer``. This is what a PyTorch
+user would write from scratch - ``nn.Embedding``, ``nn.RMSNorm``, bias-free ``nn.Linear``, rope
+as a complex multiplication (Meta's reference code), ``F.scaled_dot_product_attention`` with
+``enable_gqa``, ``F.silu`` gating, ``F.cross_entropy``, ``torch.optim.AdamW`` and the textbook
+step of :func:`plain_step` - so ``bench/train.py`` can show where our model and trainer stand
+against an ordinary implementation of the same architecture, measured in the same run.
+
+:func:`plain_step` is also the one step of every bench row that does *not* go through
+``llamatrain.trainer.Trainer.train_step`` (the baseline, and our model with its loss taken
+from the full logits, a path the trainer does not have).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -142,3 +149,39 @@ def make_optimizer(
         eps=eps,
         fused=on_cuda or None,
     )
+
+
+def plain_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    grad_clip: float = 1.0,
+    bf16: bool = False,
+    compile_loss: bool = False,
+) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """The textbook training step as a function ``step(inputs, targets) -> loss``.
+
+    zero grads, loss (under bf16 autocast on the inputs' device if ``bf16``), backward, clip
+    the global gradient norm to ``grad_clip``, optimizer step. ``compile_loss`` wraps ``loss_fn`` in
+    ``torch.compile`` with static shapes, as the trainer compiles its loss.
+    """
+    if compile_loss:
+        loss_fn = torch.compile(loss_fn, dynamic=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        autocast = (
+            torch.autocast(inputs.device.type, dtype=torch.bfloat16)
+            if bf16
+            else contextlib.nullcontext()
+        )
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_fn(inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        return loss.item()
+
+    return step

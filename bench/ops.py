@@ -29,8 +29,13 @@ Attention scaling: B=1, H=8, D=64, causal, T = 256 … 4096; ``flash_attn`` (our
 recomputing backward), ``naive`` (softmax(QKᵀ/√d + mask)·V written out with PyTorch ops,
 autograd keeps the T×T matrices) and PyTorch's SDPA for reference.
 
-Usage: ``python bench/ops.py [--quick] [--device cpu|cuda|auto] [--json PATH]``. The full run
-takes about 3-4 minutes on 2 CPU cores; ``--quick`` about 1.
+``flash_attn`` is always our blockwise kernel, on CUDA too (PyTorch's SDPA is a separate
+column here, and the model's ``attention="sdpa"`` choice). The process gets a training run's
+settings (``llamatrain.device.configure_process``) once at start, as ``bench/train.py`` does.
+
+Usage: ``python bench/ops.py [--quick] [--device cpu|cuda|auto] [--json PATH]``, or
+``make bench-ops`` for the full run. How long runs take and measured results are in
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -44,19 +49,23 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from llamatrain import ops as G
-from llamatrain.config import OptimSection
-from llamatrain.model import Llama, ModelConfig, _torch_rope
-from llamatrain.ops import attention as attention_module
-from llamatrain.ops.fused import linear_cross_entropy
-from llamatrain.optim import build_optimizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline import plain_step  # noqa: E402
+
+from llamatrain import ops as G  # noqa: E402
+from llamatrain.config import Config, OptimSection, validate  # noqa: E402
+from llamatrain.device import configure_process  # noqa: E402
+from llamatrain.model import Llama, ModelConfig, torch_rope  # noqa: E402
+from llamatrain.ops.fused import linear_cross_entropy  # noqa: E402
+from llamatrain.optim import build_optimizer  # noqa: E402
+from llamatrain.trainer import Trainer  # noqa: E402
 
 MB = 1 << 20
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "ops.json"
@@ -164,17 +173,6 @@ def saved_bytes(forward: Callable[[], object], exclude: list[torch.Tensor]) -> i
     return sum(seen.values())
 
 
-@contextmanager
-def explicit_flash_attn():
-    """On CUDA ``flash_attn`` hands off to SDPA; benchmark our own kernel instead."""
-    previous = attention_module.USE_SDPA_ON_CUDA
-    attention_module.USE_SDPA_ON_CUDA = False
-    try:
-        yield
-    finally:
-        attention_module.USE_SDPA_ON_CUDA = previous
-
-
 # --------------------------------------------------------------------------- op cases
 
 
@@ -234,7 +232,7 @@ def op_cases(device: torch.device, quick: bool) -> list[dict]:
             "shape": f"{b}x{t}x8x32",
             "inputs": [xr],
             "ggml": lambda: G.rope(xr, pos, theta=10000.0, mode="norm"),
-            "torch": lambda: _torch_rope(xr, pos, theta=10000.0),
+            "torch": lambda: torch_rope(xr, pos, theta=10000.0),
         }
     )
 
@@ -310,10 +308,9 @@ def run_op_cases(device: torch.device, quick: bool, budget_s: float) -> list[dic
             out = case[name]()
             upstream = torch.randn_like(out) if out.dim() else None
             variants[name] = fwd_bwd(case[name], case["inputs"], upstream)
-        with explicit_flash_attn():
-            times = time_interleaved(variants, device, budget_s=budget_s)
-            mem = {name: peak_bytes(fn, device) for name, fn in variants.items()}
-            saved = {name: saved_bytes(case[name], case["inputs"]) for name in variants}
+        times = time_interleaved(variants, device, budget_s=budget_s)
+        mem = {name: peak_bytes(fn, device) for name, fn in variants.items()}
+        saved = {name: saved_bytes(case[name], case["inputs"]) for name in variants}
         rows.append(_row(case["op"], case["shape"], times, mem, saved))
         print_row(rows[-1])
     return rows
@@ -364,24 +361,24 @@ def run_fused_ce(device: torch.device, quick: bool, budget_s: float) -> list[dic
 
 
 def run_train_step(device: torch.device, quick: bool, budget_s: float) -> list[dict]:
-    """One training step (forward, backward, grad clip, AdamW) of tiny32k, ggml vs torch ops.
+    """One training step of tiny32k: the trainer's, ggml vs torch ops, and the unfused loss.
 
-    The step is the trainer's (``Trainer.train_step`` without the lr schedule): zero grads,
-    ``Llama.loss`` (for ops="ggml" the fused lm head + cross-entropy), backward, clip the
-    global norm to 1.0, AdamW from ``build_optimizer``. A third variant, measured in the same
-    loop, takes the ggml model's loss from ``forward`` (full logits, unfused).
+    ``ggml`` and ``torch`` run ``Trainer.train_step`` (zero grads, ``Llama.loss`` - for
+    ops="ggml" the fused lm head + cross-entropy -, backward, clip the global norm at
+    ``optim.grad_clip``, AdamW from ``build_optimizer``) on one fixed batch. ``unfused``, in the
+    same loop, takes the ggml model's loss from ``forward`` (full logits), a path the trainer
+    does not have, so it runs ``bench/baseline.py``'s ``plain_step`` with the same optimizer.
     """
     batch, ctx = (4, 128) if quick else (8, 256)
     cfg = ModelConfig(
         vocab_size=32000, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=ctx
     )
     torch.manual_seed(0)
-    models = {"ggml": Llama(cfg, ops="ggml").to(device)}
-    models["unfused"] = Llama(cfg, ops="ggml").to(device)
-    models["torch"] = Llama(cfg, ops="torch").to(device)
+    models = {"ggml": Llama(cfg).to(device)}
+    models["unfused"] = Llama(cfg).to(device)
+    models["torch"] = Llama(replace(cfg, ops="torch")).to(device)
     for name in ("unfused", "torch"):
         models[name].load_state_dict(models["ggml"].state_dict())
-    optims = {name: build_optimizer(m, OptimSection()) for name, m in models.items()}
     losses = {
         "ggml": models["ggml"].loss,
         "unfused": lambda x, y: models["unfused"](x, y)[1],
@@ -389,27 +386,41 @@ def run_train_step(device: torch.device, quick: bool, budget_s: float) -> list[d
     }
     data = torch.randint(0, cfg.vocab_size, (batch, ctx + 1), device=device)
     x, y = data[:, :-1], data[:, 1:]
+    bf16 = device.type == "cuda"
 
-    def step_fn(name: str) -> Callable[[], None]:
-        model, opt, loss_fn = models[name], optims[name], losses[name]
+    def trainer_step(name: str) -> Callable[[], float]:
+        run = Config(model=models[name].cfg)
+        run.data.n_ctx = ctx
+        run.train.n_batch = batch * ctx
+        run.train.device = device.type
+        run.train.dtype = "bfloat16" if bf16 else "float32"
+        trainer = Trainer(models[name], validate(run), progress=False)
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+        def step() -> float:
+            loss = trainer.train_step(x, y)
+            trainer.state.step += 1
+            return loss
 
         return step
 
-    variants = {name: step_fn(name) for name in models}
-    with explicit_flash_attn():
-        times = time_interleaved(variants, device, budget_s=budget_s)
-        mem = {name: peak_bytes(fn, device) for name, fn in variants.items()}
-        saved = {
-            name: saved_bytes(lambda n=name: losses[n](x, y), list(models[name].parameters()))
-            for name in models
-        }
+    unfused = plain_step(
+        models["unfused"],
+        build_optimizer(models["unfused"], OptimSection()),
+        losses["unfused"],
+        grad_clip=OptimSection().grad_clip,
+        bf16=bf16,
+    )
+    variants = {
+        "ggml": trainer_step("ggml"),
+        "unfused": lambda: unfused(x, y),
+        "torch": trainer_step("torch"),
+    }
+    times = time_interleaved(variants, device, budget_s=budget_s)
+    mem = {name: peak_bytes(fn, device) for name, fn in variants.items()}
+    saved = {
+        name: saved_bytes(lambda n=name: losses[n](x, y), list(models[name].parameters()))
+        for name in models
+    }
     shape = f"batch {batch}x{ctx}, 2L dim64 v32000"
     rows = []
     for name, label in (("ggml", "train step tiny32k"), ("unfused", "train step, unfused loss")):
@@ -450,12 +461,11 @@ def run_attention_scaling(device: torch.device, quick: bool, budget_s: float) ->
         }
         upstream = torch.randn_like(q)
         variants = {name: fwd_bwd(fn, [q, k, v], upstream) for name, fn in forwards.items()}
-        with explicit_flash_attn():
-            times = time_interleaved(
-                variants, device, warmup=1, budget_s=budget_s, min_repeats=2 if t >= 2048 else 3
-            )
-            mem = {name: peak_bytes(fn, device) for name, fn in variants.items()}
-            saved = {name: saved_bytes(fn, [q, k, v]) for name, fn in forwards.items()}
+        times = time_interleaved(
+            variants, device, warmup=1, budget_s=budget_s, min_repeats=2 if t >= 2048 else 3
+        )
+        mem = {name: peak_bytes(fn, device) for name, fn in variants.items()}
+        saved = {name: saved_bytes(fn, [q, k, v]) for name, fn in forwards.items()}
         row = {"T": t, "B": b, "H": h, "D": d}
         for name in forwards:
             row[f"{name}_ms"] = 1e3 * times[name]
@@ -561,6 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_common_arguments(parser, DEFAULT_JSON)
     args = parser.parse_args(argv)
     device = device_from_arguments(args)
+    configure_process(device, bf16=device.type == "cuda")
     budget = 1.5 if args.quick else 4.0
     torch.manual_seed(0)
 

@@ -1,22 +1,35 @@
-"""Training-step throughput, MFU and peak memory of llamatrain's model against plain PyTorch.
+"""Training-step throughput, MFU and peak memory of llamatrain's trainer against plain PyTorch.
 
-Why: the op micro-benchmarks (``bench/ops.py``) do not say what a user gets; this runs real
-optimizer steps - forward, backward, gradient clipping at 1.0 and AdamW built exactly as the
-trainer builds it (``llamatrain.optim.build_optimizer`` with the default ``OptimSection``:
-lr 1e-3, betas 0.9/0.999, eps 1e-8, decay 0.1 on matrices) - on random tokens, for:
+Why: the op micro-benchmarks (``bench/ops.py``) do not say what a user gets. This times real
+optimizer steps on random tokens, and for llamatrain's model they are the trainer's own steps:
+each row builds a ``Config`` as a run would (default ``[optim]``: AdamW from
+``llamatrain.optim.build_optimizer``, the warmup/cosine schedule, gradient clipping at
+``optim.grad_clip``), applies activation checkpointing with
+``llamatrain.activation_checkpointing.apply`` and times ``Trainer.train_step`` - so what is
+measured is what ``llamatrain fit`` runs, not a copy of it that could drift. After each step
+``trainer.state.step`` advances as in ``Trainer.fit``, so the learning rate follows the
+schedule; the rate does not change the cost of a step.
 
-* ``ops``: ``ggml`` (``Llama(ops="ggml")`` trained as the trainer trains it, through
-  ``Llama.loss``: our autograd ops and the fused lm head + cross-entropy of
-  ``llamatrain.ops.fused``, which never holds the full logits), ``ggml-unfused`` (the same
-  model, loss from ``forward(x, y)``: full logits, then ggml's ``cross_entropy``), ``torch``
-  (``Llama(ops="torch")`` through ``Llama.loss``: ``F.linear`` + ``F.cross_entropy``) and
-  ``baseline`` (``bench/baseline.py``: an independent, straightforward eager llama with
-  ``torch.optim.AdamW`` of the same settings);
-* eager vs ``torch.compile`` (``--compile``; a variant that fails to compile is reported
-  with the error and skipped);
+The rows (``ops`` and ``attn`` columns; ``step`` says which step runs):
+
+* ``ggml`` (``ModelConfig(ops="ggml")``: our autograd ops with ggml's backward formulas, and
+  the fused lm head + cross-entropy of ``llamatrain.ops.fused``, which never holds the full
+  logits) and ``torch`` (``ops="torch"``: ``F.linear`` + ``F.cross_entropy``), step
+  ``trainer``; with ``attention="flash"`` (ggml: our blockwise flash attention; torch: SDPA)
+  and, on tiny32k, ``attention="softmax"`` (the 2023 graph without flash attention: the
+  T×T scores are written out);
+* ``ggml-unfused``: the ggml model with its loss taken from the full logits
+  (``model(x, y)[1]``), which shows what the fused loss saves. The trainer has no such path,
+  so this row runs ``bench/baseline.py``'s ``plain_step`` (zero grads, loss, backward, clip
+  at 1.0, the same AdamW from ``build_optimizer``): a non-trainer variant, step ``plain``;
+* ``baseline`` (``bench/baseline.py``: an independent, straightforward eager llama with
+  ``torch.optim.AdamW`` of the same settings), step ``plain`` too;
+* eager vs ``torch.compile`` (``--compile``: ``train.compile = true``, which compiles the
+  loss with static shapes; a variant that fails to compile is reported with the error and
+  skipped);
 * activation checkpointing ``none`` / ``full`` (every block) / ``auto`` (the 2023 spacing
-  rule, from ``llamatrain.trainer.checkpoint_segment`` with the block sizes measured by
-  ``activation_bytes_per_block``), set through ``model.checkpoint_segment``.
+  rule, segment length from the block sizes measured on the model), the ``ckpt`` column
+  showing the segment length chosen.
 
 Columns:
 
@@ -43,13 +56,16 @@ Columns:
   start): activations, gradients and temporaries - the part checkpointing and the fused
   loss change.
 
-On CUDA (``--device cuda``) a ``llama-124m`` group (dim 768, 12 layers, ctx 1024, bf16
-autocast with float32 master weights, fused AdamW, eager and compiled) is added for the
-GPU MFU report. The process uses the trainer's allocator settings (``llamatrain.allocator``)
-for every row, the baseline included. The load average is printed with every row. Usage:
-``python bench/train.py [--quick] [--scaling] [--compile] [--device cpu|cuda|auto]
-[--json PATH]``. The default run takes about 3-5 minutes on 2 CPU cores; ``--scaling
---compile`` about 27 minutes.
+On CUDA (``--device cuda``) a ``llama-124m`` group (dim 768, 12 layers, ctx 1024,
+``train.dtype = "bfloat16"``: bf16 autocast with float32 master weights, eager and compiled)
+is added for the GPU MFU report. The process-wide settings a training run gets
+(``llamatrain.device.configure_process``: glibc malloc retention on CPU, TF32 under bf16 on
+CUDA) are applied once at start, for every row, the baseline included. The load average is
+printed with every row.
+
+Usage: ``python bench/train.py [--quick] [--scaling] [--compile] [--no-profile]
+[--device cpu|cuda|auto] [--json PATH]``; ``make bench`` is the full default run. How long
+runs take and the latest measured table are in ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -71,7 +87,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import BaselineLlama, make_optimizer  # noqa: E402
+from baseline import BaselineLlama, make_optimizer, plain_step  # noqa: E402
 from ops import (  # noqa: E402
     add_common_arguments,
     device_from_arguments,
@@ -82,14 +98,12 @@ from ops import (  # noqa: E402
     sync,
 )
 
-from llamatrain.config import OptimSection  # noqa: E402
+from llamatrain import activation_checkpointing  # noqa: E402
+from llamatrain.config import Config, OptimSection, validate  # noqa: E402
+from llamatrain.device import configure_process  # noqa: E402
 from llamatrain.model import Llama, ModelConfig  # noqa: E402
 from llamatrain.optim import build_optimizer  # noqa: E402
-from llamatrain.trainer import (  # noqa: E402
-    activation_bytes_per_block,
-    checkpoint_segment,
-    configure_device,
-)
+from llamatrain.trainer import Trainer  # noqa: E402
 
 MB = 1 << 20
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "train.json"
@@ -116,15 +130,46 @@ def _cfg(vocab, dim, layers, heads, kv_heads, ff, ctx) -> ModelConfig:
 
 
 CONFIGS = {
-    # The tiny llama of NOTES §6 (llama.cpp finetune ≈ 1,060 tok/s, llama2.c ≈ 2,500-3,000).
+    # A tiny llama with llama's 32k vocabulary: the lm head and its loss dominate the step.
+    # Peers measured on it (llama.cpp's llama-finetune, llama2.c): bench/README.md.
     "tiny32k": BenchConfig("tiny32k", _cfg(32000, 64, 2, 4, 2, 192, 256), batch=8, ctx=256),
     # train-text-from-scratch's 2023 defaults.
     "ggml-2023": BenchConfig("ggml-2023", _cfg(32000, 256, 16, 8, None, 768, 128), 8, 128),
-    # nanoGPT's CPU shakespeare_char config (≈ 12,300 tok/s on these machines).
+    # nanoGPT's CPU shakespeare_char config (nanoGPT's README: 4 layers, 4 heads, 128 dim,
+    # block 64, batch 12), as a llama; nanoGPT's own speed on it: bench/README.md.
     "nanogpt-cpu": BenchConfig("nanogpt-cpu", _cfg(65, 128, 4, 4, None, 512, 64), 12, 64),
     # GPU only: a GPT-2-small-sized llama (~134M parameters, 85M of them in the blocks).
     "llama-124m": BenchConfig("llama-124m", _cfg(32000, 768, 12, 12, None, 2048, 1024), 8, 1024),
 }
+
+TRAINER_OPS = ("ggml", "torch")
+"""Rows of these op sets run ``Trainer.train_step``; the others run ``plain_step``."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one row builds and how it runs it."""
+
+    bc: BenchConfig
+    ops: str  # "ggml" | "torch" (trainer) | "ggml-unfused" | "baseline" (plain step)
+    attention: str = "flash"
+    ckpt: str = "none"
+    compile: bool = False
+
+    @property
+    def step_kind(self) -> str:
+        return "trainer" if self.ops in TRAINER_OPS else "plain"
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        """The row's ``[model]`` section (also what the FLOP count reads)."""
+        bc = self.bc
+        return replace(
+            bc.model,
+            ops="torch" if self.ops == "torch" else "ggml",
+            attention=self.attention,
+            max_seq_len=max(bc.model.max_seq_len, bc.ctx),
+        )
 
 
 # --------------------------------------------------------------------------- accounting
@@ -201,12 +246,33 @@ def _reset_peak_rss() -> bool:
 # --------------------------------------------------------------------------- one row
 
 
-def build(kind: str, cfg: ModelConfig, device: torch.device):
-    """Model, optimizer and a loss function ``loss(x, y)`` for one variant."""
+def trainer_config(row: Row, device: torch.device) -> Config:
+    """The run config whose ``Trainer`` this row times (defaults but for the shape)."""
+    cfg = Config(model=row.model_cfg)
+    cfg.data.n_ctx = row.bc.ctx
+    cfg.train.n_batch = cfg.train.n_ubatch = row.bc.batch * row.bc.ctx
+    cfg.train.device = device.type
+    cfg.train.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg.train.compile = row.compile
+    cfg.train.checkpointing = row.ckpt
+    return validate(cfg)
+
+
+def build(row: Row, device: torch.device) -> tuple[Callable[[], float], int | None]:
+    """A function running one training step of ``row`` on a fresh random batch (returning
+    its loss), and the checkpoint segment length (None where it does not apply)."""
+    bc, cfg = row.bc, row.model_cfg
+    bf16 = device.type == "cuda"
+    gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        data = torch.randint(0, cfg.vocab_size, (bc.batch, bc.ctx + 1), generator=gen)
+        data = data.to(device)
+        return data[:, :-1], data[:, 1:]
+
     torch.manual_seed(0)
-    optim_cfg = OptimSection()
-    if kind == "baseline":
-        model = BaselineLlama(
+    if row.ops == "baseline":
+        base = BaselineLlama(
             cfg.vocab_size,
             cfg.dim,
             cfg.n_layers,
@@ -216,19 +282,37 @@ def build(kind: str, cfg: ModelConfig, device: torch.device):
             cfg.max_seq_len,
             cfg.norm_eps,
         ).to(device)
-        opt = make_optimizer(
-            model,
-            optim_cfg.lr,
-            optim_cfg.weight_decay,
-            (optim_cfg.beta1, optim_cfg.beta2),
-            optim_cfg.eps,
+        o = OptimSection()
+        opt = make_optimizer(base, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps)
+        step = plain_step(
+            base, opt, lambda x, y: base(x, y)[1], bf16=bf16, compile_loss=row.compile
         )
-        return model, opt, lambda x, y: model(x, y)[1]
-    model = Llama(cfg, ops="torch" if kind == "torch" else "ggml").to(device)
-    opt = build_optimizer(model, optim_cfg)
-    if kind == "ggml-unfused":
-        return model, opt, lambda x, y: model(x, y)[1]
-    return model, opt, model.loss
+        return lambda: step(*batch()), None
+
+    model = Llama(cfg).to(device)
+    segment = None
+    if row.ckpt != "none":
+        segment = activation_checkpointing.apply(model, row.ckpt, n_seq=bc.batch, n_ctx=bc.ctx)
+    if row.ops == "ggml-unfused":
+        opt = build_optimizer(model, OptimSection())
+        step = plain_step(
+            model,
+            opt,
+            lambda x, y: model(x, y)[1],
+            grad_clip=OptimSection().grad_clip,
+            bf16=bf16,
+            compile_loss=row.compile,
+        )
+        return lambda: step(*batch()), segment
+
+    trainer = Trainer(model, trainer_config(row, device), progress=False)
+
+    def trainer_step() -> float:
+        loss = trainer.train_step(*batch())
+        trainer.state.step += 1  # as Trainer.fit does: the schedule advances
+        return loss
+
+    return trainer_step, segment
 
 
 @dataclass
@@ -238,79 +322,53 @@ class Variant:
     bc: BenchConfig
     row: dict
     step: Callable[[], float]
+    model_cfg: ModelConfig
     times: list[float] = field(default_factory=list)
     loss: float = math.nan
 
 
-def _row_header(bc: BenchConfig, kind: str, ckpt: str, compile_: bool) -> dict:
+def _row_header(row: Row) -> dict:
     return {
-        "config": bc.name,
-        "ops": kind,
-        "compile": compile_,
-        "checkpointing": ckpt,
-        "batch": bc.batch,
-        "ctx": bc.ctx,
-        "n_layers": bc.model.n_layers,
+        "config": row.bc.name,
+        "ops": row.ops,
+        "attention": row.attention,
+        "step": row.step_kind,
+        "compile": row.compile,
+        "checkpointing": row.ckpt,
+        "batch": row.bc.batch,
+        "ctx": row.bc.ctx,
+        "n_layers": row.bc.model.n_layers,
     }
 
 
-def prepare(
-    bc: BenchConfig, kind: str, device: torch.device, *, ckpt: str, compile_: bool, warmup: int
-) -> Variant | dict:
+def prepare(row: Row, device: torch.device, *, warmup: int) -> Variant | dict:
     """Build one variant, warm it up and measure its memory alone; a dict if it is skipped.
 
     Memory is measured here, before any other variant steps again: freed memory is
     released (``malloc_trim``) before the build, so the peak RSS above the RSS before the
     build is this variant's own.
     """
-    row = _row_header(bc, kind, ckpt, compile_)
-    cfg = replace(bc.model, max_seq_len=max(bc.model.max_seq_len, bc.ctx))
+    out = _row_header(row)
+    if row.ckpt != "none" and row.ops == "baseline":
+        return out | {"skipped": "checkpointing applies to llamatrain's Llama only"}
     gc.collect()
     _malloc_trim()
     rss0 = _status_kb("VmRSS")
-    model, opt, loss_fn = build(kind, cfg, device)
-    if ckpt != "none":
-        if kind == "baseline":
-            return row | {"skipped": "checkpointing applies to llamatrain's Llama only"}
-        u = v = 1
-        if ckpt == "auto":
-            u, v = activation_bytes_per_block(model, bc.batch, bc.ctx)
-        model.checkpoint_segment = checkpoint_segment(ckpt, 1, cfg.n_layers, u, v)
-        row["checkpoint_segment"] = model.checkpoint_segment
-    if compile_:
-        # Static shapes: each config compiles for its own shapes instead of recompiling
-        # dynamically when the next config arrives.
-        loss_fn = torch.compile(loss_fn, dynamic=False)
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda"
-        else contextlib.nullcontext()
-    )
-    params = [p for p in model.parameters() if p.requires_grad]
-    gen = torch.Generator(device="cpu").manual_seed(1)
-
-    def step() -> float:
-        data = torch.randint(0, cfg.vocab_size, (bc.batch, bc.ctx + 1), generator=gen)
-        data = data.to(device)
-        opt.zero_grad(set_to_none=True)
-        with autocast:
-            loss = loss_fn(data[:, :-1], data[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return loss.item()
+    step, segment = build(row, device)
+    if segment is not None:
+        out["checkpoint_segment"] = segment
 
     try:
         started = time.perf_counter()
         step()
-        row["first_step_s"] = time.perf_counter() - started
+        out["first_step_s"] = time.perf_counter() - started
         for _ in range(warmup - 1):
             step()
     except Exception as exc:  # report any compile failure and go on
-        if not compile_:
+        if not row.compile:
             raise
         traceback.print_exc(limit=2)
-        return row | {"skipped": f"torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}"}
+        return out | {"skipped": f"torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}"}
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -318,13 +376,13 @@ def prepare(
     for _ in range(2):
         step()
     if device.type == "cuda":
-        row["peak_mb"] = torch.cuda.max_memory_allocated(device) / MB
-        row["peak_kind"] = "cuda max_memory_allocated"
+        out["peak_mb"] = torch.cuda.max_memory_allocated(device) / MB
+        out["peak_kind"] = "cuda max_memory_allocated"
     elif rss_reset and rss0 is not None:
-        row["peak_mb"] = (_status_kb("VmHWM") - rss0) / 1024
-        row["peak_kind"] = "peak RSS - RSS before build"
-    row["step_mb"] = peak_bytes(step, device) / MB
-    return Variant(bc, row, step)
+        out["peak_mb"] = (_status_kb("VmHWM") - rss0) / 1024
+        out["peak_kind"] = "peak RSS - RSS before build"
+    out["step_mb"] = peak_bytes(step, device) / MB
+    return Variant(row.bc, out, step, row.model_cfg)
 
 
 def time_interleaved(
@@ -365,8 +423,7 @@ def time_interleaved(
 
 def finish_row(v: Variant, peak_flops: float) -> dict:
     """Throughput from the median step time, and MFU against the group's matmul peak."""
-    bc = v.bc
-    cfg = replace(bc.model, max_seq_len=max(bc.model.max_seq_len, bc.ctx))
+    bc, cfg = v.bc, v.model_cfg
     s_per_step = statistics.median(v.times)
     tokens = bc.batch * bc.ctx
     fpt = flops_per_token(cfg, bc.ctx)
@@ -384,19 +441,12 @@ def finish_row(v: Variant, peak_flops: float) -> dict:
 
 
 def run_group(
-    group: list[tuple[BenchConfig, str, str, bool]],
-    device: torch.device,
-    *,
-    steps: int,
-    min_seconds: float,
+    group: list[Row], device: torch.device, *, steps: int, min_seconds: float
 ) -> list[dict]:
     """Prepare every row of a group, then time them side by side (``time_interleaved``)."""
-    if any(compile_ for *_, compile_ in group):
+    if any(row.compile for row in group):
         torch._dynamo.reset()
-    prepared = [
-        prepare(bc, kind, device, ckpt=ckpt, compile_=compile_, warmup=2)
-        for bc, kind, ckpt, compile_ in group
-    ]
+    prepared = [prepare(row, device, warmup=2) for row in group]
     variants = [v for v in prepared if isinstance(v, Variant)]
     probe = PeakProbe(device)
     if variants:
@@ -408,20 +458,9 @@ def run_group(
 # --------------------------------------------------------------------------- profile
 
 
-def profile_step(bc: BenchConfig, kind: str, device: torch.device, top: int = 8) -> list[dict]:
-    """Top ops by self CPU time over two steps (after two warmup steps)."""
-    model, opt, loss_fn = build(kind, bc.model, device)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-
-    def step() -> None:
-        data = torch.randint(0, bc.model.vocab_size, (bc.batch, bc.ctx + 1), generator=gen)
-        data = data.to(device)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(data[:, :-1], data[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
+def profile_step(row: Row, device: torch.device, top: int = 8) -> list[dict]:
+    """Top ops by self CPU time over two steps (after two warmup steps) of ``row``'s step."""
+    step, _ = build(row, device)
     for _ in range(2):
         step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -439,7 +478,7 @@ def profile_step(bc: BenchConfig, kind: str, device: torch.device, top: int = 8)
         }
         for e in events[:top]
     ]
-    print(f"\nprofile {bc.name} ops={kind}: top {top} by self CPU time (per step)")
+    print(f"\nprofile {row.bc.name} ops={row.ops}: top {top} by self CPU time (per step)")
     for r in rows:
         print(
             f"  {r['name']:<44} {r['self_cpu_ms_per_step']:>8.1f} ms {100 * r['share']:>5.1f}% "
@@ -452,8 +491,8 @@ def profile_step(bc: BenchConfig, kind: str, device: torch.device, top: int = 8)
 
 
 HEADER = (
-    f"{'config':<14} {'ops':<12} {'mode':<7} {'ckpt':<9} {'batch':>8} {'tok/s':>8} "
-    f"{'s/step':>7} {'MFU':>6} {'of GF/s':>7} {'peak MB':>8} {'step MB':>8}  load"
+    f"{'config':<14} {'ops':<12} {'attn':<7} {'step':<7} {'mode':<7} {'ckpt':<9} {'batch':>8} "
+    f"{'tok/s':>8} {'s/step':>7} {'MFU':>6} {'of GF/s':>7} {'peak MB':>8} {'step MB':>8}  load"
 )
 
 
@@ -463,7 +502,10 @@ def print_row(row: dict) -> None:
     if "checkpoint_segment" in row:
         ckpt = f"{ckpt}/{row['checkpoint_segment']}"
     shape = f"{row['batch']}x{row['ctx']}"
-    head = f"{row['config']:<14} {row['ops']:<12} {mode:<7} {ckpt:<9} {shape:>8}"
+    head = (
+        f"{row['config']:<14} {row['ops']:<12} {row['attention']:<7} {row['step']:<7} "
+        f"{mode:<7} {ckpt:<9} {shape:>8}"
+    )
     if "skipped" in row:
         print(f"{head} skipped: {row['skipped']}", flush=True)
         return
@@ -477,50 +519,50 @@ def print_row(row: dict) -> None:
     )
 
 
-Row = tuple[BenchConfig, str, str, bool]  # (config, ops, checkpointing, compile)
-
-
 def plan(args: argparse.Namespace, device: torch.device) -> list[list[Row]]:
     """The rows of this run in groups; the rows of a group are timed side by side."""
-    kinds = ["ggml", "ggml-unfused", "torch", "baseline"]
+    kinds = ("ggml", "ggml-unfused", "torch", "baseline")
+    nano_kinds = ("ggml", "torch", "baseline")
     tiny, g2023, nano = CONFIGS["tiny32k"], CONFIGS["ggml-2023"], CONFIGS["nanogpt-cpu"]
     groups: list[list[Row]] = [
-        [(tiny, kind, "none", False) for kind in kinds],
-        [(nano, kind, "none", False) for kind in ("ggml", "torch", "baseline")],
+        [Row(tiny, kind) for kind in kinds]
+        + [Row(tiny, kind, attention="softmax") for kind in TRAINER_OPS],
+        [Row(nano, kind) for kind in nano_kinds],
     ]
     if not args.quick:
         groups.insert(
             1,
-            [(g2023, kind, "none", False) for kind in kinds]
-            + [(g2023, "ggml", ckpt, False) for ckpt in ("full", "auto")],
+            [Row(g2023, kind) for kind in kinds]
+            + [Row(g2023, "ggml", ckpt=ckpt) for ckpt in ("full", "auto")],
         )
     if args.compile:
-        groups[0] += [(tiny, kind, "none", True) for kind in kinds]
-        groups[-1] += [(nano, kind, "none", True) for kind in ("ggml", "torch", "baseline")]
+        groups[0] += [Row(tiny, kind, compile=True) for kind in kinds]
+        groups[-1] += [Row(nano, kind, compile=True) for kind in nano_kinds]
     if device.type == "cuda":  # the GPU report: MFU of a ~124M llama, bf16 autocast
         big = CONFIGS["llama-124m"]
         groups.append(
-            [(big, kind, "none", False) for kind in ("ggml", "torch", "baseline")]
-            + [(big, kind, "none", True) for kind in ("ggml", "baseline")]
+            [Row(big, kind) for kind in nano_kinds]
+            + [Row(big, kind, compile=True) for kind in ("ggml", "baseline")]
         )
     if args.scaling:
         sweep = []
         for ctx in (256, 512, 1024, 2048, 4096):
             bc = BenchConfig(f"tiny32k-T{ctx}", replace(tiny.model, max_seq_len=ctx), 1, ctx)
             for kind in ("ggml", "ggml-unfused"):  # without and with the full logits
-                sweep += [(bc, kind, ckpt, False) for ckpt in ("none", "auto")]
+                sweep += [Row(bc, kind, ckpt=ckpt) for ckpt in ("none", "auto")]
         groups.append(sweep)
         sweep = []
         for layers in (2, 4, 8, 16):
             bc = BenchConfig(f"ggml-2023-L{layers}", replace(g2023.model, n_layers=layers), 8, 128)
-            sweep += [(bc, "ggml", ckpt, False) for ckpt in ("none", "auto")]
+            sweep += [Row(bc, "ggml", ckpt=ckpt) for ckpt in ("none", "auto")]
         groups.append(sweep)
-        # ggml-2023 stops at 16 layers, where a block saves ~20x its input and the rule
-        # checkpoints every block; a narrow model 4 -> 256 layers deep shows the sqrt(n) regime.
+        # ggml-2023 stops at 16 layers, where a block saves far more than its input and the
+        # rule checkpoints every block; a narrow model 4 -> 256 layers deep shows the
+        # sqrt(n) regime.
         sweep = []
         for layers in (4, 16, 64, 256):
             bc = BenchConfig(f"deep-L{layers}", _cfg(512, 64, layers, 4, 2, 192, 256), 4, 256)
-            sweep += [(bc, "ggml", ckpt, False) for ckpt in ("none", "auto")]
+            sweep += [Row(bc, "ggml", ckpt=ckpt) for ckpt in ("none", "auto")]
         groups.append(sweep)
     return groups
 
@@ -535,9 +577,9 @@ def main(argv: list[str] | None = None) -> dict:
     add_common_arguments(parser, DEFAULT_JSON)
     args = parser.parse_args(argv)
     device = device_from_arguments(args)
-    # The trainer's process-wide settings, for every row (baseline included); CUDA rows
-    # train under bf16 autocast.
-    configure_device(device, bf16=device.type == "cuda")
+    # A training run's process-wide settings, once, for every row (baseline included); CUDA
+    # rows train under bf16 autocast.
+    configure_process(device, bf16=device.type == "cuda")
     steps = args.steps or (3 if args.quick else 5)
 
     started = time.time()
@@ -558,7 +600,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"meta": meta, "rows": rows}
     if not args.no_profile:
         results["profile"] = {
-            f"{name} {kind}": profile_step(CONFIGS[name], kind, device)
+            f"{name} {kind}": profile_step(Row(CONFIGS[name], kind), device)
             for name, kind in (
                 ("tiny32k", "ggml"),
                 ("tiny32k", "ggml-unfused"),

@@ -1,30 +1,61 @@
-"""Shared fixtures: runs of configs/tiny.toml in temporary folders."""
+"""Shared fixtures: runs of the built-in ``tiny`` config in temporary folders.
 
+The tiny config trains on the built-in corpus ``sonnets`` (shipped inside the package), so a
+run needs nothing from the repository: only a place for its outputs and its cache.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "tiny.toml"
-
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tokenizer/token cache for the whole session, so each run does not retrain it."""
     return tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture
-def tiny_overrides(cache_dir, tmp_path):
-    """Overrides that make configs/tiny.toml run anywhere (absolute data path, temp output)."""
+def tiny_overrides(cache_dir: Path, tmp_path: Path):
+    """``--set`` items that keep a run of the tiny config inside the test's temporary folder
+    (output) and the session's cache; keyword arguments add or replace items."""
 
     def make(**extra: object) -> list[str]:
-        values = {
-            "data.path": f'"{REPO / "tests" / "data" / "tiny.txt"}"',
-            "data.cache_dir": f'"{cache_dir}"',
-            "output.dir": f'"{tmp_path / "run"}"',
-        }
-        values.update({k: v for k, v in extra.items()})
+        values = {"data.cache_dir": f'"{cache_dir}"', "output.dir": f'"{tmp_path / "run"}"'}
+        values.update(extra)
         return [f"{k}={v}" for k, v in values.items()]
 
     return make
+
+
+@dataclass
+class CliRun:
+    """A finished ``llamatrain fit`` process: where it ran, its run folder and what it printed."""
+
+    cwd: Path
+    run_dir: Path
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> CliRun:
+    """The whole tiny config (60 steps, evaluations with samples, checkpoints, f32 export) run
+    as a user would: ``llamatrain fit --config tiny`` in a fresh process, from a working
+    directory unrelated to the repository, with a relative ``output.dir``.
+
+    Shared by the CLI and llama.cpp tests, which read its files and output.
+    """
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    command = [
+        sys.executable, "-m", "llamatrain", "fit", "--config", "tiny",
+        "--set", "output.dir=run", "--set", f"data.cache_dir={cache_dir}",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return CliRun(cwd, cwd / "run", done.stdout, done.stderr)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,6 +36,7 @@ from llamatrain.evaluate import PerplexityResult, perplexity
 from llamatrain.gguf.describe import describe_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_model, write_vocab
 from llamatrain.model import Llama
+from llamatrain.plot import can_plot, plot_metrics
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer, load_sentencepiece, train_spm
 from llamatrain.trainer import History, Trainer
@@ -113,7 +113,9 @@ def build_tokenizer(cfg: Config, paths: Sequence[Path]) -> Tokenizer:
 # ---- building a run ----------------------------------------------------------------------
 
 
-def _configure(config: Config | str | Path | None, overrides: Sequence[str], dotted: Mapping) -> Config:
+def _configure(
+    config: Config | str | Path | None, overrides: Sequence[str], dotted: Mapping
+) -> Config:
     """The run's validated config: a file, a built-in name or a Config, plus overrides."""
     values = {key.replace("__", "."): value for key, value in dotted.items()}
     if isinstance(config, Config):
@@ -217,10 +219,8 @@ def _write_curves(run_dir: Path) -> Path | None:
     optional dependency or a plotting failure only warns: it must never turn a finished
     training run into an error.
     """
-    if importlib.util.find_spec("matplotlib") is None:
+    if not can_plot():
         return None
-    from llamatrain.plot import plot_metrics
-
     try:
         return plot_metrics(run_dir)
     except Exception as err:  # broad on purpose: see the docstring
@@ -254,9 +254,7 @@ def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
     return load_gguf(path, ops=ops)
 
 
-def export_gguf(
-    model: Llama, tokenizer: Tokenizer, path: str | Path, type: str = "f32"
-) -> Path:
+def export_gguf(model: Llama, tokenizer: Tokenizer, path: str | Path, type: str = "f32") -> Path:
     """Write a model llama.cpp runs (``type``: one of ``llamatrain.gguf.file.EXPORT_TYPES``)."""
     tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     return write_model(path, model.cfg, tensors, tokenizer, type=type)
@@ -293,4 +291,3 @@ def generate_text(
             continue  # a multi-byte character is still arriving byte token by byte token
         yield text[len(shown) :]
         shown = text
-

@@ -5,11 +5,13 @@ tokenizer keys) plus ``training.*`` counters and ``optimizer.*`` state. AdamW mo
 stored as two flat F32 vectors over all parameters in ``state_dict`` order
 (``optimizer.adam.first_moments`` / ``second_moments``), exactly the 2023 layout. What GGUF
 has no tensor type for (RNG states, the data cursor, L-BFGS history) travels as JSON/base64
-strings. Files are written by ``gguf_io`` atomically (temp file, fsync, rename), so a crash
-never leaves a half-written checkpoint.
+strings. Files are written through ``llamatrain.gguf`` atomically (temp file, fsync, rename),
+so a crash never leaves a half-written checkpoint.
 
-Today's llama.cpp refuses a model file with extra tensors, so hand it ``llamatrain export``'s
-output; ``load_gguf`` reads checkpoints as models.
+Loading a checkpoint builds no model: it returns the weights and the state, and the trainer
+restores them onto its own model and optimizer (``Trainer.load_state``). Today's llama.cpp
+refuses a model file with extra tensors, so hand it ``llamatrain export``'s output;
+``llamatrain.load`` reads checkpoints as models.
 """
 
 from __future__ import annotations

@@ -29,8 +29,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if result.export_path is not None:
         print(f"exported GGUF: {result.export_path}")
         prompt = shlex.quote(result.config.train.sample_prompt.strip() or "Once upon a time")
-        print(f"run it in llama.cpp: llama-cli -m {shlex.quote(str(result.export_path))} "
-              f"-p {prompt} -n 128")
+        print(
+            f"run it in llama.cpp: llama-cli -m {shlex.quote(str(result.export_path))} "
+            f"-p {prompt} -n 128"
+        )
     return 0
 
 
@@ -161,8 +163,11 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
         if args.debug:
             raise
         where = f" {err.filename}" if err.filename else ""
-        print(f"llamatrain: error: cannot use{where}: {err.strerror or err}; check the path "
-              "and its permissions", file=sys.stderr)
+        print(
+            f"llamatrain: error: cannot use{where}: {err.strerror or err}; check the path "
+            "and its permissions",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print("llamatrain: interrupted", file=sys.stderr)

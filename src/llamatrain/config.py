@@ -66,7 +66,9 @@ class TokenizerSection:
         "a .gguf file = use its tokenizer.* keys (like 2023's --vocab-model)",
     )
     vocab_size: int = setting(1024, "vocabulary size when training a tokenizer", ge=8)
-    model_type: str = setting("bpe", "sentencepiece algorithm when training", choices=("bpe", "unigram"))
+    model_type: str = setting(
+        "bpe", "sentencepiece algorithm when training", choices=("bpe", "unigram")
+    )
     max_sentence_length: int = setting(
         16384, "longest line (bytes) sentencepiece trains on; longer lines are skipped", gt=0
     )
@@ -140,7 +142,9 @@ class OptimSection:
 class TrainSection:
     """The loop: batch sizes, steps, saving, evaluation, device."""
 
-    steps: int = setting(1000, "optimizer steps to train (a resumed run continues up to this)", gt=0)
+    steps: int = setting(
+        1000, "optimizer steps to train (a resumed run continues up to this)", gt=0
+    )
     n_batch: int = setting(1024, "tokens per optimizer step; a multiple of data.n_ctx", gt=0)
     n_ubatch: int | None = setting(
         None,
@@ -148,7 +152,9 @@ class TrainSection:
         gt=0,
     )
     seed: int = setting(42, "seed for initialisation, shuffling and sampling")
-    save_every: int = setting(200, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
+    save_every: int = setting(
+        200, "save a checkpoint every this many steps (0 = only at the end)", ge=0
+    )
     eval_every: int = setting(
         200, "evaluate and print a sample every this many steps (0 = only at the end)", ge=0
     )
@@ -403,9 +409,7 @@ def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
         key, sep, raw = item.partition("=")
         where = f"--set {item}"
         if not sep or not key.strip():
-            raise ConfigError(
-                f"--set expects section.key=value (like optim.lr=3e-4), got {item!r}"
-            )
+            raise ConfigError(f"--set expects section.key=value (like optim.lr=3e-4), got {item!r}")
         sec_name, name = _split_key(key.strip(), where)
         _set(cfg, sec_name, name, raw.strip(), where, raw=True)
     return cfg
@@ -444,7 +448,9 @@ BUILTIN_CONFIGS = resources.files("llamatrain") / "configs"
 
 
 def builtin_config_names() -> list[str]:
-    return sorted(p.name.removesuffix(".toml") for p in BUILTIN_CONFIGS.iterdir() if p.name.endswith(".toml"))
+    return sorted(
+        p.name.removesuffix(".toml") for p in BUILTIN_CONFIGS.iterdir() if p.name.endswith(".toml")
+    )
 
 
 def _config_path(spec: str | Path) -> Path:

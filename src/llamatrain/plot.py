@@ -20,7 +20,7 @@ from typing import Any
 
 from llamatrain.errors import LlamatrainError
 
-__all__ = ["METRICS_FILE", "CURVES_FILE", "plot_metrics", "read_metrics"]
+__all__ = ["METRICS_FILE", "CURVES_FILE", "can_plot", "plot_metrics", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
@@ -81,6 +81,15 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
         if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
     ]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def can_plot() -> bool:
+    """Whether matplotlib (the optional ``[plot]`` extra) can be imported."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -77,9 +77,7 @@ GRADCHECK_CASES = [
 
 
 @pytest.mark.parametrize("b, h, hkv, t, s, causal, block", GRADCHECK_CASES)
-def test_gradcheck(
-    b: int, h: int, hkv: int, t: int, s: int, causal: bool, block: int
-) -> None:
+def test_gradcheck(b: int, h: int, hkv: int, t: int, s: int, causal: bool, block: int) -> None:
     q, k, v = _inputs(b, h, hkv, t, s, d=4)
     assert torch.autograd.gradcheck(
         lambda q, k, v: flash_attn(q, k, v, causal=causal, block_size=block), (q, k, v)

@@ -11,9 +11,7 @@ from llamatrain.errors import ConfigError
 from llamatrain.model import ATTENTIONS, KVCache, tensor_shapes
 from llamatrain.sampling import SamplingParams
 
-SMALL = dict(
-    vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64
-)
+SMALL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
 GREEDY = SamplingParams(temperature=0)
 
 

@@ -9,10 +9,7 @@ import pytest
 
 from llamatrain.cli import main
 from llamatrain.errors import LlamatrainError
-
-pytest.importorskip("matplotlib", reason="plotting is the optional [plot] extra")
-
-from llamatrain.plot import plot_metrics, read_metrics  # noqa: E402
+from llamatrain.plot import can_plot, plot_metrics, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -93,22 +90,28 @@ def test_errors_name_the_problem(tmp_path, setup, message):
 
 def test_missing_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     write_metrics(tmp_path / "run")
+    assert can_plot()  # the test extra installs matplotlib: these tests never skip
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises
+    assert not can_plot()
     with pytest.raises(LlamatrainError, match=r"pip install 'llamatrain\[plot\]'"):
         plot_metrics(tmp_path / "run")
 
 
 def test_fit_skips_curves_without_matplotlib(tmp_path, monkeypatch):
-    import importlib.util
-
+    """Curves are a convenience: a finished run without matplotlib has no picture, no error."""
     from llamatrain import api
 
-    write_metrics(tmp_path / "run")
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises
+    result = api.fit(
+        "tiny",
+        overrides=[f"output.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"],
+        progress=False,
+        train__steps=2,
+        train__eval_every=0,
+        output__export=False,
     )
-    assert api._write_curves(tmp_path / "run") is None
+    assert result.curves_path is None
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
     assert not (tmp_path / "run" / "curves.png").exists()
 
 

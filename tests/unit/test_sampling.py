@@ -45,3 +45,27 @@ def test_greedy_and_sampled_choices():
 def test_invalid_sampling_params_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_defaults_are_llama_cpps_sampler_defaults():
+    """One home for sampling defaults, and it is llama.cpp's (llama-cli without flags)."""
+    assert SamplingParams() == SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.95, repeat_penalty=1.0, repeat_last_n=64
+    )
+
+
+def test_cli_generate_flags_take_their_defaults_from_sampling_params():
+    from llamatrain.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "run"])
+    defaults = SamplingParams()
+    assert (
+        SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            repeat_penalty=args.repeat_penalty,
+            repeat_last_n=args.repeat_last_n,
+        )
+        == defaults
+    )

@@ -281,4 +281,3 @@ def flash_attn(
     if block < 1:
         raise ValueError(f"block_size must be positive; got {block}")
     return _FlashAttn.apply(q, k, v, causal, float(scale), block)
-
