@@ -3,10 +3,10 @@
 Why: a training step allocates and frees the same activations (hundreds of tensors of a few
 MB) every step. glibc's malloc serves blocks above its mmap threshold with fresh ``mmap``s
 and hands freed memory at the top of the heap back to the kernel above its trim threshold,
-so each step faults its activations in again: ~35,000 minor faults per ggml-2023 step on
-CPU (8 × 128 tokens, dim 256, 16 layers), about a tenth of the step. Raising the mmap
-threshold to glibc's maximum (32 MiB) and keeping up to 1 GiB of freed memory in the heap
-brings that to ~0 faults per step. (PyTorch's CPU performance guides recommend preloading
+so each step faults its activations in again, tens of thousands of minor faults per step
+of a mid-sized model. Raising the mmap threshold to glibc's maximum (32 MiB) and keeping up
+to 1 GiB of freed memory in the heap lets the next step reuse those pages (a test counts the
+faults; bench/README.md has the figures). (PyTorch's CPU performance guides recommend preloading
 jemalloc or tcmalloc for the same reason; this needs no extra library.)
 
 The price is that up to ``TRIM_THRESHOLD`` of freed memory stays mapped to the process

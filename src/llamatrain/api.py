@@ -83,7 +83,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def _tokenizer_cache_key(cfg: Config, paths: Sequence[Path]) -> str:
     """Tokenizer training is deterministic, so identical inputs+settings reuse the result."""
-    h = hashlib.sha256(json.dumps(vars(cfg.tokenizer), sort_keys=True, default=str).encode())
+    settings = {**vars(cfg.tokenizer), "seed": cfg.train.seed}  # all that training depends on
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     for p in paths:
         stat = p.stat()
         h.update(f"{p.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())

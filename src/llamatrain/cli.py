@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -174,6 +175,14 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
         return 130
 
 
+def _one_line_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line=None
+) -> str:
+    """Warnings as the CLI's other messages look: one line, no Python source."""
+    return f"llamatrain: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning  # a command's user sees no source lines
     args = build_parser().parse_args(argv)
     return run(args.func, args)

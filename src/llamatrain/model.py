@@ -452,7 +452,7 @@ class Llama(nn.Module):
             warnings.warn(
                 f"generating {total} tokens, past the {self.cfg.max_seq_len} the model was "
                 "trained on (llama.context_length); llama.cpp continues too, quality may drop",
-                stacklevel=2,
+                stacklevel=3,  # the line that asked for tokens (past the no_grad wrapper)
             )
         param = next(self.parameters())
         cache = KVCache(self.cfg, tokens.shape[0], total, param.device, param.dtype)

@@ -31,8 +31,8 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimize
     """AdamW or L-BFGS, at the schedule's starting lr.
 
     AdamW uses PyTorch's fused kernel on every device: one pass per tensor with no
-    temporaries. On 2 CPU cores it steps the 30M parameters of ggml-2023 in ~20 ms where the
-    foreach implementation takes ~170 ms (a tenth of a training step), with the same update.
+    temporaries, where the foreach implementation makes several, with the same update (a
+    test pins it to ggml's formula; bench/README.md has the measured difference).
     """
     if cfg.name == "lbfgs":
         params = [p for p in model.parameters() if p.requires_grad]

@@ -153,12 +153,18 @@ class Trainer:
         return loss
 
     def _check_finite(self, loss: float) -> None:
-        if not math.isfinite(loss):
-            raise TrainingError(
-                f"loss became {loss} at step {self.state.step + 1}; the last good checkpoint "
-                f"in {self.checkpoints.directory} is intact. Lower optim.lr, keep "
-                "optim.grad_clip on, or check the data"
-            )
+        if math.isfinite(loss):
+            return
+        latest = self.checkpoints.latest
+        kept = (
+            f"the last good checkpoint {latest.resolve()} is intact"
+            if latest.exists()
+            else "no checkpoint was written yet"
+        )
+        raise TrainingError(
+            f"loss became {loss} at step {self.state.step + 1}; {kept}. Lower optim.lr, keep "
+            "optim.grad_clip on, or check the data"
+        )
 
     # ---- evaluation and samples ---------------------------------------------------------
 
@@ -209,10 +215,40 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------
 
+    def _train_until_done(self, bar: tqdm) -> None:
+        """Steps until ``train.steps``, logging, evaluating and saving on their schedules."""
+        t = self.cfg.train
+        while self.state.step < t.steps:
+            inputs, targets = self.data.sampler.next_batch()
+            started = time.perf_counter()
+            loss = self.train_step(inputs, targets)
+            elapsed = time.perf_counter() - started
+            self.state.step += 1
+            self.state.samples += inputs.shape[0]
+            self.state.tokens += inputs.numel()
+            record = {
+                "step": self.state.step,
+                "loss": loss,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "tokens_per_s": t.n_batch / elapsed,
+            }
+            self.history.train.append(record)
+            if self._every(t.log_every) or self.state.step == t.steps:
+                self._log(record)
+            bar.set_postfix(
+                loss=f"{loss:.4f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+            )
+            bar.update(1)
+            if self._every(t.eval_every):
+                self._evaluate_and_sample(bar)
+            if self._every(t.save_every) and self.state.step < t.steps:
+                self.save()
+
     def fit(self) -> History:
         """Train to ``train.steps``; saves periodically, at the end and on Ctrl-C."""
         t = self.cfg.train
-        tokens_per_step = t.n_batch
         bar = tqdm(
             total=t.steps,
             initial=self.state.step,
@@ -224,41 +260,15 @@ class Trainer:
         self._start_metrics()
         self.model.train()
         try:
-            while self.state.step < t.steps:
-                inputs, targets = self.data.sampler.next_batch()
-                started = time.perf_counter()
-                loss = self.train_step(inputs, targets)
-                elapsed = time.perf_counter() - started
-                self.state.step += 1
-                self.state.samples += inputs.shape[0]
-                self.state.tokens += inputs.numel()
-                record = {
-                    "step": self.state.step,
-                    "loss": loss,
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "tokens_per_s": tokens_per_step / elapsed,
-                }
-                self.history.train.append(record)
-                if self._every(t.log_every) or self.state.step == t.steps:
-                    self._log(record)
-                bar.set_postfix(
-                    loss=f"{loss:.4f}",
-                    lr=f"{record['lr']:.2e}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                )
-                bar.update(1)
-                if self._every(t.eval_every):
-                    self._evaluate_and_sample(bar)
-                if self._every(t.save_every) and self.state.step < t.steps:
-                    self.save()
+            self._train_until_done(bar)
         except KeyboardInterrupt:
-            bar.close()
             path = self.save()
             raise TrainingError(
                 f"interrupted at step {self.state.step}; saved {path}. "
                 "Continue with --resume latest"
             ) from None
-        bar.close()
+        finally:
+            bar.close()  # before any error is printed: the bar's last refresh comes first
         if not self.history.eval or self.history.eval[-1]["step"] != self.state.step:
             self._evaluate_and_sample(bar)
         self.save()

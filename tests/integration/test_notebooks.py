@@ -1,4 +1,5 @@
-"""The example notebooks run, end to end, in their short version (``LLAMATRAIN_QUICK=1``).
+"""The example notebooks run, end to end, in their short version (``LLAMATRAIN_QUICK=1``),
+from a temporary working directory: they need only the installed package, not the repository.
 
 Each notebook prints one ``SUMMARY {json}`` line in its last cell; the assertions read that,
 so a notebook that "runs" but no longer trains, exports or generates fails here. The committed
@@ -43,8 +44,9 @@ def test_first_code_cell_reads_the_quick_switch(path):
     assert 'QUICK = os.environ.get("LLAMATRAIN_QUICK", "0") == "1"' in first.source
 
 
-def execute(name: str, monkeypatch) -> dict:
-    """Run examples/NAME in a fresh python3 kernel (quick mode); return its SUMMARY."""
+def execute(name: str, monkeypatch, workdir: Path) -> dict:
+    """Run examples/NAME in a fresh python3 kernel (quick mode) whose working directory is
+    ``workdir``, outside the repository as after ``pip install``; return its SUMMARY."""
     nbclient = pytest.importorskip("nbclient", reason="notebook tests need the [test] extra")
     pytest.importorskip("ipykernel", reason="notebook tests need the [test] extra")
     monkeypatch.setenv("LLAMATRAIN_QUICK", "1")  # the kernel inherits this environment
@@ -53,18 +55,20 @@ def execute(name: str, monkeypatch) -> dict:
         book,
         timeout=300,
         kernel_name="python3",
-        resources={"metadata": {"path": str(EXAMPLES)}},
+        resources={"metadata": {"path": str(workdir)}},
     )
     client.execute()
     last = [c for c in book.cells if c.cell_type == "code"][-1]
     text = "".join(o.get("text", "") for o in last.outputs if o.output_type == "stream")
     lines = [line for line in text.splitlines() if line.startswith("SUMMARY ")]
     assert lines, f"{name}: the last cell printed no SUMMARY line:\n{text}"
+    # the short versions clean up after themselves: nothing lands where they were started
+    assert list(workdir.iterdir()) == [], f"{name} left files in its working directory"
     return json.loads(lines[-1].removeprefix("SUMMARY "))
 
 
-def test_quickstart_trains_exports_and_runs_in_llama_cpp(monkeypatch):
-    summary = execute("quickstart.ipynb", monkeypatch)
+def test_quickstart_trains_exports_and_runs_in_llama_cpp(monkeypatch, tmp_path):
+    summary = execute("quickstart.ipynb", monkeypatch, tmp_path)
     assert summary["quick"] is True and summary["steps"] > 0
     # 24 steps take the loss well below the uniform ln(384) = 5.95 it starts near
     assert summary["last_loss"] < summary["first_loss"] - 0.5
@@ -74,8 +78,8 @@ def test_quickstart_trains_exports_and_runs_in_llama_cpp(monkeypatch):
     assert summary["gguf_bytes"] > 100_000
 
 
-def test_baby_llama_learns_and_both_optimizers_solve_the_matrix_check(monkeypatch):
-    summary = execute("baby_llama.ipynb", monkeypatch)
+def test_baby_llama_learns_and_both_optimizers_solve_the_matrix_check(monkeypatch, tmp_path):
+    summary = execute("baby_llama.ipynb", monkeypatch, tmp_path)
     assert summary["quick"] is True
     for name in ("AdamW", "L-BFGS"):
         first, last = summary["val_loss"][name]

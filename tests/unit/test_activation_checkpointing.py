@@ -1,4 +1,4 @@
-"""Activation checkpointing applied from outside the model (``llamatrain.activation_checkpointing``).
+"""Activation checkpointing, applied to a model from outside (``activation_checkpointing``).
 
 Checkpointing may change memory use and nothing else: the loss, every gradient, the parameter
 names (the GGUF names) and the state_dict must be what the plain model gives. It must also
@@ -53,9 +53,9 @@ def checkpoint_calls() -> Iterator[list[int]]:
 
     def profile(frame, event, arg):
         code = frame.f_code
-        if event == "call" and code.co_name == "checkpoint":
-            if Path(code.co_filename).resolve() == target:
-                calls[0] += 1
+        in_checkpoint = code.co_name == "checkpoint" and Path(code.co_filename).resolve() == target
+        if event == "call" and in_checkpoint:
+            calls[0] += 1
 
     previous = sys.getprofile()
     sys.setprofile(profile)

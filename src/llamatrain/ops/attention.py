@@ -29,9 +29,9 @@ from llamatrain.ops.dtypes import compute_dtype
 __all__ = ["BLOCK_SIZE", "flash_attn"]
 
 # Query rows per block. A block's score tile holds B·H·BLOCK_SIZE·seq_kv elements, so memory
-# is linear in the sequence. 64 measured fastest on CPU across (B, H, T, D) from
-# (8, 8, 128, 32) to (1, 4, 2048, 64): smaller tiles stay in cache and let causal blocks skip
-# more of the kv columns they cannot see; at 32 the per-block overhead starts to show.
+# is linear in the sequence. Smaller tiles stay in cache and let causal blocks skip more of
+# the kv columns they cannot see, until the per-block overhead shows; 64 was the fastest on
+# CPU across the shapes bench/ops.py covers.
 BLOCK_SIZE = 64
 
 _LOG2E = math.log2(math.e)

@@ -58,10 +58,8 @@ def default_chunk_rows(vocab: int, dim: int, element_size: int = 4) -> int:
 
     Every chunk's ``dW += dZᵀ·H`` reads and writes all of dW (vocab × dim), as much memory
     traffic as ``dim`` rows of logits; with chunks of at least ``dim`` rows that overhead
-    stays below the chunk's own logits traffic. Measured on 2 idle CPU cores (AMD EPYC),
-    2048 tokens, vocab 32000, fwd+bwd: dim 64 takes 363 / 339 / 372 / 388 ms at 65 / 131 /
-    256 / 512 rows (unfused F.linear + F.cross_entropy 703 ms); dim 256 takes 1252 / 1049 /
-    969 / 972 ms (unfused 1311 ms). The default picks 131 and 256 rows.
+    stays below the chunk's own logits traffic. Larger chunks gain nothing measurable
+    (the timings per chunk size are in bench/README.md).
     """
     return max(1, CHUNK_BYTES // (vocab * element_size), dim)
 
