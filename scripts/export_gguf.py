@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from llamatrain import api
-from llamatrain.cli import EXPORT_TYPES
 from llamatrain.errors import LlamatrainError
+from llamatrain.gguf.file import EXPORT_TYPES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,9 +5,9 @@ loaded, checkpointing applied; the data; the tokenizer; the config) so that note
 exactly as the CLI does. Building it changes nothing outside it: the run folder is written when
 ``fit`` or ``save`` run, and process-wide settings are the caller's
 (``llamatrain.device.configure_process``). One optimizer step consumes ``n_batch`` tokens
-computed ``n_ubatch`` at a time (llama.cpp finetune's semantics): gradients of equal-sized
-micro-batches are accumulated with weight 1/n_micro, so the update equals the full batch's up
-to float rounding whatever ``n_ubatch`` is.
+computed ``n_ubatch`` at a time (llama.cpp finetune's semantics): each micro-batch's mean loss is
+weighted by its share of the batch's sequences and the gradients accumulated, so the update
+equals the full batch's up to float rounding whatever ``n_ubatch`` is.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from llamatrain.checkpoint import Checkpoint, CheckpointManager, TrainingState, checkpoint_dir
-from llamatrain.config import Config, config_to_dict
+from llamatrain.config import Config, config_to_dict, validate
 from llamatrain.data import TrainData
 from llamatrain.device import resolve_device
 from llamatrain.errors import TrainingError
@@ -61,13 +61,14 @@ class Trainer:
         tokenizer: Tokenizer | None = None,
         progress: bool = True,
     ) -> None:
+        cfg = validate(cfg)  # fills the derived defaults a hand-built Config leaves unset
         self.cfg, self.data, self.tokenizer, self.progress = cfg, data, tokenizer, progress
         self.device = resolve_device(cfg.train.device)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(config=config_to_dict(cfg))
         self.history = History()
-        self.n_micro = cfg.train.n_batch // cfg.train.n_ubatch
+        self.micro_batch = cfg.train.n_ubatch // cfg.data.n_ctx  # sequences computed at once
         self.checkpoints = CheckpointManager(
             checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints
         )
@@ -118,8 +119,9 @@ class Trainer:
         """Forward/backward over the micro-batches of one step; returns the batch loss."""
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for x, y in zip(inputs.chunk(self.n_micro), targets.chunk(self.n_micro), strict=True):
-            loss = self._loss(x, y) / self.n_micro
+        chunks = zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True)
+        for x, y in chunks:
+            loss = self._loss(x, y) * (len(x) / len(inputs))
             loss.backward()
             total += loss.item()
         return total

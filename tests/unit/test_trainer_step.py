@@ -65,10 +65,10 @@ def test_micro_batching_does_not_change_loss_or_update(tmp_path):
     4 micro-batches of 2 must give the same loss and gradients up to float32 rounding (sums
     taken in another order: measured 5e-7 of the largest gradient). The gradient check is the
     sharp one: AdamW's update hardly changes if every gradient is scaled by the same factor
-    (a wrong 1/n_micro weight), the gradients and the loss do."""
+    (a wrong micro-batch weight), the gradients and the loss do."""
     whole = make_trainer(tmp_path, "train.n_ubatch=512")
     split = make_trainer(tmp_path, "train.n_ubatch=128")
-    assert (whole.n_micro, split.n_micro) == (1, 4)
+    assert (whole.micro_batch, split.micro_batch) == (8, 2)
     for step in range(3):
         batch = random_batch(n_ctx=64, seed=step)
         whole.state.step = split.state.step = step
@@ -126,3 +126,24 @@ def test_a_diverging_learning_rate_is_caught(tmp_path):
         for step in range(5):
             trainer.state.step = step
             trainer.train_step(*random_batch(seed=step))
+
+
+def test_a_short_batch_is_weighted_by_its_own_size(tmp_path):
+    """A batch of fewer sequences than n_batch (a bench's, a last partial one) still gives its
+    mean loss: each micro-batch counts by its share of the batch actually passed."""
+    trainer = make_trainer(tmp_path, "train.n_ubatch=64")  # one sequence per micro-batch
+    inputs, targets = random_batch(n_seq=3, n_ctx=64)
+    expected = trainer.model.loss(inputs, targets).item()
+    assert trainer.train_step(inputs, targets) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_hand_built_config_is_validated(tmp_path):
+    """A notebook may pass Config() straight in: the trainer fills what validate() fills."""
+    from llamatrain.config import Config
+
+    cfg = Config()
+    cfg.output.dir = str(tmp_path / "run")
+    model = Llama(dataclasses.replace(cfg.model, vocab_size=VOCAB, max_seq_len=cfg.data.n_ctx))
+    trainer = Trainer(model, cfg, progress=False)
+    assert trainer.cfg.train.n_ubatch == cfg.train.n_batch
+    assert trainer.micro_batch == cfg.train.n_batch // cfg.data.n_ctx
