@@ -2,20 +2,11 @@
 
 from llamatrain.model import Llama, ModelConfig
 
-__all__ = [
-    "Llama",
-    "ModelConfig",
-    "export_gguf",
-    "fit",
-    "generate_text",
-    "load",
-    "load_gguf",
-    "load_tokenizer",
-    "perplexity",
-]
-__version__ = "0.1.0"
+_API = ("export_gguf", "fit", "generate_text", "load", "load_gguf", "load_tokenizer", "perplexity")
+"""Entry points of ``llamatrain.api`` offered here; they load on first use."""
 
-_API = {"fit", "load", "export_gguf", "load_gguf", "load_tokenizer", "generate_text", "perplexity"}
+__all__ = ["Llama", "ModelConfig", *_API]
+__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
@@ -41,3 +44,17 @@ class CharTokenizer:
 def char_tokenizer() -> type[CharTokenizer]:
     """The :class:`CharTokenizer` class: call it (optionally with a vocab_size) for one."""
     return CharTokenizer
+
+
+@pytest.fixture
+def patch() -> Callable[[Path, bytes, bytes], None]:
+    """Corrupt a file in place: replace the first ``old`` by ``new`` (same length)."""
+
+    def replace_first(path: Path, old: bytes, new: bytes) -> None:
+        assert len(old) == len(new)
+        data = bytearray(path.read_bytes())
+        i = data.index(old)
+        data[i : i + len(old)] = new
+        path.write_bytes(bytes(data))
+
+    return replace_first

@@ -112,15 +112,6 @@ def value_types(path: Path) -> dict[str, str]:
     return {n: " ".join(t.name for t in f.types) for n, f in fields if not n.startswith("GGUF.")}
 
 
-def patch(path: Path, old: bytes, new: bytes) -> None:
-    """Replace the first occurrence of ``old`` by ``new`` (same length) in a file."""
-    assert len(old) == len(new)
-    data = bytearray(path.read_bytes())
-    i = data.index(old)
-    data[i : i + len(old)] = new
-    path.write_bytes(bytes(data))
-
-
 def patch_tensor_type(path: Path, name: str, new_type: int) -> None:
     """Overwrite the GGML type of a tensor in its tensor-info record."""
     data = bytearray(path.read_bytes())
@@ -254,7 +245,7 @@ def test_tied_round_trip(tok, tmp_path: Path) -> None:
     assert torch.equal(loaded.token_embd.weight, model.token_embd.weight)
 
 
-def test_foreign_file_config_from_llama_keys(tok, tmp_path: Path) -> None:
+def test_foreign_file_config_from_llama_keys(tok, tmp_path: Path, patch) -> None:
     """Without our llamatrain.model_config key (a llama.cpp-written file) the config is rebuilt
     from the llama.* keys and tensor shapes alone."""
     model = make_model(tok)
@@ -404,7 +395,7 @@ def test_error_truncated(model_file: Path) -> None:
         read_model(model_file)
 
 
-def test_error_unsupported_architecture(model_file: Path) -> None:
+def test_error_unsupported_architecture(model_file: Path, patch) -> None:
     length = struct.pack("<Q", 5)
     patch(model_file, length + b"llama", length + b"gemma")
     with pytest.raises(GGUFError, match="'gemma' model; llamatrain supports the 'llama'"):
@@ -420,19 +411,19 @@ def test_error_unsupported_tensor_type(model_file: Path) -> None:
         read_model(model_file)
 
 
-def test_error_missing_key(model_file: Path) -> None:
+def test_error_missing_key(model_file: Path, patch) -> None:
     patch(model_file, b"llama.block_count", b"llama.block_cOunt")
     with pytest.raises(GGUFError, match="lacks the required key.*llama.block_count"):
         read_model(model_file)
 
 
-def test_error_no_tokenizer(model_file: Path) -> None:
+def test_error_no_tokenizer(model_file: Path, patch) -> None:
     patch(model_file, b"tokenizer.ggml.model", b"tokenizer.ggml.mOdel")
     with pytest.raises(TokenizerError, match="has no tokenizer"):
         read_model(model_file)
 
 
-def test_error_missing_and_unexpected_tensors(model_file: Path) -> None:
+def test_error_missing_and_unexpected_tensors(model_file: Path, patch) -> None:
     patch(model_file, b"blk.1.ffn_up.weight", b"blk.1.ffn_uq.weight")
     with pytest.raises(
         GGUFError,

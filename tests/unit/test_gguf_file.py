@@ -260,15 +260,6 @@ def test_read_everything(small_file: Path) -> None:
     assert data_bytes < small_file.stat().st_size < data_bytes + 1024
 
 
-def patch(path: Path, old: bytes, new: bytes) -> None:
-    """Replace the first occurrence of ``old`` by ``new`` (same length) in a file."""
-    assert len(old) == len(new)
-    data = bytearray(path.read_bytes())
-    i = data.index(old)
-    data[i : i + len(old)] = new
-    path.write_bytes(bytes(data))
-
-
 def test_error_not_a_gguf(tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match="does not exist; check the path"):
         read_gguf(tmp_path / "missing.gguf")
@@ -303,7 +294,7 @@ def test_error_corrupt_header(small_file: Path) -> None:
         read_gguf(small_file)
 
 
-def test_error_unknown_metadata_type(small_file: Path) -> None:
+def test_error_unknown_metadata_type(small_file: Path, patch) -> None:
     key = b"t.name"
     patch(small_file, key + struct.pack("<I", 8), key + struct.pack("<I", 77))
     with pytest.raises(GGUFError, match="unknown metadata value type 77"):
@@ -316,7 +307,7 @@ def test_error_bad_alignment(tmp_path: Path) -> None:
         read_gguf(path)
 
 
-def test_error_tensor_records(small_file: Path) -> None:
+def test_error_tensor_records(small_file: Path, patch) -> None:
     data = small_file.read_bytes()
     name = b"a.weight"
     i = data.index(name) + len(name) + 4 + 2 * 8  # past the name, n_dims and both dims
