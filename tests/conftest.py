@@ -6,8 +6,10 @@ run needs nothing from the repository: only a place for its outputs and its cach
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,3 +61,28 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> CliRu
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return CliRun(cwd, cwd / "run", done.stdout, done.stderr)
+
+
+@pytest.fixture
+def file_size_limit() -> Callable[[int], contextlib.AbstractContextManager[None]]:
+    """``with file_size_limit(n):`` makes writing past ``n`` bytes of any file fail with EFBIG,
+    as a full disk fails a write (ENOSPC): how the tests simulate one, since they run as root,
+    for whom a read-only folder (chmod) is writable all the same.
+
+    SIGXFSZ is ignored meanwhile, so the kernel refuses the write instead of killing pytest.
+    """
+    resource = pytest.importorskip("resource")
+    signal = pytest.importorskip("signal")
+
+    @contextlib.contextmanager
+    def limit(n_bytes: int) -> Iterator[None]:
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+
+    return limit

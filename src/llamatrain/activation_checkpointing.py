@@ -92,6 +92,11 @@ def _run_segment(blocks: list[torch.nn.Module], x: torch.Tensor, pos: torch.Tens
     return x
 
 
+def segment_of(model: Llama) -> int:
+    """Blocks per recomputed segment the model runs with (0 = no checkpointing)."""
+    return model.blk.segment if isinstance(model.blk, CheckpointedBlocks) else 0
+
+
 def apply(model: Llama, policy: str, *, every_n: int = 2, n_seq: int = 1, n_ctx: int = 1) -> int:
     """Checkpoint ``model``'s blocks as ``policy`` says; returns the segment length used.
 

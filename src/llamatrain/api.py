@@ -34,9 +34,11 @@ from llamatrain.device import configure_process, resolve_device
 from llamatrain.errors import CheckpointError, TokenizerError
 from llamatrain.evaluate import PerplexityResult, perplexity
 from llamatrain.gguf.describe import describe_gguf
+from llamatrain.gguf.file import verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_model, write_vocab
 from llamatrain.model import Llama
 from llamatrain.plot import can_plot, plot_metrics
+from llamatrain.runlock import run_lock
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer, load_sentencepiece, train_spm
 from llamatrain.trainer import History, Trainer
@@ -52,6 +54,8 @@ __all__ = [
     "load_gguf",
     "load_tokenizer",
     "perplexity",
+    "verify_gguf",
+    "seen_tokens",
 ]
 
 
@@ -175,10 +179,20 @@ def fit(
     ``overrides=["optim.lr=3e-4"]`` or as keywords with ``__`` for the dot:
     ``fit("tiny", train__steps=20)``. ``resume`` is a checkpoint path or ``"latest"``.
     Applies the device's process-wide settings (``llamatrain.device.configure_process``).
+    One process at a time trains into a run folder: another's ``fit`` into the same
+    ``output.dir`` raises RunInUseError naming this one's PID (``llamatrain.runlock``).
     """
     cfg = _configure(config, overrides, dotted)
+    paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)  # a bad path makes no run folder
+    with run_lock(cfg.output.dir):
+        return _fit_locked(cfg, paths, resume, progress)
+
+
+def _fit_locked(
+    cfg: Config, paths: Sequence[Path], resume: str | Path | None, progress: bool
+) -> FitResult:
+    """``fit``'s run, while it holds the run folder's lock."""
     configure_process(resolve_device(cfg.train.device), bf16=cfg.train.dtype == "bfloat16")
-    paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)
     checkpoint = None
     if resume:
         manager = CheckpointManager(checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints)
@@ -244,15 +258,32 @@ def load_gguf(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
     return _build(read_model(path), ops=ops)
 
 
-def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
-    """A model and tokenizer from a run folder (its latest checkpoint), a checkpoint or any
-    llama GGUF file."""
+def _model_file(path: str | Path) -> Path:
+    """A run folder means its latest checkpoint; anything else names a file."""
     path = Path(path)
     if path.is_dir():
         path = checkpoint_dir(path) / LATEST
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a checkpoint, a GGUF or a run folder")
-    return load_gguf(path, ops=ops)
+    return path
+
+
+def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
+    """A model and tokenizer from a run folder (its latest checkpoint), a checkpoint or any
+    llama GGUF file."""
+    return load_gguf(_model_file(path), ops=ops)
+
+
+def seen_tokens(path: str | Path) -> torch.Tensor:
+    """(vocab,) bool: the tokens a run's training data held, from its checkpoint (or folder)."""
+    path = _model_file(path)
+    seen = load_checkpoint(path).state.seen_tokens
+    if seen is None:
+        raise CheckpointError(
+            f"{path} holds no seen-token set (training checkpoints store it, exported models "
+            "do not); pass the run folder or a checkpoint, or drop --seen-tokens-only"
+        )
+    return seen
 
 
 def export_gguf(model: Llama, tokenizer: Tokenizer, path: str | Path, type: str = "f32") -> Path:
@@ -272,15 +303,18 @@ def generate_text(
     max_tokens: int = 128,
     params: SamplingParams | None = None,
     seed: int | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> Iterator[str]:
     """Stream the decoded continuation of ``prompt`` piece by piece (stops at EOS).
 
-    ``params`` defaults to llama.cpp's sampler settings (``SamplingParams()``).
+    ``params`` defaults to llama.cpp's sampler settings (``SamplingParams()``); ``allowed``
+    restricts the vocabulary (e.g. to :func:`seen_tokens`).
     """
     prompt_ids = tokenizer.encode(prompt, bos=True)
     model.eval()
     stop = frozenset({tokenizer.eos_id})
-    stream = model.generate_stream(torch.tensor([prompt_ids]), max_tokens, params, seed, stop)
+    prompt = torch.tensor([prompt_ids])
+    stream = model.generate_stream(prompt, max_tokens, params, seed, stop, allowed=allowed)
     new: list[int] = []
     shown = tokenizer.decode(prompt_ids)
     for token in stream:

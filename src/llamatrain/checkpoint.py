@@ -6,7 +6,9 @@ stored as two flat F32 vectors over all parameters in ``state_dict`` order
 (``optimizer.adam.first_moments`` / ``second_moments``), exactly the 2023 layout. What GGUF
 has no tensor type for (RNG states, the data cursor, L-BFGS history) travels as JSON/base64
 strings. Files are written through ``llamatrain.gguf`` atomically (temp file, fsync, rename),
-so a crash never leaves a half-written checkpoint.
+so a crash never leaves a half-written checkpoint, and a full disk leaves the last good one and
+``latest.gguf`` as they were. Each tensor's sha256 travels along (``training.tensor_sha256``)
+and is checked when a run resumes, so a damaged file is refused by name, not trained on.
 
 Loading a checkpoint builds no model: it returns the weights and the state, and the trainer
 restores them onto its own model and optimizer (``Trainer.load_state``). Today's llama.cpp
@@ -23,15 +25,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llamatrain.errors import CheckpointError
+from llamatrain.gguf.file import verify_gguf
 from llamatrain.gguf.llama import read_model, write_model
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
 FILE_VERSION = 1
 LATEST = "latest.gguf"
+DIVERGED_FIX = "Lower optim.lr, keep optim.grad_clip on, or check the data"
+"""The advice for a run whose loss or weights stopped being finite."""
 
 
 @dataclass
@@ -44,6 +50,18 @@ class TrainingState:
     epochs: int = 0
     data_state: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    convergence: dict = field(default_factory=dict)
+    seen_tokens: torch.Tensor | None = None
+    """(vocab,) bool: the tokens of the training data, for seen-tokens-only sampling."""
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool vector as a bitmap (8 tokens a byte), stored as GGUF I8 bytes."""
+    return torch.from_numpy(np.packbits(mask.cpu().numpy()).view(np.int8))
+
+
+def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.from_numpy(np.unpackbits(packed.numpy().view(np.uint8))[:n].astype(bool))
 
 
 def _pack_bytes(obj: object) -> str:
@@ -118,15 +136,18 @@ def save_checkpoint(
         "training.token_count": state.tokens,
         "training.epoch_count": state.epochs,
         "training.config": json.dumps(state.config),
+        "training.convergence": json.dumps(state.convergence),
         "training.data_state": json.dumps(state.data_state),
         "training.rng_state": _pack_bytes(_rng_states()),
         "optimizer.type": "adam" if is_adam else "lbfgs",
         "optimizer.lr_schedule.step": state.step,
     }
     extra_tensors: dict[str, torch.Tensor] = {}
+    if state.seen_tokens is not None:
+        extra_tensors["training.seen_tokens"] = _pack_bits(state.seen_tokens)
     if is_adam:
         extra_kv["optimizer.adam.iteration_count"] = state.step
-        extra_tensors = _adam_tensors(model, optimizer)
+        extra_tensors.update(_adam_tensors(model, optimizer))
     else:
         extra_kv["optimizer.lbfgs.state"] = _pack_bytes(optimizer.state_dict())
     tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
@@ -138,6 +159,7 @@ def save_checkpoint(
         type="f32",
         extra_kv=extra_kv,
         extra_tensors=extra_tensors,
+        checksums=True,
     )
 
 
@@ -171,11 +193,17 @@ class Checkpoint:
             _restore_rng_states(_unpack_bytes(self.metadata["training.rng_state"]))
 
 
+def _seen_tokens(tensors: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor | None:
+    packed = tensors.get("training.seen_tokens")
+    return None if packed is None else _unpack_bits(packed, vocab_size)
+
+
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Read a checkpoint (or a plain model GGUF: its counters are then zero)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    verify_gguf(path)
     model_file = read_model(path)
     meta = model_file.contents.metadata
     state = TrainingState(
@@ -185,6 +213,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         epochs=int(meta.get("training.epoch_count", 0)),
         data_state=json.loads(meta.get("training.data_state", "{}")),
         config=json.loads(meta.get("training.config", "{}")),
+        convergence=json.loads(meta.get("training.convergence", "{}")),
+        seen_tokens=_seen_tokens(model_file.contents.tensors, model_file.config.vocab_size),
     )
     return Checkpoint(
         model_file.config,
@@ -220,6 +250,24 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _write_failure(err: OSError) -> str:
+    """The errno text; numpy's short tensor writes carry none, only the byte counts."""
+    if err.strerror:
+        return err.strerror
+    return f"{err} (the disk is full or a file size limit was reached)"
+
+
+def _check_finite_weights(model: Llama, step: int, kept: str) -> None:
+    """Refuse to save a diverged model: the update after a NaN gradient can leave NaN weights
+    while the loss that step reported was still finite."""
+    for name, weight in model.named_parameters():
+        if not torch.isfinite(weight).all():
+            raise CheckpointError(
+                f"weight {name} is not finite at step {step}, so it is not saved; {kept}. "
+                + DIVERGED_FIX
+            )
+
+
 class CheckpointManager:
     """Numbered checkpoints in ``<run>/checkpoints``, the last K kept (0 = all), ``latest.gguf``
     a stable name for the newest."""
@@ -235,10 +283,28 @@ class CheckpointManager:
     def latest(self) -> Path:
         return self.directory / LATEST
 
+    def kept(self) -> str:
+        """What survives a failed run: the checkpoint ``latest.gguf`` points at, if any."""
+        if self.latest.exists():
+            return f"the last good checkpoint {self.latest.resolve()} is intact"
+        return "no checkpoint was written yet"
+
     def save(self, model, tokenizer, optimizer, state: TrainingState) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = save_checkpoint(self.path_for(state.step), model, tokenizer, optimizer, state)
-        self._point_latest_at(path)
+        """Write step ``state.step``'s checkpoint, point ``latest.gguf`` at it, prune old ones.
+
+        Raises CheckpointError, leaving the previous checkpoints and ``latest.gguf`` as they
+        were, when the weights are not finite or the folder cannot be written (full, read-only).
+        """
+        _check_finite_weights(model, state.step, self.kept())
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path = save_checkpoint(self.path_for(state.step), model, tokenizer, optimizer, state)
+            self._point_latest_at(path)
+        except OSError as err:
+            raise CheckpointError(
+                f"cannot write the step-{state.step} checkpoint in {self.directory}: "
+                f"{_write_failure(err)}; {self.kept()}. Free space or choose another output.dir"
+            ) from err
         self._prune()
         return path
 
@@ -246,8 +312,11 @@ class CheckpointManager:
         """Swap the ``latest.gguf`` symlink atomically (symlink to a temp name, rename)."""
         tmp = self.directory / f".{LATEST}.tmp"
         tmp.unlink(missing_ok=True)
-        os.symlink(path.name, tmp)
-        os.replace(tmp, self.latest)
+        try:
+            os.symlink(path.name, tmp)
+            os.replace(tmp, self.latest)
+        finally:
+            tmp.unlink(missing_ok=True)  # gone after the rename; left over if it failed
 
     def _prune(self) -> None:
         if self.keep == 0:

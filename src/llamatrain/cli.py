@@ -24,6 +24,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from llamatrain import api
 
     result = api.fit(args.config, overrides=args.set, resume=args.resume)
+    if result.history.stopped:
+        print(f"stopped early at step {result.history.train[-1]['step']}: {result.history.stopped}")
+    print("\n".join(result.history.report.lines()))
     print(f"run directory: {result.run_dir}")
     if result.curves_path is not None:
         print(f"training curves: {result.curves_path}")
@@ -42,8 +45,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model, tokenizer = api.load(args.checkpoint)
     params = SamplingParams(**{f.name: getattr(args, f.name) for f in fields(SamplingParams)})
+    allowed = api.seen_tokens(args.checkpoint) if args.seen_tokens_only else None
     stream = api.generate_text(
-        model, tokenizer, args.prompt, max_tokens=args.max_tokens, params=params, seed=args.seed
+        model,
+        tokenizer,
+        args.prompt,
+        max_tokens=args.max_tokens,
+        params=params,
+        seed=args.seed,
+        allowed=allowed,
     )
     for piece in stream:
         print(piece, end="", flush=True)
@@ -78,6 +88,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     from llamatrain import api
 
     print(api.describe_gguf(args.file))
+    if args.verify:
+        checked = api.verify_gguf(args.file)  # a damaged tensor raises: one line, exit 1
+        print(
+            f"verify: all {checked} tensors match their sha256"
+            if checked
+            else "verify: no sha256 recorded (only checkpoints carry them); every tensor read"
+        )
     return 0
 
 
@@ -124,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         gen.add_argument(flag, type=float if "float" in f.type else int, default=f.default)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--seen-tokens-only",
+        action="store_true",
+        help="draw only tokens that occur in the run's training data (needs a checkpoint)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="perplexity of a model on a text file")
@@ -140,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="describe a GGUF file")
     info.add_argument("file")
+    info.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every tensor against the sha256 a checkpoint recorded when it was saved",
+    )
     info.set_defaults(func=cmd_info)
 
     plot = sub.add_parser("plot", help="draw loss, lr and perplexity curves of a run to a PNG")

@@ -136,6 +136,25 @@ class OptimSection:
     )
     lbfgs_history: int = setting(10, "L-BFGS history size", gt=0)
     lbfgs_max_iter: int = setting(20, "L-BFGS iterations per optimizer step", gt=0)
+    opt_past: int = setting(
+        0,
+        "delta convergence test: stop when the loss changed by less than opt_delta (relative) "
+        "against the loss this many steps earlier (0 = off; 1 = ggml's AdamW eps_f test)",
+        ge=0,
+    )
+    opt_delta: float = setting(1e-5, "relative loss change the delta test stops below", gt=0)
+    opt_max_no_improvement: int = setting(
+        0, "stop after this many steps without a new best loss (0 = off)", ge=0
+    )
+    opt_no_improvement_on: str = setting(
+        "train",
+        "the loss opt_max_no_improvement watches: every step's 'train' loss, or the 'val' "
+        "loss at each evaluation (train.eval_every)",
+        choices=("train", "val"),
+    )
+    adam_epsf: float = setting(
+        0.0, "stop when the gradient norm (before clipping) falls below this (0 = off)", ge=0
+    )
 
 
 @dataclass
@@ -182,6 +201,11 @@ class TrainSection:
     sample_prompt: str = setting("Romeo.\n", "prompt of the samples printed at each evaluation")
     sample_tokens: int = setting(64, "tokens generated per sample (0 = no sample)", ge=0)
     sample_temperature: float = setting(0.8, "sampling temperature (0 = greedy)", ge=0)
+    sample_seen_tokens_only: bool = setting(
+        False,
+        "samples draw only tokens that occur in the training data (the 2023 trainer's option); "
+        "the set is stored in each checkpoint for `llamatrain generate --seen-tokens-only`",
+    )
     log_every: int = setting(10, "write a metrics line every this many steps", gt=0)
 
 
@@ -548,6 +572,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"optim.lr_min = {o.lr_min} must not exceed optim.lr = {o.lr} "
             f"{_set_in(cfg, 'optim.lr_min', 'optim.lr')}; lr_min is absolute (e.g. lr / 10)"
+        )
+    if o.opt_max_no_improvement and o.opt_no_improvement_on == "val" and d.val_fraction == 0:
+        raise ConfigError(
+            "optim.opt_no_improvement_on = 'val' watches the validation loss, but "
+            f"data.val_fraction = 0 holds none out {_set_in(cfg, 'optim.opt_no_improvement_on')}"
+            "; set data.val_fraction > 0 or watch the 'train' loss"
         )
     if 0 < o.cos_decay_restart < 1:
         raise ConfigError(

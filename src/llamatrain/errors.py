@@ -33,3 +33,7 @@ class CheckpointError(LlamatrainError):
 
 class TrainingError(LlamatrainError):
     """Training cannot go on (e.g. the loss became NaN)."""
+
+
+class RunInUseError(LlamatrainError):
+    """Another process is training into the same run folder."""

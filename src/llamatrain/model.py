@@ -436,12 +436,14 @@ class Llama(nn.Module):
         params: SamplingParams | None = None,
         seed: int | None = None,
         stop_tokens: frozenset[int] = frozenset(),
+        allowed: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield the next token (batch,) one step at a time, decoding with a KV cache.
 
         Like llama.cpp, generation goes on past the context the model was trained for (rope
         extends to any position) and warns once when it does: what comes out there is the
-        model's, and llama.cpp's, best guess outside its training.
+        model's, and llama.cpp's, best guess outside its training. ``allowed``: see
+        ``sampling.sample_next``.
         """
         if tokens.dim() == 1:
             tokens = tokens[None]
@@ -461,8 +463,9 @@ class Llama(nn.Module):
             generator = torch.Generator(device=param.device).manual_seed(seed)
         history = tokens.to(param.device)
         logits = self(history, cache=cache)[:, -1]
+        params = params or SamplingParams()
         while True:
-            next_token = sample_next(logits, params or SamplingParams(), history, generator)
+            next_token = sample_next(logits, params, history, generator, allowed)
             yield next_token
             history = torch.cat((history, next_token[:, None]), dim=1)
             if history.shape[1] >= total or (stop_tokens and next_token[0].item() in stop_tokens):
@@ -475,6 +478,7 @@ class Llama(nn.Module):
         max_new_tokens: int,
         params: SamplingParams | None = None,
         seed: int | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Prompt + ``max_new_tokens`` sampled tokens (LongTensor, same batch shape).
 
@@ -486,7 +490,8 @@ class Llama(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            new = list(self.generate_stream(prompt, max_new_tokens, params, seed))
+            stream = self.generate_stream(prompt, max_new_tokens, params, seed, allowed=allowed)
+            new = list(stream)
         finally:
             self.train(was_training)
         out = torch.cat([prompt.to(self.token_embd.weight.device)] + [t[:, None] for t in new], 1)

@@ -20,7 +20,14 @@ from typing import Any
 
 from llamatrain.errors import LlamatrainError
 
-__all__ = ["METRICS_FILE", "CURVES_FILE", "can_plot", "plot_metrics", "read_metrics"]
+__all__ = [
+    "METRICS_FILE",
+    "CURVES_FILE",
+    "can_plot",
+    "plot_metrics",
+    "read_metrics",
+    "read_records",
+]
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
@@ -44,17 +51,15 @@ def _metrics_path(run: str | Path) -> Path:
     return metrics
 
 
-def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The (training, evaluation) records of a run, each sorted by step.
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every record of a metrics file, in file order.
 
-    A resumed run appends to the same file; when it resumed from an older checkpoint some
-    steps appear twice, and the later line (the run that continued) wins. A truncated last
-    line (the trainer is writing it right now) is skipped; any other bad line is an error.
+    A torn last line is skipped: the trainer may be writing it right now, or a crash (a
+    SIGKILL, a full disk) cut it; the records before it are whole, because each line is
+    written at once. Any other line that is not a record with an integer ``step`` is an error.
     """
-    path = _metrics_path(run)
     lines = path.read_text(encoding="utf-8").splitlines()
-    train: dict[int, dict[str, Any]] = {}
-    evals: dict[int, dict[str, Any]] = {}
+    records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -63,9 +68,24 @@ def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
         except json.JSONDecodeError as e:
             if number == len(lines):
                 continue
-            raise LlamatrainError(f"{path}:{number} is not a JSON line ({e})") from None
+            raise LlamatrainError(
+                f"{path}:{number} is not a JSON line ({e}); delete that line or the file"
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise LlamatrainError(f"{path}:{number} is not a metrics record with a 'step'")
+        records.append(record)
+    return records
+
+
+def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The (training, evaluation) records of a run, each sorted by step.
+
+    A resumed run appends to the same file; when it resumed from an older checkpoint some
+    steps appear twice, and the later line (the run that continued) wins.
+    """
+    train: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    for record in read_records(_metrics_path(run)):
         if "loss" in record:
             train[record["step"]] = record
         elif "val_loss" in record:

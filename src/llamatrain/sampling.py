@@ -77,9 +77,17 @@ def sample_next(
     params: SamplingParams,
     recent: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row of ``logits`` (batch, vocab); returns (batch,) int64."""
+    """Pick one token per row of ``logits`` (batch, vocab); returns (batch,) int64.
+
+    ``allowed`` (vocab,) bool, when given, is the only tokens that may be picked (the 2023
+    trainer's "sample from the tokens seen in training"): every other logit is -inf before any
+    other step, so greedy decoding and every filter see the restricted vocabulary.
+    """
     logits = logits.float()
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if recent is not None and params.repeat_penalty != 1.0:
         window = recent[:, -params.repeat_last_n :] if params.repeat_last_n > 0 else recent
         logits = apply_repeat_penalty(logits, window, params.repeat_penalty)

@@ -18,19 +18,30 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from tqdm.auto import tqdm
 
-from llamatrain.checkpoint import Checkpoint, CheckpointManager, TrainingState, checkpoint_dir
+from llamatrain.activation_checkpointing import segment_of
+from llamatrain.checkpoint import (
+    DIVERGED_FIX,
+    Checkpoint,
+    CheckpointManager,
+    TrainingState,
+    checkpoint_dir,
+)
 from llamatrain.config import Config, config_to_dict, validate
+from llamatrain.convergence import ConvergenceTests
 from llamatrain.data import TrainData
 from llamatrain.device import resolve_device
 from llamatrain.errors import TrainingError
 from llamatrain.evaluate import validation_metrics
+from llamatrain.interrupt import StopRequest
 from llamatrain.model import Llama
 from llamatrain.optim import build_optimizer, lr_at, set_lr
-from llamatrain.plot import METRICS_FILE
+from llamatrain.plot import METRICS_FILE, read_records
+from llamatrain.report import RunReport, measure
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
 
@@ -42,6 +53,8 @@ class History:
     train: list[dict] = field(default_factory=list)
     eval: list[dict] = field(default_factory=list)
     samples: list[str] = field(default_factory=list)
+    stopped: str | None = None  # the convergence test that ended the run early, if any
+    report: RunReport | None = None  # time and memory of the training steps
 
 
 class Trainer:
@@ -67,6 +80,11 @@ class Trainer:
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(config=config_to_dict(cfg))
+        if data is not None:
+            self.state.seen_tokens = data.seen_tokens(self.model.cfg.vocab_size)
+        self.convergence = ConvergenceTests(cfg.optim)
+        self.stop = StopRequest()  # set by SIGTERM/SIGINT during fit()
+        self.grad_norm: float | None = None  # of the last step, before clipping, when known
         self.history = History()
         self.micro_batch = cfg.train.n_ubatch // cfg.data.n_ctx  # sequences computed at once
         self.checkpoints = CheckpointManager(
@@ -87,6 +105,7 @@ class Trainer:
         saved = checkpoint.state
         self.state.step, self.state.samples = saved.step, saved.samples
         self.state.tokens, self.state.epochs = saved.tokens, saved.epochs
+        self.convergence.load_state_dict(saved.convergence)
         if self.data is not None:
             self.data.sampler.load_state_dict(saved.data_state)
 
@@ -96,12 +115,8 @@ class Trainer:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         if not self.metrics_path.exists():
             return
-        kept = [
-            line
-            for line in self.metrics_path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= self.state.step
-        ]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        kept = [r for r in read_records(self.metrics_path) if r["step"] <= self.state.step]
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.train.dtype == "bfloat16":
@@ -127,8 +142,16 @@ class Trainer:
         return total
 
     def _clip(self) -> None:
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        """Clip the global gradient norm; remember the norm before clipping when it is known
+        (clipping computes it anyway) or needed (the adam_epsf convergence test)."""
+        o = self.cfg.optim
+        if o.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+            self.grad_norm = norm.item()
+        elif o.adam_epsf > 0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+            self.grad_norm = torch.linalg.vector_norm(norms).item()
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on one batch; returns its loss."""
@@ -157,15 +180,9 @@ class Trainer:
     def _check_finite(self, loss: float) -> None:
         if math.isfinite(loss):
             return
-        latest = self.checkpoints.latest
-        kept = (
-            f"the last good checkpoint {latest.resolve()} is intact"
-            if latest.exists()
-            else "no checkpoint was written yet"
-        )
         raise TrainingError(
-            f"loss became {loss} at step {self.state.step + 1}; {kept}. Lower optim.lr, keep "
-            "optim.grad_clip on, or check the data"
+            f"loss became {loss} at step {self.state.step + 1}; {self.checkpoints.kept()}. "
+            + DIVERGED_FIX
         )
 
     # ---- evaluation and samples ---------------------------------------------------------
@@ -181,7 +198,8 @@ class Trainer:
         t = self.cfg.train
         prompt = torch.tensor(self.tokenizer.encode(t.sample_prompt, bos=True), device=self.device)
         params = SamplingParams(temperature=t.sample_temperature)
-        out = self.model.generate(prompt, t.sample_tokens, params, seed=t.seed)
+        allowed = self.state.seen_tokens if t.sample_seen_tokens_only else None
+        out = self.model.generate(prompt, t.sample_tokens, params, seed=t.seed, allowed=allowed)
         return self.tokenizer.decode(out.tolist())
 
     # ---- bookkeeping --------------------------------------------------------------------
@@ -192,13 +210,15 @@ class Trainer:
 
     def save(self) -> Path:
         """Write a checkpoint of the run as it stands (model, optimizer, counters, cursor)."""
+        self.state.convergence = self.convergence.state_dict()
         self.state.data_state = self.data.sampler.state_dict()
         self.state.epochs = self.data.sampler.epoch
         return self.checkpoints.save(self.model, self.tokenizer, self.optimizer, self.state)
 
-    def _evaluate_and_sample(self, bar) -> None:
+    def _evaluate_and_sample(self, bar: tqdm) -> str | None:
+        """Evaluate (and sample), log it; the convergence test's reason to stop, if any."""
         if self.data.val is None:
-            return  # data.val_fraction = 0: nothing held out to evaluate on
+            return None  # data.val_fraction = 0: nothing held out to evaluate on
         record = self.evaluate()
         lines = [
             f"step {record['step']}: val_loss {record['val_loss']:.4f} "
@@ -211,45 +231,89 @@ class Trainer:
         self.history.eval.append(record)
         self._log(record)
         bar.write("\n".join(lines))
+        return self.convergence.after_evaluation(self.state.step, record["val_loss"])
 
     def _every(self, period: int) -> bool:
         return period > 0 and self.state.step % period == 0
 
     # ---- the loop -----------------------------------------------------------------------
 
+    def _step(self, bar: tqdm) -> float:
+        """One optimizer step on the next batch, counted, timed and logged; returns its loss."""
+        t = self.cfg.train
+        inputs, targets = self.data.sampler.next_batch()
+        started = time.perf_counter()
+        loss = self.train_step(inputs, targets)
+        elapsed = time.perf_counter() - started
+        self.step_seconds.append(elapsed)
+        self.state.step += 1
+        self.state.samples += inputs.shape[0]
+        self.state.tokens += inputs.numel()
+        record = {
+            "step": self.state.step,
+            "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens_per_s": t.n_batch / elapsed,
+        }
+        if self.grad_norm is not None:
+            record["grad_norm"] = self.grad_norm
+        self.history.train.append(record)
+        if self._every(t.log_every) or self.state.step == t.steps:
+            self._log(record)
+        bar.set_postfix(
+            loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{t.n_batch / elapsed:.0f}"
+        )
+        bar.update(1)
+        return loss
+
     def _train_until_done(self, bar: tqdm) -> None:
-        """Steps until ``train.steps``, logging, evaluating and saving on their schedules."""
+        """Steps until ``train.steps`` or a convergence test fires; evaluations and saves on
+        their schedules."""
         t = self.cfg.train
         while self.state.step < t.steps:
-            inputs, targets = self.data.sampler.next_batch()
-            started = time.perf_counter()
-            loss = self.train_step(inputs, targets)
-            elapsed = time.perf_counter() - started
-            self.state.step += 1
-            self.state.samples += inputs.shape[0]
-            self.state.tokens += inputs.numel()
-            record = {
-                "step": self.state.step,
-                "loss": loss,
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "tokens_per_s": t.n_batch / elapsed,
-            }
-            self.history.train.append(record)
-            if self._every(t.log_every) or self.state.step == t.steps:
-                self._log(record)
-            bar.set_postfix(
-                loss=f"{loss:.4f}",
-                lr=f"{record['lr']:.2e}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
-            )
-            bar.update(1)
+            loss = self._step(bar)
+            reason = self.convergence.after_step(self.state.step, loss, self.grad_norm)
+            if self.stop:
+                return  # fit saves this step and reports the signal
             if self._every(t.eval_every):
-                self._evaluate_and_sample(bar)
+                reason = self._evaluate_and_sample(bar) or reason
+            if reason:
+                self._stop_early(reason, bar)
+                return
             if self._every(t.save_every) and self.state.step < t.steps:
                 self.save()
 
+    def _stop_early(self, reason: str, bar: tqdm) -> None:
+        self.history.stopped = reason
+        self._log({"step": self.state.step, "stopped": reason})
+        bar.write(f"step {self.state.step}: converged, stopping early: {reason}")
+
+    def _report(self) -> RunReport:
+        """Time and memory of this ``fit``'s steps, kept in the history and metrics.jsonl."""
+        report = measure(
+            self.model,
+            self.optimizer,
+            self.device,
+            steps=len(self.step_seconds),
+            seconds=sum(self.step_seconds),
+            tokens=len(self.step_seconds) * self.cfg.train.n_batch,
+            checkpoint_segment=segment_of(self.model),
+        )
+        self.history.report = report
+        self._log({"step": self.state.step, "report": report.to_dict()})
+        return report
+
+    def _save_and_stop(self) -> NoReturn:
+        path = self.save()
+        raise TrainingError(
+            f"stopped by {self.stop.signal_name} at step {self.state.step}; saved {path}. "
+            "Continue with --resume latest"
+        )
+
     def fit(self) -> History:
-        """Train to ``train.steps``; saves periodically, at the end and on Ctrl-C."""
+        """Train to ``train.steps`` (or until a convergence test fires); saves periodically, at
+        the end and, after the step under way, on SIGTERM or Ctrl-C; ends with the time and
+        memory report (``history.report``)."""
         t = self.cfg.train
         bar = tqdm(
             total=t.steps,
@@ -260,18 +324,17 @@ class Trainer:
             dynamic_ncols=True,
         )
         self._start_metrics()
+        self.step_seconds: list[float] = []
         self.model.train()
-        try:
-            self._train_until_done(bar)
-        except KeyboardInterrupt:
-            path = self.save()
-            raise TrainingError(
-                f"interrupted at step {self.state.step}; saved {path}. "
-                "Continue with --resume latest"
-            ) from None
-        finally:
-            bar.close()  # before any error is printed: the bar's last refresh comes first
-        if not self.history.eval or self.history.eval[-1]["step"] != self.state.step:
-            self._evaluate_and_sample(bar)
-        self.save()
+        with self.stop.on_signals():  # also over the saves: a signal then must not kill them
+            try:
+                self._train_until_done(bar)
+            finally:
+                bar.close()  # before any error is printed: the bar's last refresh comes first
+            if self.stop:
+                self._save_and_stop()
+            if not self.history.eval or self.history.eval[-1]["step"] != self.state.step:
+                self._evaluate_and_sample(bar)
+            self.save()
+        self._report()
         return self.history

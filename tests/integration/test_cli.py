@@ -65,6 +65,7 @@ def test_fit_runs_from_any_folder_and_keeps_everything_in_the_run(tiny_run, cach
     assert [p.name for p in tiny_run.cwd.iterdir()] == ["run"]
     assert (cache_dir / "tokenizers").is_dir()  # the tokenizer was cached where we said
     assert sorted(p.name for p in tiny_run.run_dir.iterdir()) == [
+        ".lock",  # the run lock's file, left in place (llamatrain.runlock says why)
         "checkpoints",
         "config.toml",
         "curves.png",

@@ -71,15 +71,20 @@ def test_resume_latest_is_bit_identical(straight, tiny_overrides):
     assert_same_weights(straight.model, resumed.model)
     assert resumed.history.eval[-1]["val_loss"] == straight.history.eval[-1]["val_loss"]
     assert resumed.history.samples[-1] == straight.history.samples[-1]
-    # metrics.jsonl keeps the first part's lines (steps <= 4) and adds the resumed ones
+    # metrics.jsonl keeps the first part's lines (steps <= 4, with that fit's own report) and
+    # adds the resumed ones
     lines = [json.loads(s) for s in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], "val_loss" in r) for r in lines] == [
-        (4, False),
-        (4, True),
-        (8, False),
-        (8, True),
+    kinds = [(r["step"], next(k for k in ("loss", "val_loss", "report") if k in r)) for r in lines]
+    assert kinds == [
+        (4, "loss"),
+        (4, "val_loss"),
+        (4, "report"),
+        (8, "loss"),
+        (8, "val_loss"),
+        (8, "report"),
     ]
-    assert lines[2]["loss"] == straight_losses[-1]
+    assert lines[3]["loss"] == straight_losses[-1]
+    assert lines[-1]["report"]["steps"] == 4  # the resumed fit reports its own 4 steps
 
 
 def test_trainer_load_state_continues_a_run(straight, tiny_overrides):
@@ -134,28 +139,64 @@ def test_checkpoints_keep_the_last_k_and_latest_points_at_the_newest(straight):
 
 
 class PoisonedTrainer(Trainer):
-    """Sets one weight to NaN just before step ``poison_step``, the way an overflow would."""
+    """Turns the last micro-batch's logits of step ``poison_step`` to NaN, the way an overflow
+    would: with accumulation (n_ubatch < n_batch) the micro-batches before it were finite."""
 
     poison_step = 4
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        if self.state.step + 1 == self.poison_step:
-            with torch.no_grad():
-                self.model.output_norm.weight[0] = math.nan
-        return super().train_step(inputs, targets)
+        if self.state.step + 1 != self.poison_step:
+            return super().train_step(inputs, targets)
+        n_micro, calls = len(inputs) // self.micro_batch, []
+
+        def poison(module, args, output):
+            calls.append(module)
+            return output * math.nan if len(calls) == n_micro else output
+
+        hook = self.model.output_norm.register_forward_hook(poison)
+        try:
+            return super().train_step(inputs, targets)
+        finally:
+            hook.remove()
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_overrides):
-    cfg = load_config("tiny", tiny_overrides(**{"train.steps": 6, "train.save_every": 2}))
-    trainer = build_trainer(cfg, PoisonedTrainer)
+@pytest.mark.parametrize(
+    "setting",
+    [{}, {"train.n_ubatch": 128}, {"train.dtype": '"bfloat16"'}],
+    ids=["plain", "accumulating", "bf16-autocast"],
+)
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_overrides, setting):
+    overrides = {"train.steps": 6, "train.save_every": 2, "train.eval_every": 0, **setting}
+    trainer = build_trainer(load_config("tiny", tiny_overrides(**overrides)), PoisonedTrainer)
     with pytest.raises(TrainingError, match="loss became nan at step 4") as err:
         trainer.fit()
     assert str(trainer.checkpoints.directory) in str(err.value)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())  # no update applied
     directory = trainer.checkpoints.directory
     assert [p.name for p in directory.glob("step-*.gguf")] == ["step-0000002.gguf"]
     good = load_checkpoint(directory / "latest.gguf")
     assert good.state.step == 2
     assert all(torch.isfinite(torch.as_tensor(t)).all() for t in good.weights.values())
+
+
+class DivergedTrainer(Trainer):
+    """Its weights turn NaN right after step 4 while that step's loss was finite (a NaN
+    gradient applied by the optimizer), just before the step-4 save."""
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = super().train_step(inputs, targets)
+        if self.state.step + 1 == 4:
+            with torch.no_grad():
+                self.model.output_norm.weight[0] = math.nan
+        return loss
+
+
+def test_non_finite_weights_are_never_saved(tiny_overrides):
+    overrides = {"train.steps": 6, "train.save_every": 2, "train.eval_every": 0}
+    trainer = build_trainer(load_config("tiny", tiny_overrides(**overrides)), DivergedTrainer)
+    with pytest.raises(CheckpointError, match="weight output_norm.weight is not finite at step 4"):
+        trainer.fit()
+    assert load_checkpoint(trainer.checkpoints.directory / "latest.gguf").state.step == 2
 
 
 def test_resume_refuses_a_different_model(straight, tiny_overrides):

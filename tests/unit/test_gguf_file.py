@@ -6,9 +6,9 @@ an implementation independent of ours, so a bug shared by our writer and reader 
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
+import json
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +20,11 @@ from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.file import (
     EXPORT_TYPES,
     FILE_TYPES,
+    TENSOR_SHA256_KEY,
     general_file_type,
     read_gguf,
     read_gguf_metadata,
+    verify_gguf,
     write_gguf,
 )
 
@@ -199,26 +201,10 @@ def test_unknown_tensor_type_is_refused(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------- atomicity
 
 
-@contextlib.contextmanager
-def file_size_limit(n_bytes: int) -> Iterator[None]:
-    """Make writing past ``n_bytes`` of any file fail with EFBIG, as a full disk would fail.
-
-    SIGXFSZ is ignored meanwhile, so the kernel refuses the write instead of killing pytest.
-    """
-    resource = pytest.importorskip("resource")
-    signal = pytest.importorskip("signal")
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
-
-
 @pytest.mark.parametrize("limit", [40, 64 * 1024], ids=["in-the-header", "in-the-tensors"])
-def test_a_write_that_fails_midway_leaves_no_trace(tmp_path: Path, limit: int) -> None:
+def test_a_write_that_fails_midway_leaves_no_trace(
+    tmp_path: Path, limit: int, file_size_limit
+) -> None:
     target = tmp_path / "m.gguf"
     big = {"w": (weights(256, 256), "f32")}  # 256 KiB of tensor data
     with file_size_limit(limit), pytest.raises(OSError):
@@ -318,3 +304,92 @@ def test_error_tensor_records(small_file: Path, patch) -> None:
     patch(small_file, b"b.weight", b"a.weight")
     with pytest.raises(GGUFError, match="corrupt: tensor a.weight appears twice"):
         read_gguf(small_file)
+
+
+def tensor_record(data: bytes, name: bytes) -> int:
+    """Where tensor ``name``'s record (n_dims, dims, type, offset) starts in the header."""
+    return data.index(name + b"\x02\x00\x00\x00") + len(name)
+
+
+@pytest.mark.parametrize(
+    ("dims", "message"),
+    [
+        ((1 << 58, 1 << 6), r"claims \[288230376151711744, 64\] elements, more than 2\^63"),
+        ((1 << 63, 2), "more than 2\\^63"),
+        ((1 << 40, 64), "tensor a.weight ends at byte"),  # no overflow, but past the file
+    ],
+)
+def test_error_huge_dimensions(small_file: Path, dims, message) -> None:
+    data = small_file.read_bytes()
+    i = tensor_record(data, b"a.weight") + 4
+    small_file.write_bytes(data[:i] + struct.pack("<QQ", *dims) + data[i + 16 :])
+    with pytest.raises(GGUFError, match=message):
+        read_gguf(small_file)
+
+
+def test_error_offsets_and_dimension_counts(small_file: Path) -> None:
+    data = small_file.read_bytes()
+    i = tensor_record(data, b"b.weight")
+    offset_at = i + 4 + 16 + 4
+    (offset,) = struct.unpack_from("<Q", data, offset_at)
+    for new_offset, message in ((offset + 4, "starts off the 32-byte alignment"),
+                                (1 << 62, "tensor b.weight ends at byte")):  # fmt: skip
+        small_file.write_bytes(
+            data[:offset_at] + struct.pack("<Q", new_offset) + data[offset_at + 8 :]
+        )
+        with pytest.raises(GGUFError, match=message):
+            read_gguf(small_file)
+    small_file.write_bytes(data[:i] + struct.pack("<I", 1 << 31) + data[i + 4 :])
+    with pytest.raises(GGUFError, match="tensor b.weight claims 2147483648 dimensions"):
+        read_gguf(small_file)
+
+
+def test_error_array_counts_and_nesting(tmp_path: Path, patch) -> None:
+    path = write_gguf(tmp_path / "a.gguf", "test", {"t.words": ["ab", "cd"], "t.n": [1, 2]}, {})
+    string, array, i64 = (struct.pack("<I", t) for t in (8, 9, 11))
+    data = path.read_bytes()
+    patch(path, b"t.words" + array + string, b"t.words" + array + array)
+    with pytest.raises(GGUFError, match="has items of type 9"):
+        read_gguf(path)
+    path.write_bytes(data)
+    patch(path, b"t.words" + array + string + struct.pack("<Q", 2),
+          b"t.words" + array + string + struct.pack("<Q", 1 << 60))  # fmt: skip
+    with pytest.raises(GGUFError, match="claims 1152921504606846976 strings"):
+        read_gguf(path)
+    path.write_bytes(data)
+    patch(path, b"t.n" + array + i64 + struct.pack("<Q", 2),
+          b"t.n" + array + i64 + struct.pack("<Q", 1 << 61))  # fmt: skip
+    with pytest.raises(GGUFError, match="past the end of the file"):  # 2^64 bytes: no overflow
+        read_gguf(path)
+
+
+def test_error_duplicate_key(tmp_path: Path, patch) -> None:
+    path = write_gguf(tmp_path / "a.gguf", "test", {"t.aa": 1, "t.bb": 2}, {})
+    patch(path, b"t.bb", b"t.aa")
+    with pytest.raises(GGUFError, match="key t.aa appears twice"):
+        read_gguf(path)
+
+
+# ------------------------------------------------------------------------------- checksums
+
+
+def test_checksums_name_the_damaged_tensor(tmp_path: Path) -> None:
+    tensors = {"a.weight": (weights(4, 64), "f32"), "b.weight": (weights(2, 32), "q8_0")}
+    path = write_gguf(tmp_path / "c.gguf", "test", {}, tensors, checksums=True)
+    assert verify_gguf(path) == 2
+    reader = GGUFReader(path)
+    recorded = json.loads(read_gguf_metadata(path)[TENSOR_SHA256_KEY])
+    for t in reader.tensors:  # the sha256 of the bytes as stored, whatever their type
+        assert recorded[t.name] == hashlib.sha256(t.data.tobytes()).hexdigest()
+    start = next(t.data_offset for t in reader.tensors if t.name == "b.weight")
+    data = bytearray(path.read_bytes())
+    data[start + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert torch.isfinite(read_gguf(path).tensors["b.weight"]).all()  # still reads fine...
+    with pytest.raises(GGUFError, match=r"damaged: tensor b.weight does not match the sha256"):
+        verify_gguf(path)  # ...but is not what was written
+
+
+def test_files_without_checksums_verify_nothing(small_file: Path) -> None:
+    assert TENSOR_SHA256_KEY not in read_gguf_metadata(small_file)
+    assert verify_gguf(small_file) == 0

@@ -69,3 +69,19 @@ def test_cli_generate_flags_take_their_defaults_from_sampling_params():
         )
         == defaults
     )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 5.0])
+def test_allowed_tokens_are_the_only_ones_ever_drawn(temperature):
+    """The seen-tokens mask: over many draws from logits that favour the masked-out tokens,
+    only allowed ids come out (greedy included)."""
+    vocab = 50
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[torch.tensor([3, 7, 11, 40])] = True
+    logits = torch.where(allowed, 0.0, 5.0).expand(64, vocab)  # unseen tokens look best
+    params = SamplingParams(temperature=temperature, top_k=None, top_p=None)
+    generator = torch.Generator().manual_seed(0)
+    drawn = torch.cat([sample_next(logits, params, None, generator, allowed) for _ in range(50)])
+    assert set(drawn.tolist()) <= {3, 7, 11, 40}
+    if temperature > 0:
+        assert set(drawn.tolist()) == {3, 7, 11, 40}  # every allowed token still has its chance

@@ -75,6 +75,18 @@ class TrainData:
         """The first ``max_batches`` (0 = all) validation batches; see :func:`val_batches`."""
         return val_batches(self.val, self.n_seq, max_batches)
 
+    def seen_tokens(self, vocab_size: int) -> torch.Tensor:
+        """(vocab_size,) bool: the tokens the training windows hold (BOS included when windows
+        start with it); the held-out validation part does not count."""
+        last = self.train.start_positions(np.array([len(self.train) - 1]))[0]
+        seen = torch.zeros(vocab_size, dtype=torch.bool)
+        seen[
+            torch.from_numpy(np.unique(self.tokens[: last + self.train.span]).astype(np.int64))
+        ] = True
+        if self.train.bos_id is not None:
+            seen[self.train.bos_id] = True
+        return seen
+
 
 def build_train_data(
     cfg: Config,

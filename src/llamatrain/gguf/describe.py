@@ -12,13 +12,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from llamatrain.gguf.file import GGUFContents, read_gguf
+from llamatrain.gguf.file import TENSOR_SHA256_KEY, GGUFContents, read_gguf
 from llamatrain.tokenizer import TOKEN_TYPE_NAMES
 
 __all__ = ["describe_gguf"]
 
-_HIDDEN_KEYS = ("training.config", "training.rng_state", "optimizer.lbfgs.state")
-"""Keys too bulky to print (RNG bytes, serialized optimizer state): not for reading."""
+_HIDDEN_KEYS = ("training.config", "training.rng_state", "optimizer.lbfgs.state", TENSOR_SHA256_KEY)
+"""Keys too bulky to print (RNG bytes, serialized optimizer state, checksums): not for reading;
+``info --verify`` checks the checksums."""
 
 _SECTIONS = ("general", "hyper-parameters", "training counters", "optimizer", "other keys")
 _SPECIAL_TOKENS = ("bos", "eos", "unknown", "padding")

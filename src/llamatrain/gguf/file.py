@@ -8,12 +8,22 @@ Writing goes through ``gguf.GGUFWriter`` (the writer llama.cpp's own converter u
 bytes are laid out the way llama.cpp expects) into a temp file in the target's folder that is
 fsynced and renamed over the target: an interrupted save never leaves a half-written file, and
 an old file survives a failed overwrite. Reading is a ``struct`` parser of our own (see
-``_Parser``) that checks every length against the file size.
+``_Parser``) that checks every count, length, dimension and offset against the file size before
+using it, so a damaged file is one ``GGUFError``, never an overflow or a huge allocation.
+
+A checkpoint also records the sha256 of every tensor's stored bytes (``TENSOR_SHA256_KEY``),
+which ``verify_gguf`` checks: a flipped bit in a weight would otherwise load without a word.
+sha256 because it runs at ~1.2 GB/s with the SHA extensions of current CPUs, near the speed
+the file is written at, and is what anyone can recompute; a CRC would be ~2x faster but
+saves well under a second per GB.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import math
 import os
 import secrets
 import struct
@@ -35,11 +45,13 @@ __all__ = [
     "FILE_TYPES",
     "INTEGER_TYPES",
     "QUANT_BLOCK",
+    "TENSOR_SHA256_KEY",
     "GGUFContents",
     "TensorToWrite",
     "general_file_type",
     "read_gguf",
     "read_gguf_metadata",
+    "verify_gguf",
     "write_gguf",
 ]
 
@@ -68,6 +80,10 @@ INTEGER_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
     _T.I64: torch.int64,
 }
 """Integer tensor types: read back with their own dtype, never dequantized to float."""
+
+TENSOR_SHA256_KEY = "training.tensor_sha256"
+"""Key of the JSON map tensor name -> sha256 (hex) of its stored bytes. A ``training.*`` key
+because only checkpoints carry it: an exported model keeps exactly the keys it had."""
 
 
 @dataclass
@@ -127,8 +143,11 @@ def write_gguf(
     architecture: str,
     metadata: Mapping[str, Any],
     tensors: Mapping[str, TensorToWrite],
+    *,
+    checksums: bool = False,
 ) -> Path:
-    """Write a GGUF atomically and return its path.
+    """Write a GGUF atomically and return its path; with ``checksums`` also the sha256 of every
+    tensor's stored bytes under ``TENSOR_SHA256_KEY`` (see ``verify_gguf``).
 
     ``metadata`` values take their GGUF type from numpy where one is given (``np.uint32(4)``
     is UINT32, a 1-D ``np.float32`` array an ARRAY of FLOAT32), so a caller can spell exactly
@@ -145,6 +164,9 @@ def write_gguf(
     encoded_tensors = {
         name: _encode_tensor(name, data, type_name) for name, (data, type_name) in tensors.items()
     }
+    if checksums:
+        digests = {name: _sha256(array) for name, (array, _) in encoded_tensors.items()}
+        encoded_metadata[TENSOR_SHA256_KEY] = _encode_value(TENSOR_SHA256_KEY, json.dumps(digests))
     writer = GGUFWriter(None, architecture)
     for key, (value, value_type, item_type) in encoded_metadata.items():
         writer.add_key_value(key, value, value_type, sub_type=item_type)
@@ -153,6 +175,11 @@ def write_gguf(
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(writer, path)
     return path
+
+
+def _sha256(data: np.ndarray) -> str:
+    """Of the bytes as stored: the writer writes an array's C-order bytes as they are."""
+    return hashlib.sha256(np.ascontiguousarray(data)).hexdigest()
 
 
 def _write_atomically(writer: GGUFWriter, path: Path) -> None:
@@ -302,6 +329,8 @@ _SCALARS: dict[int, tuple[str, int]] = {
     int(_V.FLOAT64): ("<d", 8),
 }
 _MAX_DIMS = 8
+_MAX_INT64 = (1 << 63) - 1  # ggml counts elements and bytes in int64
+_MIN_STRING_BYTES = 8  # a string's length field
 
 
 class _Corrupt(Exception):
@@ -356,19 +385,25 @@ class _Parser:
         raise _Corrupt(f"unknown metadata value type {vtype}")
 
     def array(self) -> list[Any]:
+        """Arrays of scalars or strings: llama.cpp reads no arrays of arrays, and refusing them
+        also bounds the recursion a crafted file could ask for."""
         item_type = self.scalar("<I", 4)
         count = self.scalar("<Q", 8)
         if item_type in _SCALARS:
             fmt, size = _SCALARS[item_type]
             return np.frombuffer(self.take(count * size), dtype=np.dtype(fmt)).tolist()
-        if count > len(self.buf) - self.pos:
-            raise _Corrupt(f"an array claims {count} elements, more than the file holds")
-        return [self.value(item_type) for _ in range(count)]
+        if item_type != int(_V.STRING):
+            raise _Corrupt(f"an array at offset {self.pos} has items of type {item_type}")
+        if count > (len(self.buf) - self.pos) // _MIN_STRING_BYTES:
+            raise _Corrupt(f"an array claims {count} strings, more than the file holds")
+        return [self.string() for _ in range(count)]
 
     def metadata(self, n_kv: int) -> dict[str, Any]:
         meta: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self.string()
+            if key in meta:
+                raise _Corrupt(f"key {key} appears twice")
             vtype = self.scalar("<I", 4)
             meta[key] = self.value(vtype)
             if vtype == int(_V.FLOAT32):
@@ -383,6 +418,8 @@ class _Parser:
         if n_dims > _MAX_DIMS:
             raise _Corrupt(f"tensor {name} claims {n_dims} dimensions")
         dims = [self.scalar("<Q", 8) for _ in range(n_dims)]
+        if math.prod(dims) > _MAX_INT64:
+            raise _Corrupt(f"tensor {name} claims {dims} elements, more than 2^63")
         raw_type = self.scalar("<I", 4)
         offset = self.scalar("<Q", 8)
         return name, dims, raw_type, offset
@@ -419,18 +456,22 @@ def _parse(p: Path) -> tuple[dict[str, Any], list[_TensorInfo]]:
         meta = r.metadata(n_kv)
         raw_infos = [r.tensor_info() for _ in range(n_tensors)]
         align = meta.get("general.alignment", 32)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        if type(align) is not int or align <= 0 or align & (align - 1):
             raise _Corrupt(f"general.alignment {align!r} is not a power of two")
         data_start = (r.pos + align - 1) // align * align
     except _Corrupt as e:
         raise GGUFError(f"{p} is truncated or corrupt ({e}); re-export or re-download it") from e
     finally:
         del r  # release the memory map
-    return meta, _tensor_infos(p, raw_infos, data_start, size)
+    return meta, _tensor_infos(p, raw_infos, data_start, align, size)
 
 
 def _tensor_infos(
-    p: Path, raw_infos: list[tuple[str, list[int], int, int]], data_start: int, size: int
+    p: Path,
+    raw_infos: list[tuple[str, list[int], int, int]],
+    data_start: int,
+    align: int,
+    size: int,
 ) -> list[_TensorInfo]:
     """Resolve types, shapes and byte ranges, checking each tensor lies inside the file."""
     infos: list[_TensorInfo] = []
@@ -447,9 +488,11 @@ def _tensor_infos(
             raise GGUFError(f"{p} is corrupt: tensor {name} appears twice")
         seen.add(name)
         block, type_size = GGML_QUANT_SIZES[qtype]
-        if dims and dims[0] % block:
+        if (dims[0] if dims else 1) % block:
             raise GGUFError(f"{p} is corrupt: tensor {name} rows are not whole {qtype.name} blocks")
-        n_bytes = int(np.prod(dims)) // block * type_size
+        if offset % align:
+            raise GGUFError(f"{p} is corrupt: tensor {name} starts off the {align}-byte alignment")
+        n_bytes = math.prod(dims) // block * type_size
         start = data_start + offset
         if start + n_bytes > size:
             raise GGUFError(
@@ -501,3 +544,46 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFContents:
         contents.tensor_nbytes[info.name] = info.n_bytes
         contents.tensors[info.name] = _read_tensor(p, buf, info)
     return contents
+
+
+_DAMAGED_FIX = "use an older checkpoint (checkpoints/step-*.gguf) or a good copy"
+
+
+def verify_gguf(path: str | os.PathLike[str]) -> int:
+    """Check every tensor's stored bytes against the sha256 recorded when the file was written.
+
+    Returns how many tensors were checked: 0 for a file without ``TENSOR_SHA256_KEY`` (models
+    and vocabularies; only checkpoints carry it). Raises GGUFError naming the damaged tensors.
+    """
+    p = Path(path)
+    meta, infos = _parse(p)
+    if TENSOR_SHA256_KEY not in meta:
+        return 0
+    recorded = _recorded_digests(p, meta[TENSOR_SHA256_KEY])
+    buf = np.memmap(p, mode="r", dtype=np.uint8) if infos else np.empty(0, np.uint8)
+    damaged = [
+        info.name
+        for info in infos
+        if recorded.pop(info.name, None) != _sha256(buf[info.offset : info.offset + info.n_bytes])
+    ]
+    damaged += [f"{name} (missing)" for name in recorded]
+    if damaged:
+        more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+        raise GGUFError(
+            f"{p} is damaged: tensor {damaged[0]}{more} does not match the sha256 recorded when "
+            f"it was written; {_DAMAGED_FIX}"
+        )
+    return len(infos)
+
+
+def _recorded_digests(p: Path, text: object) -> dict[str, str]:
+    try:
+        digests = json.loads(text) if isinstance(text, str) else None
+    except json.JSONDecodeError:
+        digests = None
+    if not isinstance(digests, dict):
+        raise GGUFError(
+            f"{p} is damaged: {TENSOR_SHA256_KEY} is not a JSON map of tensor names to sha256; "
+            + _DAMAGED_FIX
+        )
+    return digests

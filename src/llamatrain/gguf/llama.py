@@ -32,7 +32,7 @@ from llamatrain.gguf.file import (
     write_gguf,
 )
 from llamatrain.model import ModelConfig, tensor_shapes
-from llamatrain.tokenizer import TOKEN_TYPE_NORMAL, SpmTokenizer
+from llamatrain.tokenizer import TOKEN_TYPE_NORMAL, BpeTokenizer, SpmTokenizer, Tokenizer
 
 __all__ = [
     "ARCHITECTURE",
@@ -213,12 +213,23 @@ def _config_from_json(text: str, derived: Mapping[str, Any], p: Path) -> ModelCo
 # -------------------------------------------------------------------------- the tokenizer
 
 
-def tokenizer_metadata(tokenizer: SpmTokenizer) -> dict[str, Any]:
+def tokenizer_metadata(tokenizer: Tokenizer) -> dict[str, Any]:
     """The ``tokenizer.ggml.*`` keys, typed as llama.cpp reads them.
 
     ``tokenizer_from_metadata(tokenizer_metadata(t))`` rebuilds an identical tokenizer (same
     fingerprint, same ids).
     """
+    if isinstance(tokenizer, BpeTokenizer):
+        return _bpe_metadata(tokenizer)
+    if isinstance(tokenizer, SpmTokenizer):
+        return _spm_metadata(tokenizer)
+    raise TokenizerError(
+        f"cannot write a {type(tokenizer).__name__} to GGUF; llama.cpp reads SPM ('llama') "
+        "and byte-level BPE ('gpt2') vocabularies"
+    )
+
+
+def _spm_metadata(tokenizer: SpmTokenizer) -> dict[str, Any]:
     u32 = np.uint32
     metadata: dict[str, Any] = {
         "tokenizer.ggml.model": "llama",
@@ -228,8 +239,8 @@ def tokenizer_metadata(tokenizer: SpmTokenizer) -> dict[str, Any]:
         "tokenizer.ggml.bos_token_id": u32(tokenizer.bos_id),
         "tokenizer.ggml.eos_token_id": u32(tokenizer.eos_id),
         "tokenizer.ggml.unknown_token_id": u32(tokenizer.unk_id),
-        "tokenizer.ggml.add_bos_token": True,
-        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.add_bos_token": tokenizer.add_bos,
+        "tokenizer.ggml.add_eos_token": tokenizer.add_eos,
         "tokenizer.ggml.add_space_prefix": tokenizer.add_space_prefix,
     }
     if tokenizer.pad_id is not None:
@@ -237,7 +248,29 @@ def tokenizer_metadata(tokenizer: SpmTokenizer) -> dict[str, Any]:
     return metadata
 
 
-def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "GGUF") -> SpmTokenizer:
+def _bpe_metadata(tokenizer: BpeTokenizer) -> dict[str, Any]:
+    u32 = np.uint32
+    metadata: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": tokenizer.pre,
+        "tokenizer.ggml.tokens": tokenizer.tokens,
+        "tokenizer.ggml.token_type": np.asarray(tokenizer.token_types, dtype=np.int32),
+        "tokenizer.ggml.merges": tokenizer.merges,
+        "tokenizer.ggml.bos_token_id": u32(tokenizer.bos_id),
+        "tokenizer.ggml.eos_token_id": u32(tokenizer.eos_id),
+        "tokenizer.ggml.add_bos_token": tokenizer.add_bos,
+        "tokenizer.ggml.add_eos_token": tokenizer.add_eos,
+    }
+    optional = {
+        "eot_token_id": tokenizer.eot_id,
+        "unknown_token_id": tokenizer.unk_id,
+        "padding_token_id": tokenizer.pad_id,
+    }
+    metadata.update({f"tokenizer.ggml.{k}": u32(v) for k, v in optional.items() if v is not None})
+    return metadata
+
+
+def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "GGUF") -> Tokenizer:
     """The vocabulary a GGUF's ``tokenizer.ggml.*`` keys describe; ``source`` names it in errors."""
     model = meta.get("tokenizer.ggml.model")
     if model is None or "tokenizer.ggml.tokens" not in meta:
@@ -245,43 +278,89 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "GGUF") -> Sp
             f"{source} has no tokenizer (tokenizer.ggml.model / tokens missing); use a GGUF "
             "exported by llamatrain or llama.cpp's convert script."
         )
-    if model != "llama":
+    if model == "llama":
+        return _spm_from_metadata(meta, source)
+    if model == "gpt2":
+        return _bpe_from_metadata(meta, source)
+    raise TokenizerError(
+        f"{source} has a {model!r} tokenizer; llamatrain supports llama's SPM tokenizer "
+        "('llama') and byte-level BPE ('gpt2') — train a tokenizer with llamatrain instead."
+    )
+
+
+def _per_token(meta: Mapping[str, Any], key: str, default: Any, n: int, source: str) -> list[Any]:
+    """A per-token array (scores, token types), at least ``n`` long; ``default`` if absent."""
+    values = list(meta.get(f"tokenizer.ggml.{key}", [default] * n))
+    if len(values) < n:
         raise TokenizerError(
-            f"{source} has a {model!r} tokenizer; llamatrain supports llama's SPM "
-            "tokenizer ('llama') only — train a tokenizer with llamatrain instead."
+            f"{source}: {n} tokens but {len(values)} {key} values; the file is corrupt — "
+            "re-export it."
         )
+    return values[:n]
+
+
+def _special_id(meta: Mapping[str, Any], key: str, default: int | None, n: int) -> int | None:
+    """A special token id as llama.cpp reads it: an out-of-range id falls back to the
+    vocabulary type's default, if that fits."""
+    value = meta.get(f"tokenizer.ggml.{key}", default)
+    if value is None or not 0 <= int(value) < n:
+        return default if default is not None and default < n else None
+    return int(value)
+
+
+def _spm_from_metadata(meta: Mapping[str, Any], source: str) -> SpmTokenizer:
     tokens = list(meta["tokenizer.ggml.tokens"])
     n = len(tokens)
-    scores = [float(s) for s in meta.get("tokenizer.ggml.scores", [0.0] * n)]
-    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * n)]
-    if len(scores) < n or len(types) < n:
-        raise TokenizerError(
-            f"{source}: {n} tokens but {len(scores)} scores / {len(types)} token types; "
-            "the file is corrupt — re-export it."
-        )
-
-    def special(key: str, default: int | None) -> int | None:
-        """A special token id; out-of-range ids fall back to llama's default, if it fits."""
-        value = meta.get(f"tokenizer.ggml.{key}", default)
-        if value is None or not 0 <= int(value) < n:
-            return default if default is not None and default < n else None
-        return int(value)
-
-    bos = special("bos_token_id", 1)
-    eos = special("eos_token_id", 2)
-    unk = special("unknown_token_id", 0)
+    scores = [float(s) for s in _per_token(meta, "scores", 0.0, n, source)]
+    types = [int(t) for t in _per_token(meta, "token_type", TOKEN_TYPE_NORMAL, n, source)]
+    bos = _special_id(meta, "bos_token_id", 1, n)
+    eos = _special_id(meta, "eos_token_id", 2, n)
+    unk = _special_id(meta, "unknown_token_id", 0, n)
     if bos is None or eos is None or unk is None:
         raise TokenizerError(f"{source}: the vocabulary is too small for <unk>/<s>/</s>.")
     return SpmTokenizer(
         tokens,
-        scores[:n],
-        types[:n],
+        scores,
+        types,
         bos_id=bos,
         eos_id=eos,
         unk_id=unk,
-        pad_id=special("padding_token_id", None),
+        pad_id=_special_id(meta, "padding_token_id", None, n),
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
     )
+
+
+def _bpe_from_metadata(meta: Mapping[str, Any], source: str) -> BpeTokenizer:
+    if "tokenizer.ggml.merges" not in meta:
+        raise TokenizerError(
+            f"{source} has a byte-level BPE ('gpt2') vocabulary without tokenizer.ggml.merges; "
+            "llama.cpp refuses it too — re-convert the model with llama.cpp's convert script."
+        )
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    n = len(tokens)
+    types = [int(t) for t in _per_token(meta, "token_type", TOKEN_TYPE_NORMAL, n, source)]
+    # llama.cpp's defaults for a BPE vocabulary without BOS/EOS keys: id 11 for both.
+    bos = _special_id(meta, "bos_token_id", 11, n)
+    eos = _special_id(meta, "eos_token_id", 11, n)
+    if bos is None or eos is None:
+        raise TokenizerError(f"{source}: the BPE vocabulary names no BOS/EOS token.")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    try:
+        return BpeTokenizer(
+            tokens,
+            types,
+            list(meta["tokenizer.ggml.merges"]),
+            pre=meta.get("tokenizer.ggml.pre"),
+            bos_id=bos,
+            eos_id=eos,
+            eot_id=_special_id(meta, "eot_token_id", None, n),
+            unk_id=_special_id(meta, "unknown_token_id", None, n),
+            pad_id=_special_id(meta, "padding_token_id", None, n),
+            add_bos=None if add_bos is None else bool(add_bos),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        )
+    except TokenizerError as e:
+        raise TokenizerError(f"{source}: {e}") from e
 
 
 # ---------------------------------------------------------------------------- the tensors
@@ -330,18 +409,20 @@ def write_model(
     path: str | os.PathLike[str],
     cfg: ModelConfig,
     tensors: Mapping[str, torch.Tensor],
-    tokenizer: SpmTokenizer,
+    tokenizer: Tokenizer,
     *,
     type: str = "f32",
     extra_kv: Mapping[str, Any] | None = None,
     extra_tensors: Mapping[str, torch.Tensor] | None = None,
+    checksums: bool = False,
 ) -> Path:
     """Write a llama GGUF atomically: a model llama.cpp runs, or with extras a checkpoint.
 
     ``tensors`` must be exactly ``Llama(cfg).state_dict()``; their matrices are stored as
     ``type`` (one of ``EXPORT_TYPES``). ``extra_kv`` / ``extra_tensors`` carry a checkpoint's
     state: keys of its own, and tensors under ``CHECKPOINT_TENSOR_PREFIXES`` written F32 (or
-    their integer type), which readers never take for weights.
+    their integer type), which readers never take for weights. ``checksums`` records each
+    tensor's sha256 (``llamatrain.gguf.file.verify_gguf`` checks them).
     """
     file_type = general_file_type(type)
     if cfg.vocab_size != tokenizer.vocab_size:
@@ -361,7 +442,7 @@ def write_model(
     _check_extras(metadata, extra_kv, extra_tensors)
     to_write: dict[str, TensorToWrite] = {name: (t, type) for name, t in tensors.items()}
     to_write.update({name: (t, "f32") for name, t in extra_tensors.items()})
-    return write_gguf(path, ARCHITECTURE, {**metadata, **extra_kv}, to_write)
+    return write_gguf(path, ARCHITECTURE, {**metadata, **extra_kv}, to_write, checksums=checksums)
 
 
 def _check_extras(
@@ -380,7 +461,7 @@ def _check_extras(
             )
 
 
-def write_vocab(path: str | os.PathLike[str], tokenizer: SpmTokenizer) -> Path:
+def write_vocab(path: str | os.PathLike[str], tokenizer: Tokenizer) -> Path:
     """A vocab-only GGUF (tokenizer keys, no tensors), like llama.cpp's models/ggml-vocab-*."""
     metadata = {"general.name": "llamatrain-vocab", **tokenizer_metadata(tokenizer)}
     return write_gguf(path, ARCHITECTURE, metadata, {})
@@ -399,7 +480,7 @@ class LlamaFile:
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
-    tokenizer: SpmTokenizer
+    tokenizer: Tokenizer
     contents: GGUFContents
 
 
@@ -434,6 +515,6 @@ def _check_architecture(meta: Mapping[str, Any], p: Path) -> None:
         )
 
 
-def read_tokenizer(path: str | os.PathLike[str]) -> SpmTokenizer:
+def read_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """The vocabulary of any llama GGUF: a model, a checkpoint or a vocab-only file."""
     return tokenizer_from_metadata(read_gguf_metadata(path), source=str(path))

