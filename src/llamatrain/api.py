@@ -270,8 +270,11 @@ def _model_file(path: str | Path) -> Path:
 
 def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
     """A model and tokenizer from a run folder (its latest checkpoint), a checkpoint or any
-    llama GGUF file."""
-    return load_gguf(_model_file(path), ops=ops)
+    llama GGUF file. A checkpoint's tensors are checked against the sha256 recorded when it
+    was written (``verify_gguf``), so generate/eval/export never use silently damaged weights."""
+    path = _model_file(path)
+    verify_gguf(path)
+    return load_gguf(path, ops=ops)
 
 
 def seen_tokens(path: str | Path) -> torch.Tensor:

@@ -173,13 +173,19 @@ def test_a_flipped_byte_is_named_on_resume_and_by_info_verify(
     named = r"damaged: tensor blk\.1\.ffn_up\.weight does not match the sha256"
     with pytest.raises(GGUFError, match=named):
         api.fit("tiny", overrides=tiny_overrides(), resume=damaged, progress=False)
+    with pytest.raises(GGUFError, match=named):  # generate, eval and export load through it
+        api.load(damaged)
     assert main(["info", "--verify", str(damaged)]) == 1
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and re.search(named, error)
+    assert main(["export", str(damaged), "-o", str(tmp_path / "x.gguf")]) == 1
+    assert re.search(named, capsys.readouterr().err)
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_exports_carry_no_training_keys_and_load_in_llama_cpp(saved_run, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp  # the test extra: real llama.cpp
+
     model, tokenizer = api.load(saved_run)
     path = api.export_gguf(model, tokenizer, tmp_path / "m.gguf")
     keys = [f.name for f in GGUFReader(path).fields.values()]

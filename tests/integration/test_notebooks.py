@@ -13,13 +13,13 @@ import json
 import math
 from pathlib import Path
 
+import nbclient  # the [test] extra: a missing one fails these tests rather than skipping
+import nbformat
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
-
-nbformat = pytest.importorskip("nbformat", reason="notebook tests need the [test] extra")
 
 
 def test_the_examples_exist():
@@ -47,8 +47,6 @@ def test_first_code_cell_reads_the_quick_switch(path):
 def execute(name: str, monkeypatch, workdir: Path) -> dict:
     """Run examples/NAME in a fresh python3 kernel (quick mode) whose working directory is
     ``workdir``, outside the repository as after ``pip install``; return its SUMMARY."""
-    nbclient = pytest.importorskip("nbclient", reason="notebook tests need the [test] extra")
-    pytest.importorskip("ipykernel", reason="notebook tests need the [test] extra")
     monkeypatch.setenv("LLAMATRAIN_QUICK", "1")  # the kernel inherits this environment
     book = nbformat.read(EXAMPLES / name, as_version=4)
     client = nbclient.NotebookClient(
