@@ -292,7 +292,13 @@ def build(row: Row, device: torch.device) -> tuple[Callable[[], float], int | No
     model = Llama(cfg).to(device)
     segment = None
     if row.ckpt != "none":
-        segment = activation_checkpointing.apply(model, row.ckpt, n_seq=bc.batch, n_ctx=bc.ctx)
+        segment = activation_checkpointing.apply(
+            model,
+            row.ckpt,
+            n_seq=bc.batch,
+            n_ctx=bc.ctx,
+            autocast=torch.bfloat16 if bf16 else None,
+        )
     if row.ops == "ggml-unfused":
         opt = build_optimizer(model, OptimSection())
         step = plain_step(

@@ -29,11 +29,14 @@ from llamatrain.model import Blocks, KVCache, Llama
 POLICIES = ("none", "full", "every_n", "auto")
 
 
-def block_activation_bytes(model: Llama, n_seq: int, n_ctx: int) -> tuple[int, int]:
+def block_activation_bytes(
+    model: Llama, n_seq: int, n_ctx: int, autocast: torch.dtype | None = None
+) -> tuple[int, int]:
     """Measure (u, v): bytes of one block's input and of everything one block saves.
 
-    The block runs once on zeros of the training shape; every tensor autograd saves that is
-    not a parameter is counted once.
+    The block runs once on zeros of the training shape, under the training's autocast dtype
+    (bf16 activations are half the size); every tensor autograd saves that is not a parameter
+    is counted once.
     """
     block = model.blk[0]
     param = next(model.parameters())
@@ -46,7 +49,8 @@ def block_activation_bytes(model: Llama, n_seq: int, n_ctx: int) -> tuple[int, i
             saved[t.data_ptr()] = t.numel() * t.element_size()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    mixed = torch.autocast(param.device.type, dtype=autocast, enabled=autocast is not None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
         block(x, pos)
     return x.numel() * x.element_size(), sum(saved.values())
 
@@ -97,16 +101,25 @@ def segment_of(model: Llama) -> int:
     return model.blk.segment if isinstance(model.blk, CheckpointedBlocks) else 0
 
 
-def apply(model: Llama, policy: str, *, every_n: int = 2, n_seq: int = 1, n_ctx: int = 1) -> int:
+def apply(
+    model: Llama,
+    policy: str,
+    *,
+    every_n: int = 2,
+    n_seq: int = 1,
+    n_ctx: int = 1,
+    autocast: torch.dtype | None = None,
+) -> int:
     """Checkpoint ``model``'s blocks as ``policy`` says; returns the segment length used.
 
-    ``n_seq`` × ``n_ctx`` is the micro-batch shape, which ``auto`` measures the block at.
-    Applying again replaces the earlier policy.
+    ``n_seq`` × ``n_ctx`` is the micro-batch shape and ``autocast`` the training's mixed
+    precision dtype (None = none), which ``auto`` measures the block with. Applying again
+    replaces the earlier policy.
     """
     blocks = Blocks(model.blk)
     u = v = 1
     if policy == "auto":
-        u, v = block_activation_bytes(model, n_seq, n_ctx)
+        u, v = block_activation_bytes(model, n_seq, n_ctx, autocast)
     segment = segment_length(policy, every_n, len(blocks), u, v)
     model.blk = CheckpointedBlocks(blocks, segment) if segment else blocks
     return segment

@@ -207,6 +207,7 @@ def _fit_locked(
         every_n=cfg.train.checkpoint_every_n,
         n_seq=cfg.train.n_ubatch // cfg.data.n_ctx,
         n_ctx=cfg.data.n_ctx,
+        autocast=torch.bfloat16 if cfg.train.dtype == "bfloat16" else None,
     )
     run_dir = Path(cfg.output.dir)
     run_dir.mkdir(parents=True, exist_ok=True)

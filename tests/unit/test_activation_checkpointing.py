@@ -226,3 +226,15 @@ def test_no_checkpointing_with_a_kv_cache():
     prompt = tokens[0, :4]
     ours = model.generate(prompt, 6, seed=0)
     assert torch.equal(ours, plain.generate(prompt, 6, seed=0))
+
+
+def test_auto_measures_under_the_training_autocast():
+    """Under bf16 autocast a block saves bf16 activations: v shrinks while the block input u
+    (the float32 residual stream the segment keeps) does not, so the rule sees the ratio the
+    training will have."""
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(dim=64, n_layers=4, n_heads=4, vocab_size=32, max_seq_len=32))
+    u32, v32 = ac.block_activation_bytes(model, 2, 32)
+    u16, v16 = ac.block_activation_bytes(model, 2, 32, autocast=torch.bfloat16)
+    assert u16 == u32 == 2 * 32 * 64 * 4
+    assert v16 < 0.7 * v32  # measured 218,624 vs 333,312 bytes here
