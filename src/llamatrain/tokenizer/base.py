@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
+from llamatrain.errors import TokenizerError
+
 __all__ = [
     "TOKEN_TYPE_BYTE",
     "TOKEN_TYPE_CONTROL",
@@ -120,3 +122,19 @@ class Tokenizer(Protocol):
     def newline_ids(self) -> list[int]:
         """Ids whose text ends in a newline, where training windows may start."""
         ...
+
+
+def index_tokens(tokens: Sequence[str]) -> dict[str, int]:
+    """token text -> id, for any vocabulary; refuses empty and duplicate tokens, which
+    llama.cpp cannot load either."""
+    index: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if token == "":
+            raise TokenizerError(f"Token {i} is the empty string; the vocabulary is corrupt.")
+        if token in index:
+            raise TokenizerError(
+                f"Duplicate token {token!r} (ids {index[token]} and {i}); llama.cpp "
+                "refuses such a vocabulary — rebuild the tokenizer."
+            )
+        index[token] = i
+    return index

@@ -22,6 +22,7 @@ from llamatrain.tokenizer.base import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_NORMAL,
     TOKEN_TYPE_USER_DEFINED,
+    index_tokens,
 )
 from llamatrain.tokenizer.pretokenizers import pre_tokenizer
 from llamatrain.tokenizer.special import (
@@ -83,7 +84,7 @@ class BpeTokenizer:
             )
         self._merges = [str(m) for m in merges]
         self._pre = pre_tokenizer(pre)
-        self._token_to_id = _index(self._tokens)
+        self._token_to_id = index_tokens(self._tokens)
         self._ranks = _merge_ranks(self._merges)
         n = len(self._tokens)
         for name, value in (("bos", bos_id), ("eos", eos_id)):
@@ -350,17 +351,6 @@ def _bytes_of(text: str) -> bytes:
         else:
             out += f"[UNK_BYTE_0x{_utf8(c).hex()}{text}]".encode("utf-8", "surrogatepass")
     return bytes(out)
-
-
-def _index(tokens: list[str]) -> dict[str, int]:
-    """token -> id; refuses duplicates and empty tokens, which llama.cpp cannot load."""
-    index: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        if token == "" or token in index:
-            what = "empty" if token == "" else f"a duplicate of id {index[token]}"
-            raise TokenizerError(f"token {i} ({token!r}) is {what}; the vocabulary is corrupt")
-        index[token] = i
-    return index
 
 
 def _merge_ranks(merges: list[str]) -> dict[tuple[str, str], int]:

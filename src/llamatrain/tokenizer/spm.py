@@ -32,6 +32,7 @@ from llamatrain.tokenizer.base import (
     TOKEN_TYPE_NORMAL,
     TOKEN_TYPE_UNKNOWN,
     TOKEN_TYPE_USER_DEFINED,
+    index_tokens,
 )
 from llamatrain.tokenizer.sentencepiece_engine import build_fast_engine
 from llamatrain.tokenizer.special import effective_types, split_on_tokens, split_order
@@ -73,7 +74,7 @@ class SpmTokenizer:
         # Scores are float32 in both GGUF and sentencepiece: compare them as llama.cpp does.
         self._scores: list[float] = [_to_float32(s) for s in scores]
         self._types: list[int] = [int(t) for t in types]
-        self._piece_to_id = _index_pieces(self._pieces)
+        self._piece_to_id = index_tokens(self._pieces)
         _check_special_ids(len(self._pieces), bos_id, eos_id, unk_id, pad_id)
         self._bos, self._eos, self._unk, self._pad = bos_id, eos_id, unk_id, pad_id
         self._add_space_prefix = bool(add_space_prefix)
@@ -412,21 +413,6 @@ def _check_lengths(n_pieces: int, n_scores: int, n_types: int) -> None:
             f"The vocabulary has {n_pieces} pieces but {n_scores} scores and {n_types} "
             "token types; the tokenizer data is corrupt — re-export it."
         )
-
-
-def _index_pieces(pieces: list[str]) -> dict[str, int]:
-    """piece -> id; refuses empty and duplicate pieces, which llama.cpp cannot load."""
-    piece_to_id: dict[str, int] = {}
-    for i, p in enumerate(pieces):
-        if p == "":
-            raise TokenizerError(f"Token {i} is the empty string; the vocabulary is corrupt.")
-        if p in piece_to_id:
-            raise TokenizerError(
-                f"Duplicate token {p!r} (ids {piece_to_id[p]} and {i}); llama.cpp "
-                "refuses such a vocabulary — rebuild the tokenizer."
-            )
-        piece_to_id[p] = i
-    return piece_to_id
 
 
 def _check_special_ids(n: int, bos_id: int, eos_id: int, unk_id: int, pad_id: int | None) -> None:
