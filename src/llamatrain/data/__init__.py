@@ -59,6 +59,10 @@ __all__ = [
 ]
 
 
+_SEEN_SLICE = 1 << 22
+"""Tokens ``TrainData.seen_tokens`` counts at once (np.bincount widens them: 32 MiB a slice)."""
+
+
 @dataclass
 class TrainData:
     """The data side of a run: files, token stream, windows and the batch sampler."""
@@ -77,12 +81,18 @@ class TrainData:
 
     def seen_tokens(self, vocab_size: int) -> torch.Tensor:
         """(vocab_size,) bool: the tokens the training windows hold (BOS included when windows
-        start with it); the held-out validation part does not count."""
-        last = self.train.start_positions(np.array([len(self.train) - 1]))[0]
-        seen = torch.zeros(vocab_size, dtype=torch.bool)
-        seen[
-            torch.from_numpy(np.unique(self.tokens[: last + self.train.span]).astype(np.int64))
-        ] = True
+        start with it); the held-out validation part does not count.
+
+        Counted in slices of the memory-mapped stream, in one pass and without sorting, so a
+        corpus of billions of tokens costs a linear scan and a few MB, not a sorted copy.
+        """
+        last = int(self.train.start_positions(np.array([len(self.train) - 1]))[0])
+        end = last + self.train.span
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for start in range(0, end, _SEEN_SLICE):
+            part = self.tokens[start : min(start + _SEEN_SLICE, end)]
+            counts += np.bincount(part, minlength=vocab_size)[:vocab_size]
+        seen = torch.from_numpy(counts > 0)
         if self.train.bos_id is not None:
             seen[self.train.bos_id] = True
         return seen
