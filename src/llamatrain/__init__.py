@@ -2,7 +2,17 @@
 
 from llamatrain.model import Llama, ModelConfig
 
-_API = ("export_gguf", "fit", "generate_text", "load", "load_gguf", "load_tokenizer", "perplexity")
+_API = (
+    "export",
+    "export_gguf",
+    "export_hf",
+    "fit",
+    "generate_text",
+    "load",
+    "load_gguf",
+    "load_tokenizer",
+    "perplexity",
+)
 """Entry points of ``llamatrain.api`` offered here; they load on first use."""
 
 __all__ = ["Llama", "ModelConfig", *_API]

@@ -24,7 +24,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from llamatrain.model import Blocks, KVCache, Llama
+from llamatrain.model import Blocks, KVCache, Llama, Rope
 
 POLICIES = ("none", "full", "every_n", "auto")
 
@@ -41,7 +41,7 @@ def block_activation_bytes(
     block = model.blk[0]
     param = next(model.parameters())
     x = torch.zeros(n_seq, n_ctx, model.cfg.dim, device=param.device, requires_grad=True)
-    pos = torch.arange(n_ctx, device=param.device)
+    rope = model.rope_for(torch.arange(n_ctx, device=param.device))
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def block_activation_bytes(
 
     mixed = torch.autocast(param.device.type, dtype=autocast, enabled=autocast is not None)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
-        block(x, pos)
+        block(x, rope)
     return x.numel() * x.element_size(), sum(saved.values())
 
 
@@ -78,21 +78,19 @@ class CheckpointedBlocks(Blocks):
         super().__init__(blocks)
         self.segment = segment
 
-    def forward(
-        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
         if cache is not None or not torch.is_grad_enabled():
-            return super().forward(x, pos, cache)
+            return super().forward(x, rope, cache)
         blocks = list(self)
         for start in range(0, len(blocks), self.segment):
             segment = blocks[start : start + self.segment]
-            x = checkpoint(_run_segment, segment, x, pos, use_reentrant=False)
+            x = checkpoint(_run_segment, segment, x, rope, use_reentrant=False)
         return x
 
 
-def _run_segment(blocks: list[torch.nn.Module], x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def _run_segment(blocks: list[torch.nn.Module], x: torch.Tensor, rope: Rope) -> torch.Tensor:
     for block in blocks:
-        x = block(x, pos)
+        x = block(x, rope)
     return x
 
 

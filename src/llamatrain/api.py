@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,23 +32,33 @@ from llamatrain.config import Config, apply_overrides, apply_values, config_to_t
 from llamatrain.config import validate as validate_config
 from llamatrain.data import build_train_data, resolve_inputs
 from llamatrain.device import configure_process, resolve_device
-from llamatrain.errors import CheckpointError, TokenizerError
+from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
 from llamatrain.evaluate import PerplexityResult, perplexity
 from llamatrain.gguf.describe import describe_gguf
-from llamatrain.gguf.file import verify_gguf
+from llamatrain.gguf.file import QUANTIZER_TYPES, read_tensors_into, verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_model, write_vocab
+from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
+from llamatrain.hf.folder import read_hf_folder, write_hf_folder
 from llamatrain.model import Llama
 from llamatrain.plot import can_plot, plot_metrics
 from llamatrain.runlock import run_lock
 from llamatrain.sampling import SamplingParams
-from llamatrain.tokenizer import Tokenizer, load_sentencepiece, train_spm
+from llamatrain.tokenizer import (
+    Tokenizer,
+    load_sentencepiece,
+    read_hf_tokenizer,
+    train_byte_bpe,
+    train_spm,
+)
 from llamatrain.trainer import History, Trainer
 
 __all__ = [
     "FitResult",
     "PerplexityResult",
     "describe_gguf",
+    "export",
     "export_gguf",
+    "export_hf",
     "fit",
     "generate_text",
     "load",
@@ -76,8 +87,11 @@ class FitResult:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The vocabulary of a GGUF (model, checkpoint or vocab-only) or a sentencepiece .model."""
+    """The vocabulary of a GGUF (model, checkpoint or vocab-only), a sentencepiece .model, or
+    an HF tokenizer.json or model folder holding one (read as llama.cpp's converter would)."""
     path = Path(path)
+    if path.is_dir() or path.suffix == ".json":
+        return read_hf_tokenizer(path)
     if not path.is_file():
         raise TokenizerError(f"tokenizer file {path} does not exist; fix the path")
     with path.open("rb") as f:
@@ -103,14 +117,17 @@ def build_tokenizer(cfg: Config, paths: Sequence[Path]) -> Tokenizer:
     cached = Path(cfg.data.cache_dir) / "tokenizers" / f"{_tokenizer_cache_key(cfg, paths)}.gguf"
     if cached.is_file():
         return read_tokenizer(cached)
-    tokenizer = train_spm(
-        paths,
-        t.vocab_size,
-        t.model_type,
-        max_sentence_length=t.max_sentence_length,
-        input_sentence_size=t.input_sentence_size,
-        seed=cfg.train.seed,
-    )
+    if t.model_type == "byte_bpe":
+        tokenizer: Tokenizer = train_byte_bpe(paths, t.vocab_size)
+    else:
+        tokenizer = train_spm(
+            paths,
+            t.vocab_size,
+            t.model_type,
+            max_sentence_length=t.max_sentence_length,
+            input_sentence_size=t.input_sentence_size,
+            seed=cfg.train.seed,
+        )
     write_vocab(cached, tokenizer)
     return tokenizer
 
@@ -130,19 +147,20 @@ def _configure(
     return validate_config(apply_values(cfg, values, "fit(...) keyword"))
 
 
-def _fresh_model(cfg: Config, paths: Sequence[Path]) -> tuple[Llama, Tokenizer]:
-    """A new model (seeded) with its tokenizer, or the one ``model.init_from`` names."""
+def _fresh_model(cfg: Config, paths: Sequence[Path]) -> tuple[Llama, Tokenizer, dict]:
+    """A new model (seeded) with its tokenizer, or the one ``model.init_from`` names; and the
+    base model's keys its checkpoints and exports keep (``inherited_metadata``)."""
     if cfg.model.init_from:
-        base = read_model(cfg.model.init_from)
+        base = _read_source(cfg.model.init_from)
         context = max(base.config.max_seq_len, cfg.data.n_ctx)
         run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
-        return _build(base, max_seq_len=context, **run_choices)
+        return *_build(base, max_seq_len=context, **run_choices), base.inherited
     tokenizer = build_tokenizer(cfg, paths)
     torch.manual_seed(cfg.train.seed)
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
     )
-    return Llama(model_cfg), tokenizer
+    return Llama(model_cfg), tokenizer, {}
 
 
 def _resumed_model(
@@ -198,8 +216,9 @@ def _fit_locked(
         manager = CheckpointManager(checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints)
         checkpoint = load_checkpoint(manager.resolve(resume))
         model, tokenizer = _resumed_model(cfg, checkpoint, paths)
+        inherited = checkpoint.state.inherited
     else:
-        model, tokenizer = _fresh_model(cfg, paths)
+        model, tokenizer, inherited = _fresh_model(cfg, paths)
     data = build_train_data(cfg, tokenizer, paths=paths, progress=progress)
     activation_checkpointing.apply(
         model,
@@ -212,7 +231,9 @@ def _fit_locked(
     run_dir = Path(cfg.output.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(config_to_toml(cfg))
-    trainer = Trainer(model, cfg, data=data, tokenizer=tokenizer, progress=progress)
+    trainer = Trainer(
+        model, cfg, data=data, tokenizer=tokenizer, progress=progress, inherited=inherited
+    )
     if checkpoint is not None:
         trainer.load_state(checkpoint)
     history = trainer.fit()
@@ -223,6 +244,7 @@ def _fit_locked(
             tokenizer,
             run_dir / f"model-{cfg.output.export_type}.gguf",
             type=cfg.output.export_type,
+            inherited=inherited,
         )
     curves = _write_curves(run_dir)
     return FitResult(cfg, trainer.model, tokenizer, history, run_dir, export_path, curves)
@@ -248,15 +270,24 @@ def _write_curves(run_dir: Path) -> Path | None:
 
 
 def _build(model_file: LlamaFile, **changes: object) -> tuple[Llama, Tokenizer]:
-    """The model a GGUF describes, with its weights; ``changes`` to its config (run choices)."""
+    """The model a GGUF describes, with its weights; ``changes`` to its config (run choices).
+
+    A file read without its tensor data (``read_model(path, tensor_data=False)``) is read
+    straight into the model's parameters, a tensor at a time: the import then holds the model
+    once, where loading a state dict holds a float copy of every weight beside it.
+    """
     model = Llama(dataclasses.replace(model_file.config, **changes))
-    model.load_state_dict(model_file.tensors, strict=True)
+    header_only = any(tensor.is_meta for tensor in model_file.tensors.values())
+    if header_only and model_file.contents is not None:
+        read_tensors_into(model_file.contents.path, model.state_dict())
+    else:
+        model.load_state_dict(model_file.tensors, strict=True)
     return model, model_file.tokenizer
 
 
 def load_gguf(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
     """A llama GGUF (ours or llama.cpp's, any type we can dequantize) as a model + tokenizer."""
-    return _build(read_model(path), ops=ops)
+    return _build(read_model(path, tensor_data=False), ops=ops)
 
 
 def _model_file(path: str | Path) -> Path:
@@ -269,13 +300,23 @@ def _model_file(path: str | Path) -> Path:
     return path
 
 
-def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
-    """A model and tokenizer from a run folder (its latest checkpoint), a checkpoint or any
-    llama GGUF file. A checkpoint's tensors are checked against the sha256 recorded when it
-    was written (``verify_gguf``), so generate/eval/export never use silently damaged weights."""
+def _read_source(path: str | Path) -> LlamaFile:
+    """A run folder (its latest checkpoint), a checkpoint, a llama GGUF, or an HF checkpoint
+    folder (any other folder: one without ``checkpoints/``). A checkpoint's tensors are checked
+    against the sha256 recorded when it was written (``verify_gguf``), so nothing built from
+    it uses silently damaged weights."""
+    path = Path(path)
+    if path.is_dir() and not checkpoint_dir(path).is_dir():
+        return read_hf_folder(path)
     path = _model_file(path)
     verify_gguf(path)
-    return load_gguf(path, ops=ops)
+    return read_model(path, tensor_data=False)
+
+
+def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
+    """A model and tokenizer from a run folder (its latest checkpoint), a checkpoint, any
+    llama GGUF file or an HF checkpoint folder (config.json, safetensors, tokenizer.json)."""
+    return _build(_read_source(path), ops=ops)
 
 
 def seen_tokens(path: str | Path) -> torch.Tensor:
@@ -290,10 +331,61 @@ def seen_tokens(path: str | Path) -> torch.Tensor:
     return seen
 
 
-def export_gguf(model: Llama, tokenizer: Tokenizer, path: str | Path, type: str = "f32") -> Path:
-    """Write a model llama.cpp runs (``type``: one of ``llamatrain.gguf.file.EXPORT_TYPES``)."""
-    tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    return write_model(path, model.cfg, tensors, tokenizer, type=type)
+def export_gguf(
+    model: Llama,
+    tokenizer: Tokenizer,
+    path: str | Path,
+    type: str = "f32",
+    inherited: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a model llama.cpp runs (``type``: one of ``llamatrain.gguf.file.ALL_EXPORT_TYPES``;
+    the ``QUANTIZER_TYPES`` among them, such as q4_k_m, go through llama.cpp's quantizer and
+    need ``pip install 'llamatrain[quantize]'``).
+
+    ``inherited``: the base model's keys to keep (name, license, chat template …), as
+    ``export`` passes them from a checkpoint.
+    """
+    write = write_quantized_model if type in QUANTIZER_TYPES else write_model
+    return write(path, model.cfg, _float_tensors(model), tokenizer, type=type, inherited=inherited)
+
+
+def export_hf(
+    model: Llama,
+    tokenizer: Tokenizer,
+    directory: str | Path,
+    inherited: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write an HF checkpoint folder transformers loads as ``LlamaForCausalLM`` (config.json,
+    float32 model.safetensors, tokenizer.json and tokenizer_config.json with ``inherited``'s
+    chat template); the vocabulary must be byte-level BPE."""
+    return write_hf_folder(directory, model.cfg, _float_tensors(model), tokenizer, inherited)
+
+
+def _float_tensors(model: Llama) -> dict[str, torch.Tensor]:
+    """The model's tensors as float32 on the CPU, as both export formats take them."""
+    return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+
+
+EXPORT_FORMATS = ("gguf", "hf")
+"""``export``'s formats: a GGUF llama.cpp runs, or an HF folder transformers loads."""
+
+
+def export(source: str | Path, path: str | Path, type: str = "f32", format: str = "gguf") -> Path:
+    """Export a run folder (its latest checkpoint), a checkpoint, a GGUF model or an HF folder
+    as a GGUF llama.cpp runs (its tensors stored as ``type``) or, with ``format="hf"``, as an
+    HF folder (float32), keeping the keys of the model it was finetuned from."""
+    if format not in EXPORT_FORMATS:
+        raise ConfigError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
+    if format == "hf" and type != "f32":
+        raise ConfigError(
+            f"an HF export stores float32 safetensors; the type {type!r} is for GGUF exports"
+        )
+    require_quantizer(type)
+    model_file = _read_source(source)
+    model, tokenizer = _build(model_file)
+    if format == "hf":
+        return export_hf(model, tokenizer, path, inherited=model_file.inherited)
+    return export_gguf(model, tokenizer, path, type=type, inherited=model_file.inherited)
 
 
 # ---- using a model -----------------------------------------------------------------------

@@ -53,6 +53,8 @@ class TrainingState:
     convergence: dict = field(default_factory=dict)
     seen_tokens: torch.Tensor | None = None
     """(vocab,) bool: the tokens of the training data, for seen-tokens-only sampling."""
+    inherited: dict = field(default_factory=dict)
+    """The base model's keys every checkpoint and export keep (``inherited_metadata``)."""
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -157,6 +159,7 @@ def save_checkpoint(
         tensors,
         tokenizer,
         type="f32",
+        inherited=state.inherited,
         extra_kv=extra_kv,
         extra_tensors=extra_tensors,
         checksums=True,
@@ -215,6 +218,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         config=json.loads(meta.get("training.config", "{}")),
         convergence=json.loads(meta.get("training.convergence", "{}")),
         seen_tokens=_seen_tokens(model_file.contents.tensors, model_file.config.vocab_size),
+        inherited=model_file.inherited,
     )
     return Checkpoint(
         model_file.config,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from llamatrain.errors import LlamatrainError
-from llamatrain.gguf.file import EXPORT_TYPES
+from llamatrain.gguf.file import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
 from llamatrain.sampling import SamplingParams
 
 
@@ -78,9 +78,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from llamatrain import api
 
-    model, tokenizer = api.load(args.checkpoint)
-    path = api.export_gguf(model, tokenizer, args.output, type=args.type)
-    print(f"wrote {path} ({path.stat().st_size:,} bytes, {args.type})")
+    path = api.export(args.checkpoint, args.output, type=args.type, format=args.format)
+    if args.format == "hf":
+        print(f"wrote {path}/ (HF checkpoint folder, float32)")
+    else:
+        print(f"wrote {path} ({path.stat().st_size:,} bytes, {args.type})")
     return 0
 
 
@@ -154,10 +156,25 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--n-ctx", type=int, default=None, help="chunk size (default: model's)")
     ev.set_defaults(func=cmd_eval)
 
-    ex = sub.add_parser("export", help="write a llama.cpp model GGUF from a checkpoint")
-    ex.add_argument("checkpoint")
+    ex = sub.add_parser(
+        "export", help="write a llama.cpp model GGUF (or an HF folder) from a checkpoint"
+    )
+    ex.add_argument("checkpoint", help="run folder, checkpoint, GGUF model or HF folder")
     ex.add_argument("-o", "--output", required=True)
-    ex.add_argument("--type", choices=EXPORT_TYPES, default="f32")
+    ex.add_argument(
+        "--format",
+        default="gguf",
+        help="gguf (default): a model llama.cpp runs; hf: an HF checkpoint folder "
+        "(config.json, float32 model.safetensors, tokenizer files) transformers loads",
+    )
+    ex.add_argument(
+        "--type",
+        choices=ALL_EXPORT_TYPES,
+        default="f32",
+        metavar="TYPE",
+        help=f"{', '.join(EXPORT_TYPES)} (default f32), or through llama.cpp's quantizer "
+        f"(pip install 'llamatrain[quantize]') {', '.join(QUANTIZER_TYPES)}",
+    )
     ex.set_defaults(func=cmd_export)
 
     info = sub.add_parser("info", help="describe a GGUF file")

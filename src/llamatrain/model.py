@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,19 @@ class ModelConfig:
         1e-5, "RMSNorm epsilon (llama.attention.layer_norm_rms_epsilon)", gt=0
     )
     rope_theta: float = setting(10000.0, "RoPE frequency base (llama.rope.freq_base)", gt=0)
+    rope_scaling_factor: float = setting(
+        1.0, "linear RoPE scaling: positions are divided by it (llama.rope.scaling.factor)", gt=0
+    )
+    rope_freq_factors: bool = setting(
+        False,
+        "per-pair RoPE frequency divisors in a rope_freqs.weight tensor (Llama 3.1+ long "
+        "context); kept as loaded, never trained",
+    )
+    key_length: int | None = setting(
+        None, "attention head width (llama.attention.key_length); unset = dim / n_heads", gt=0
+    )
+    attention_bias: bool = setting(False, "q/k/v/output projections carry bias vectors")
+    mlp_bias: bool = setting(False, "gate/up/down projections carry bias vectors")
     tie_embeddings: bool = setting(
         False, "share token embedding and output head (no output.weight)"
     )
@@ -80,7 +94,9 @@ class ModelConfig:
         choices=ATTENTIONS,
     )
     init_from: str | None = setting(
-        None, "GGUF model to finetune from; its architecture then overrides this section"
+        None,
+        "model to finetune from: a llama GGUF or an HF folder (config.json + safetensors); its "
+        "architecture then overrides this section",
     )
     vocab_size: int | None = setting(None, "vocabulary size: the tokenizer's", gt=0, derived=True)
     max_seq_len: int | None = setting(
@@ -92,7 +108,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.key_length or self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -113,7 +129,7 @@ class ModelConfig:
     def validate(self, where: Callable[[str], str] = _nowhere) -> None:
         """Raise ConfigError for an impossible architecture; ``where(key)`` names the source."""
         check_rules(self, "model", where)
-        if self.dim % self.n_heads:
+        if self.key_length is None and self.dim % self.n_heads:
             fits = [x for x in divisors(self.dim) if x <= 64 and (self.dim // x) % 2 == 0]
             raise ConfigError(
                 f"model.dim = {self.dim} must be divisible by model.n_heads = {self.n_heads}"
@@ -121,9 +137,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(
-                f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = "
-                f"{self.head_dim} must be even (RoPE rotates pairs){where('model.n_heads')}; "
-                "change dim or n_heads"
+                f"head_dim = {self.head_dim} (model.key_length, or model.dim / "
+                f"model.n_heads = {self.dim}/{self.n_heads}) must be even (RoPE rotates pairs)"
+                f"{where('model.n_heads')}; change dim, n_heads or key_length"
             )
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ConfigError(
@@ -141,19 +157,28 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     process is slow); a test pins it to ``Llama.state_dict()`` and
     ``load_state_dict(strict=True)`` re-checks every load.
     """
-    e, hd, f, v = cfg.dim, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
+    e, f, v = cfg.dim, cfg.hidden_dim, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, e)}
+    if cfg.rope_freq_factors:
+        shapes["rope_freqs.weight"] = (cfg.head_dim // 2,)
+    projections = {  # name: (out, in, has a bias)
+        "attn_q": (q, e, cfg.attention_bias),
+        "attn_k": (kv, e, cfg.attention_bias),
+        "attn_v": (kv, e, cfg.attention_bias),
+        "attn_output": (e, q, cfg.attention_bias),
+        "ffn_gate": (f, e, cfg.mlp_bias),
+        "ffn_up": (f, e, cfg.mlp_bias),
+        "ffn_down": (e, f, cfg.mlp_bias),
+    }
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
         shapes[b + "attn_norm.weight"] = (e,)
-        shapes[b + "attn_q.weight"] = (cfg.n_heads * hd, e)
-        shapes[b + "attn_k.weight"] = (cfg.kv_heads * hd, e)
-        shapes[b + "attn_v.weight"] = (cfg.kv_heads * hd, e)
-        shapes[b + "attn_output.weight"] = (e, cfg.n_heads * hd)
         shapes[b + "ffn_norm.weight"] = (e,)
-        shapes[b + "ffn_gate.weight"] = (f, e)
-        shapes[b + "ffn_up.weight"] = (f, e)
-        shapes[b + "ffn_down.weight"] = (e, f)
+        for name, (n_out, n_in, bias) in projections.items():
+            shapes[f"{b}{name}.weight"] = (n_out, n_in)
+            if bias:
+                shapes[f"{b}{name}.bias"] = (n_out,)
     shapes["output_norm.weight"] = (e,)
     if not cfg.tie_embeddings:
         shapes["output.weight"] = (v, e)
@@ -163,12 +188,21 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 # ---- the two op sets ---------------------------------------------------------------------
 
 
-def torch_rope(x: torch.Tensor, pos: torch.Tensor, *, theta: float) -> torch.Tensor:
+def torch_rope(
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    theta: float,
+    freq_scale: float = 1.0,
+    freq_factors: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Adjacent-pair (llama.cpp NORM) rope written with differentiable PyTorch ops."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / (2 * half))
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
     compute = torch.promote_types(x.dtype, torch.float32)
-    angles = pos.to(torch.float64)[..., None] * inv_freq  # (..., T, half)
+    angles = (pos.to(torch.float64) * freq_scale)[..., None] * inv_freq  # (..., T, half)
     if angles.dim() == 2:
         angles = angles[None]
     cos = angles.cos().to(compute)[:, :, None, :]
@@ -222,7 +256,7 @@ _OP_SETS = {
     "ggml": dict(
         embedding=ggml_ops.get_rows,
         rms_norm=ggml_ops.rms_norm,
-        rope=lambda x, pos, theta: ggml_ops.rope(x, pos, theta=theta, mode="norm"),
+        rope=lambda x, rope: ggml_ops.rope(x, rope.pos, mode="norm", **rope.frequencies()),
         linear=ggml_ops.mul_mat,
         swiglu=ggml_ops.swiglu,
         flash=ggml_ops.flash_attn,
@@ -233,7 +267,7 @@ _OP_SETS = {
     "torch": dict(
         embedding=lambda table, ids: F.embedding(ids, table),
         rms_norm=lambda x, eps: F.rms_norm(x, (x.shape[-1],), eps=eps),
-        rope=lambda x, pos, theta: torch_rope(x, pos, theta=theta),
+        rope=lambda x, rope: torch_rope(x, rope.pos, **rope.frequencies()),
         linear=F.linear,
         swiglu=lambda gate, up: F.silu(gate) * up,
         flash=_sdpa,
@@ -254,6 +288,20 @@ def op_set(ops: str, attention: str) -> SimpleNamespace:
 # ---- the modules -------------------------------------------------------------------------
 
 
+class Rope(NamedTuple):
+    """What rotary embedding needs, made once per forward and handed to every block (as Meta's
+    llama hands its ``freqs_cis`` down): token positions and the model's frequency settings."""
+
+    pos: torch.Tensor
+    theta: float
+    freq_scale: float = 1.0
+    freq_factors: torch.Tensor | None = None
+
+    def frequencies(self) -> dict:
+        """The keyword arguments both op sets' rope take besides ``x`` and ``pos``."""
+        return dict(theta=self.theta, freq_scale=self.freq_scale, freq_factors=self.freq_factors)
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation followed by a learned per-channel scale (ggml: rms_norm then mul)."""
 
@@ -267,15 +315,29 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A bias-free projection whose matmul comes from the selected op set."""
+    """A projection whose matmul comes from the selected op set; llama's have no bias, some
+    derived models (``attention_bias`` / ``mlp_bias``) add one after the matmul, as ggml does."""
 
-    def __init__(self, in_features: int, out_features: int, ops: SimpleNamespace) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, ops: SimpleNamespace, bias: bool = False
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight)
+        y = self.ops.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class RopeFrequencyFactors(nn.Module):
+    """llama.cpp's ``rope_freqs.weight``: per-pair divisors of rope's frequencies that come with
+    a model (Llama 3.1+) and stay as loaded — a buffer, so no optimizer ever updates it."""
+
+    def __init__(self, n_pairs: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.ones(n_pairs))
 
 
 class KVCache:
@@ -308,25 +370,26 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: SimpleNamespace) -> None:
         super().__init__()
         self.cfg, self.layer, self.ops = cfg, layer, ops
-        hd, kv_dim = cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        qkvo, mlp = cfg.attention_bias, cfg.mlp_bias
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
-        self.attn_q = Linear(cfg.dim, cfg.n_heads * hd, ops)
-        self.attn_k = Linear(cfg.dim, kv_dim, ops)
-        self.attn_v = Linear(cfg.dim, kv_dim, ops)
-        self.attn_output = Linear(cfg.n_heads * hd, cfg.dim, ops)
+        self.attn_q = Linear(cfg.dim, q_dim, ops, qkvo)
+        self.attn_k = Linear(cfg.dim, kv_dim, ops, qkvo)
+        self.attn_v = Linear(cfg.dim, kv_dim, ops, qkvo)
+        self.attn_output = Linear(q_dim, cfg.dim, ops, qkvo)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
-        self.ffn_gate = Linear(cfg.dim, cfg.hidden_dim, ops)
-        self.ffn_up = Linear(cfg.dim, cfg.hidden_dim, ops)
-        self.ffn_down = Linear(cfg.hidden_dim, cfg.dim, ops)
+        self.ffn_gate = Linear(cfg.dim, cfg.hidden_dim, ops, mlp)
+        self.ffn_up = Linear(cfg.dim, cfg.hidden_dim, ops, mlp)
+        self.ffn_down = Linear(cfg.hidden_dim, cfg.dim, ops, mlp)
 
-    def attention(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, rope: Rope, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q = self.attn_q(x).view(b, t, self.cfg.n_heads, hd)
         k = self.attn_k(x).view(b, t, self.cfg.kv_heads, hd)
         v = self.attn_v(x).view(b, t, self.cfg.kv_heads, hd)
-        q = self.ops.rope(q, pos, self.cfg.rope_theta).transpose(1, 2)
-        k = self.ops.rope(k, pos, self.cfg.rope_theta).transpose(1, 2)
+        q = self.ops.rope(q, rope).transpose(1, 2)
+        k = self.ops.rope(k, rope).transpose(1, 2)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
@@ -336,21 +399,17 @@ class Block(nn.Module):
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ffn_down(self.ops.swiglu(self.ffn_gate(x), self.ffn_up(x)))
 
-    def forward(
-        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attn_norm(x), pos, cache)
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attn_norm(x), rope, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Blocks(nn.ModuleList):
     """The stack of blocks, run in order (a container others may replace; see module doc)."""
 
-    def forward(
-        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
         for block in self:
-            x = block(x, pos, cache)
+            x = block(x, rope, cache)
         return x
 
 
@@ -366,6 +425,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         ops = op_set(cfg.ops, cfg.attention)
         self.token_embd = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope_freqs = RopeFrequencyFactors(cfg.head_dim // 2) if cfg.rope_freq_factors else None
         self.blk = Blocks(Block(cfg, i, ops) for i in range(cfg.n_layers))
         self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, ops)
@@ -377,7 +437,7 @@ class Llama(nn.Module):
 
         Matrices ~ N(0, 0.02); the two projections that write into the residual stream
         (attn_output, ffn_down) are scaled down by sqrt(2·n_layers) so the residual's variance
-        does not grow with depth; norm weights start at 1.
+        does not grow with depth; norm weights start at 1, biases at 0.
         """
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
@@ -385,6 +445,8 @@ class Llama(nn.Module):
                 nn.init.normal_(param, 0.0, residual_std)
             elif param.dim() >= 2:
                 nn.init.normal_(param, 0.0, std)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(param)
             else:
                 nn.init.ones_(param)
 
@@ -397,11 +459,16 @@ class Llama(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.token_embd.weight if self.output is None else self.output.weight
 
+    def rope_for(self, pos: torch.Tensor) -> Rope:
+        """The rope settings for tokens at ``pos``, as every block receives them."""
+        factors = None if self.rope_freqs is None else self.rope_freqs.weight
+        return Rope(pos, self.cfg.rope_theta, 1.0 / self.cfg.rope_scaling_factor, factors)
+
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final-normed hidden states (batch, seq, dim) — everything but the lm head."""
         start = cache.length if cache is not None else 0
         pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        x = self.blk(self.ops.embedding(self.token_embd.weight, tokens), pos, cache)
+        x = self.blk(self.ops.embedding(self.token_embd.weight, tokens), self.rope_for(pos), cache)
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.output_norm(x)

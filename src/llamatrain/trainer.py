@@ -16,9 +16,10 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from tqdm.auto import tqdm
@@ -62,7 +63,8 @@ class Trainer:
 
     ``data`` and ``tokenizer`` are needed by :meth:`fit` (batches, samples, checkpoints);
     :meth:`train_step` alone needs neither, which is how the benchmarks time the trainer's own
-    step.
+    step. ``inherited``: a base model's GGUF keys (name, license, chat template …) that every
+    checkpoint keeps, so the run's export still says what the base said.
     """
 
     def __init__(
@@ -73,13 +75,14 @@ class Trainer:
         data: TrainData | None = None,
         tokenizer: Tokenizer | None = None,
         progress: bool = True,
+        inherited: Mapping[str, Any] | None = None,
     ) -> None:
         cfg = validate(cfg)  # fills the derived defaults a hand-built Config leaves unset
         self.cfg, self.data, self.tokenizer, self.progress = cfg, data, tokenizer, progress
         self.device = resolve_device(cfg.train.device)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.state = TrainingState(config=config_to_dict(cfg))
+        self.state = TrainingState(config=config_to_dict(cfg), inherited=dict(inherited or {}))
         if data is not None:
             self.state.seen_tokens = data.seen_tokens(self.model.cfg.vocab_size)
         self.convergence = ConvergenceTests(cfg.optim)
@@ -106,6 +109,7 @@ class Trainer:
         self.state.step, self.state.samples = saved.step, saved.samples
         self.state.tokens, self.state.epochs = saved.tokens, saved.epochs
         self.convergence.load_state_dict(saved.convergence)
+        self.state.inherited = saved.inherited
         if self.data is not None:
             self.data.sampler.load_state_dict(saved.data_state)
 

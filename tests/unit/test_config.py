@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,19 @@ def test_derived_n_ubatch_follows_a_later_n_batch_override():
     assert cfg.train.n_ubatch == 2048
     validate(apply_overrides(cfg, ["train.n_ubatch=512", "train.n_batch=1024"]))
     assert cfg.train.n_ubatch == 512  # an explicit value stays
+
+
+def test_a_quantizer_export_type_needs_its_extra_before_the_run(monkeypatch):
+    # A K-quant export is written by llama.cpp's quantizer (the `quantize` extra): without it,
+    # the config is refused when it is read, not after the training it would end.
+    cfg = load_config("tiny", ["output.export_type=q4_k_m"])
+    assert cfg.output.export_type == "q4_k_m"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError, match=r"q4_k_m.*pip install 'llamatrain\[quantize\]'"):
+        load_config("tiny", ["output.export_type=q4_k_m"])
+    load_config("tiny", ["output.export_type=q8_0"])  # native types need nothing

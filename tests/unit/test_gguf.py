@@ -444,7 +444,7 @@ def test_error_keys_disagree_with_the_recorded_config(model_file: Path) -> None:
 def test_error_rope_scaling_and_experts(tok, tmp_path: Path) -> None:
     model = make_model(tok)
     for extra, message in (
-        ({"llama.rope.scaling.type": "yarn"}, "uses rope scaling"),
+        ({"llama.rope.scaling.type": "yarn"}, "uses 'yarn' rope scaling"),
         ({"llama.expert_count": np.uint32(8)}, "mixture-of-experts"),
     ):
         path = write_model(tmp_path / "m.gguf", model.cfg, model.state_dict(), tok,

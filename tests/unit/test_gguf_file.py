@@ -14,16 +14,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 
+from llamatrain.cli import main
 from llamatrain.errors import ConfigError, GGUFError
+from llamatrain.gguf import file as gguf_file
 from llamatrain.gguf.file import (
+    ALL_EXPORT_TYPES,
     EXPORT_TYPES,
     FILE_TYPES,
+    QUANTIZER_TYPES,
     TENSOR_SHA256_KEY,
     general_file_type,
     read_gguf,
     read_gguf_metadata,
+    read_tensors_into,
     verify_gguf,
     write_gguf,
 )
@@ -118,8 +123,17 @@ def test_export_types_are_one_list() -> None:
     assert EXPORT_TYPES == tuple(FILE_TYPES) == ("f32", "f16", "bf16", "q8_0", "q4_0")
     # llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_F16, MOSTLY_BF16, MOSTLY_Q8_0, MOSTLY_Q4_0
     assert [general_file_type(t) for t in EXPORT_TYPES] == [0, 1, 32, 7, 2]
+    assert EXPORT_TYPES + tuple(QUANTIZER_TYPES) == ALL_EXPORT_TYPES
+    # llama.h's LLAMA_FTYPE_MOSTLY_<TYPE> of the types llama.cpp's quantizer writes for us
+    assert QUANTIZER_TYPES == {
+        "q4_1": 3, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13,
+        "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18, "iq4_nl": 25,
+        "iq4_xs": 30,
+    }  # fmt: skip
     with pytest.raises(ConfigError, match="unknown GGUF type 'q5_k'; choose one of f32, f16"):
         general_file_type("q5_k")
+    with pytest.raises(ConfigError, match="'q4_k_m' is written by llama.cpp's quantizer"):
+        general_file_type("q4_k_m")  # not a type one tensor is written as
 
 
 @pytest.mark.parametrize(
@@ -280,6 +294,88 @@ def test_error_corrupt_header(small_file: Path) -> None:
         read_gguf(small_file)
 
 
+MIXED = {
+    "f32.weight": (weights(3, 64, 1), "f32"),
+    "f16.weight": (weights(5, 64, 2), "f16"),
+    "bf16.weight": (weights(2, 32, 3), "bf16"),
+    "q8_0.weight": (weights(7, 96, 4), "q8_0"),
+    "q4_0.weight": (weights(6, 64, 5), "q4_0"),
+    "norm.weight": (weights(1, 48, 6)[0], "q8_0"),  # 1-D: stays F32
+    "ids": (torch.arange(10, dtype=torch.int32), "f32"),
+}
+
+
+def test_header_only_read_then_read_into_place(tmp_path: Path) -> None:
+    """``tensor_data=False`` gives each tensor's shape and dtype without its data, and
+    ``read_tensors_into`` fills given tensors exactly as a full read does."""
+    path = write_gguf(tmp_path / "m.gguf", "test", {}, MIXED)
+    full = read_gguf(path)
+    header = read_gguf(path, tensor_data=False)
+    assert (header.tensor_types, header.tensor_nbytes) == (full.tensor_types, full.tensor_nbytes)
+    targets = {}
+    for name, placeholder in header.tensors.items():
+        tensor = full.tensors[name]
+        assert placeholder.is_meta and placeholder.shape == tensor.shape, name
+        assert placeholder.dtype == tensor.dtype, name
+        targets[name] = torch.full(placeholder.shape, 7, dtype=placeholder.dtype)
+    read_tensors_into(path, targets)
+    for name, tensor in full.tensors.items():
+        assert torch.equal(targets[name], tensor), name
+
+
+def test_dequantizing_in_chunks_changes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """Rows are dequantized a chunk at a time into the result; a chunk smaller than a row,
+    or not dividing the rows, gives the same values as one whole-tensor dequantization."""
+    path = write_gguf(tmp_path / "m.gguf", "test", {}, MIXED)
+    whole = read_gguf(path).tensors
+    for chunk in (1, 100, 3 * 96):
+        monkeypatch.setattr(gguf_file, "_CHUNK_VALUES", chunk)
+        for name, tensor in read_gguf(path).tensors.items():
+            assert torch.equal(tensor, whole[name]), (chunk, name)
+
+
+def test_read_into_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", "test", {}, MIXED)
+    with pytest.raises(GGUFError, match=r"has no tensor output.weight \(of 1 missing\)"):
+        read_tensors_into(path, {"output.weight": torch.empty(3, 64)})
+    with pytest.raises(GGUFError, match=r"tensor q8_0.weight is Q8_0 \(7, 96\) but is read into"):
+        read_tensors_into(path, {"q8_0.weight": torch.empty(7, 95)})
+    with pytest.raises(ValueError, match="into a contiguous CPU tensor"):  # a view: writes lost
+        read_tensors_into(path, {"q8_0.weight": torch.empty(96, 7).t()})
+
+
+def write_raw_tensor(path: Path, qtype: GGMLQuantizationType, raw: np.ndarray) -> Path:
+    """A GGUF with one tensor ``x.weight`` of ``qtype`` whose stored bytes are ``raw``
+    (rows x bytes per row), as llama.cpp may write types llamatrain never writes."""
+    writer = GGUFWriter(path, "test")
+    writer.add_tensor("x.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_type_no_library_dequantizes_is_one_error_naming_tensor_type_and_fix(
+    tmp_path: Path, capsys
+) -> None:
+    """Q8_K is a real GGML type (llama.cpp's activation format) that gguf cannot dequantize;
+    the header still reads, the data fails with one line, and so does the CLI (exit 1)."""
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_K]
+    path = write_raw_tensor(
+        tmp_path / "q8_k.gguf", GGMLQuantizationType.Q8_K, np.zeros((2, type_size), np.uint8)
+    )
+    header = read_gguf(path, tensor_data=False)
+    assert header.tensor_types == {"x.weight": "Q8_K"}
+    assert header.tensors["x.weight"].shape == (2, block)
+    message = r"tensor x.weight has type Q8_K, which llamatrain cannot dequantize; convert"
+    with pytest.raises(GGUFError, match=message):
+        read_gguf(path)
+    assert main(["info", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "x.weight" in err and "Q8_K" in err and "convert" in err
+
+
 def test_error_unknown_metadata_type(small_file: Path, patch) -> None:
     key = b"t.name"
     patch(small_file, key + struct.pack("<I", 8), key + struct.pack("<I", 77))
@@ -293,13 +389,19 @@ def test_error_bad_alignment(tmp_path: Path) -> None:
         read_gguf(path)
 
 
-def test_error_tensor_records(small_file: Path, patch) -> None:
+def test_error_tensor_records(small_file: Path, patch, capsys) -> None:
     data = small_file.read_bytes()
     name = b"a.weight"
     i = data.index(name) + len(name) + 4 + 2 * 8  # past the name, n_dims and both dims
     small_file.write_bytes(data[:i] + struct.pack("<I", 99) + data[i + 4 :])
     with pytest.raises(GGUFError, match="tensor a.weight has unknown type id 99"):
         read_gguf(small_file)
+    output = small_file.with_name("out.gguf")
+    for command in (["info", str(small_file)], ["export", str(small_file), "-o", str(output)]):
+        assert main(command) == 1  # the CLI: one line naming the tensor, the id and the fix
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "a.weight has unknown type id 99" in err, err
+        assert "re-export it as f32" in err and not output.exists()
     small_file.write_bytes(data)
     patch(small_file, b"b.weight", b"a.weight")
     with pytest.raises(GGUFError, match="corrupt: tensor a.weight appears twice"):

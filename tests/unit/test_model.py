@@ -154,6 +154,51 @@ def test_op_sets_and_attention_choices_compute_the_same_model(ops, attention, ti
         torch.testing.assert_close(grads[name], grads_r[name], rtol=0, atol=1e-10, msg=name)
 
 
+VARIANTS = {
+    "key_length": dict(key_length=6),  # 4 heads of 6 in a 32-wide model
+    "biases": dict(attention_bias=True, mlp_bias=True),
+    "rope": dict(rope_freq_factors=True, rope_scaling_factor=3.0),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("ops", "attention"), [("torch", "flash"), ("ggml", "softmax")])
+def test_variants_compute_the_same_model_in_every_op_set(variant, ops, attention):
+    # The llama variants llama.cpp loads (test_llama_cpp_variants proves them against it):
+    # the op sets agree on them as on the plain llama, float64, 1e-10; the biases and rope
+    # factors are set away from their neutral values so they take part.
+    def variant_model(**run_choice):
+        model = make_model(torch.float64, **VARIANTS[variant], **run_choice)
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                if name.endswith(".bias"):
+                    tensor.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(1))
+                elif name == "rope_freqs.weight":
+                    tensor.copy_(torch.linspace(1.0, 8.0, tensor.numel()))
+        return model
+
+    ref, model = variant_model(), variant_model(ops=ops, attention=attention)
+    assert set(ref.state_dict()) == set(tensor_shapes(ref.cfg))
+    tokens, targets = batch(ref.cfg)
+    logits_r, loss_r, grads_r = loss_and_grads(ref, tokens, targets)
+    logits, loss, grads = loss_and_grads(model, tokens, targets)
+    torch.testing.assert_close(logits, logits_r, rtol=0, atol=1e-10)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_r[name], rtol=0, atol=1e-10, msg=name)
+    assert "rope_freqs.weight" not in grads  # a buffer: no optimizer ever sees it
+
+
+def test_rope_factors_and_linear_scaling_change_the_model():
+    # Factors of 1 and a scale of 1 are the plain llama; other values must reach the output.
+    plain = make_model(torch.float64)
+    scaled = make_model(torch.float64, rope_freq_factors=True, rope_scaling_factor=1.0)
+    scaled.load_state_dict({**plain.state_dict(), "rope_freqs.weight": torch.ones(4)})
+    tokens, _ = batch(plain.cfg)
+    torch.testing.assert_close(scaled(tokens), plain(tokens), rtol=0, atol=0)
+    scaled.rope_freqs.weight.fill_(4.0)
+    assert (scaled(tokens) - plain(tokens)).abs().max() > 1e-5  # (0 exactly when ignored)
+
+
 @pytest.mark.parametrize("ops", ["ggml", "torch"])
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_kv_cache_decoding_matches_full_forward(ops, attention):

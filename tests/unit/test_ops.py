@@ -152,14 +152,18 @@ def test_rms_norm_matches_torch(shape: tuple) -> None:
 # --------------------------------------------------------------------------- rope
 
 
-def rope_reference(x: torch.Tensor, pos: torch.Tensor, theta: float, mode: str, fs: float):
-    """Independent rope: explicit per-pair loop (norm) / HF rotate_half (neox), float64 angles."""
+def rope_reference(
+    x: torch.Tensor, pos: torch.Tensor, theta: float, mode: str, fs: float, factors=None
+):
+    """Independent rope: explicit per-pair loop (norm) / HF rotate_half (neox), float64 angles;
+    ``factors`` divide each pair's frequency as ggml_rope_ext's freq_factors do."""
     hd = x.shape[-1]
     h = hd // 2
     p = pos.to(F64)
     if p.dim() == 1:
         p = p.unsqueeze(0)
-    inv = torch.tensor([theta ** (-2.0 * i / hd) for i in range(h)], dtype=F64)
+    f = [1.0] * h if factors is None else factors.tolist()
+    inv = torch.tensor([theta ** (-2.0 * i / hd) / f[i] for i in range(h)], dtype=F64)
     ang = (fs * p).unsqueeze(-1) * inv  # (B|1, T, h)
     cos = torch.cos(ang).unsqueeze(2).to(x.dtype)
     sin = torch.sin(ang).unsqueeze(2).to(x.dtype)
@@ -203,6 +207,22 @@ def test_rope_matches_reference(shape, pos, theta, fs, mode) -> None:
     ref, (g_ref,) = grads_of(lambda t: rope_reference(t, p, theta, mode, fs), (x,), up)
     close32(out, ref)
     close32(g, g_ref)
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+def test_rope_frequency_factors(mode: str) -> None:
+    # Llama 3.1's rope_freqs: per-pair divisors of the frequency; gradcheck, the reference,
+    # and no gradient for the factors (they are loaded, never trained).
+    x = randn(2, 4, 3, 8)
+    p = torch.tensor([0, 3, 17, 250])
+    factors = torch.tensor([1.0, 2.0, 5.5, 8.0], dtype=F64, requires_grad=True)
+    assert gradcheck(lambda t: rope(t, p, mode=mode, freq_scale=0.5, freq_factors=factors), (x,))
+    out = rope(x, p, mode=mode, freq_scale=0.5, freq_factors=factors)
+    torch.testing.assert_close(out, rope_reference(x, p, 10000.0, mode, 0.5, factors))
+    out.sum().backward()
+    assert factors.grad is None
+    with pytest.raises(ValueError, match="freq_factors"):
+        rope(x, p, freq_factors=torch.ones(3))
 
 
 def test_rope_large_positions_float32() -> None:

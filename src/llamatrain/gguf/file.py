@@ -10,6 +10,10 @@ fsynced and renamed over the target: an interrupted save never leaves a half-wri
 an old file survives a failed overwrite. Reading is a ``struct`` parser of our own (see
 ``_Parser``) that checks every count, length, dimension and offset against the file size before
 using it, so a damaged file is one ``GGUFError``, never an overflow or a huge allocation.
+Tensor data is read into place: F32 and integer tensors straight into their result, quantized
+ones dequantized (by gguf-py, bit for bit llama.cpp's dequantization) a chunk of rows at a
+time, and ``read_tensors_into`` fills a model's parameters themselves, so importing a model
+costs the model plus a few MiB (``bench/import_memory.py``).
 
 A checkpoint also records the sha256 of every tensor's stored bytes (``TENSOR_SHA256_KEY``),
 which ``verify_gguf`` checks: a flipped bit in a weight would otherwise load without a word.
@@ -28,10 +32,10 @@ import os
 import secrets
 import struct
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, BinaryIO, TypeAlias
 
 import numpy as np
 import torch
@@ -41,16 +45,22 @@ from gguf import quants as gguf_quants
 from llamatrain.errors import ConfigError, GGUFError
 
 __all__ = [
+    "ALL_EXPORT_TYPES",
     "EXPORT_TYPES",
     "FILE_TYPES",
     "INTEGER_TYPES",
     "QUANT_BLOCK",
+    "QUANTIZER_TYPES",
     "TENSOR_SHA256_KEY",
     "GGUFContents",
     "TensorToWrite",
     "general_file_type",
     "read_gguf",
     "read_gguf_metadata",
+    "read_tensors_into",
+    "replace_durably",
+    "temporary_path",
+    "typed_value",
     "verify_gguf",
     "write_gguf",
 ]
@@ -68,7 +78,35 @@ FILE_TYPES: dict[str, tuple[GGMLQuantizationType, int]] = {
 """Export type name -> (the GGML type matrices are stored as, its ``general.file_type``)."""
 
 EXPORT_TYPES: tuple[str, ...] = tuple(FILE_TYPES)
-"""The type names a tensor can be written as, for command-line choices and config checks."""
+"""The type names a tensor can be written as (here, tensor by tensor), for config checks."""
+
+_F = LlamaFileType
+QUANTIZER_TYPES: dict[str, int] = {
+    "q4_1": int(_F.MOSTLY_Q4_1),
+    "q5_0": int(_F.MOSTLY_Q5_0),
+    "q5_1": int(_F.MOSTLY_Q5_1),
+    "q2_k": int(_F.MOSTLY_Q2_K),
+    "q3_k_s": int(_F.MOSTLY_Q3_K_S),
+    "q3_k_m": int(_F.MOSTLY_Q3_K_M),
+    "q3_k_l": int(_F.MOSTLY_Q3_K_L),
+    "q4_k_s": int(_F.MOSTLY_Q4_K_S),
+    "q4_k_m": int(_F.MOSTLY_Q4_K_M),
+    "q5_k_s": int(_F.MOSTLY_Q5_K_S),
+    "q5_k_m": int(_F.MOSTLY_Q5_K_M),
+    "q6_k": int(_F.MOSTLY_Q6_K),
+    "iq4_nl": int(_F.MOSTLY_IQ4_NL),
+    "iq4_xs": int(_F.MOSTLY_IQ4_XS),
+}
+"""Export type name -> llama.cpp ftype (``general.file_type``) of the types only llama.cpp's
+quantizer writes (``llamatrain.gguf.quantize``): the K-quants' encoders are search heuristics
+that gguf-py does not implement. They mix types per tensor as ``llama-quantize`` does (Q4_K_M
+keeps some matrices Q6_K). Left out: the IQ1/IQ2/IQ3 types and Q2_K_S, which need an
+importance matrix (llama.cpp refuses the first without one), and types our reader cannot read
+back (Q1_0) or that suit only models trained for them (TQ1_0, TQ2_0, MXFP4)."""
+
+ALL_EXPORT_TYPES: tuple[str, ...] = EXPORT_TYPES + tuple(QUANTIZER_TYPES)
+"""Every type a model can be exported as: ``EXPORT_TYPES`` then ``QUANTIZER_TYPES``; the
+choices of ``llamatrain export --type`` and ``llamatrain.export_gguf``."""
 
 QUANT_BLOCK = 32
 """Values per Q8_0 / Q4_0 block: a quantized row must be a whole number of blocks."""
@@ -86,18 +124,26 @@ TENSOR_SHA256_KEY = "training.tensor_sha256"
 because only checkpoints carry it: an exported model keeps exactly the keys it had."""
 
 
+ValueType: TypeAlias = tuple[GGUFValueType, GGUFValueType | None]
+"""A key's stored GGUF type and, for an array, its items' type."""
+
+
 @dataclass
 class GGUFContents:
     """A GGUF file read into memory.
 
     ``metadata``: every key as a plain Python value (str, int, float, bool, list).
     ``tensors``: float tensors dequantized to float32 (integer tensors keep their dtype), in
-    torch's (row-major, numpy) shape. ``tensor_types``: the stored GGML type name per tensor
+    torch's (row-major, numpy) shape; meta-device placeholders of that shape and dtype when the
+    file was read with ``tensor_data=False``. ``tensor_types``: the stored GGML type name per tensor
     (``"F32"``, ``"Q8_0"``, ...). ``tensor_nbytes``: the bytes each tensor occupies in the file.
+    ``value_types``: each key's stored GGUF type (and item type, for arrays), which
+    :func:`typed_value` restores.
     """
 
     path: Path
     metadata: dict[str, Any]
+    value_types: dict[str, ValueType] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     tensor_types: dict[str, str] = field(default_factory=dict)
     tensor_nbytes: dict[str, int] = field(default_factory=dict)
@@ -128,8 +174,15 @@ _NUMPY_VALUE_TYPES: dict[type, GGUFValueType] = {
 
 def _check_export_type(type_name: str) -> None:
     """Raise ConfigError unless ``type_name`` is one of ``EXPORT_TYPES``."""
+    if type_name in QUANTIZER_TYPES:
+        raise ConfigError(
+            f"GGUF type {type_name!r} is written by llama.cpp's quantizer, not tensor by tensor; "
+            "export the model with llamatrain.export_gguf or `llamatrain export --type`"
+        )
     if type_name not in FILE_TYPES:
-        raise ConfigError(f"unknown GGUF type {type_name!r}; choose one of {', '.join(FILE_TYPES)}")
+        raise ConfigError(
+            f"unknown GGUF type {type_name!r}; choose one of {', '.join(ALL_EXPORT_TYPES)}"
+        )
 
 
 def general_file_type(type_name: str) -> int:
@@ -182,21 +235,37 @@ def _sha256(data: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(data)).hexdigest()
 
 
+def temporary_path(path: Path) -> Path:
+    """A hidden, unique name in ``path``'s folder: a rename from there onto ``path`` stays on
+    one file system, so it is atomic."""
+    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def replace_durably(tmp: Path, path: Path) -> None:
+    """fsync the finished ``tmp``, rename it over ``path`` and fsync the folder: after a crash
+    ``path`` is the old file or the new one, whole, never a mix or a stub. (The fsync is for
+    files another program wrote, such as llama.cpp's quantizer; ours are synced already.)"""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def _write_atomically(writer: GGUFWriter, path: Path) -> None:
     """Temp file in the target's folder, fsync, rename, fsync the folder; no trace on failure."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = temporary_path(path)
     try:
         _write_and_sync(writer, tmp)
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
 
 
 def _write_and_sync(writer: GGUFWriter, tmp: Path) -> None:
     """Write the whole file and fsync it; its handle is closed however this ends.
 
+    fsync through the handle that wrote: a write-back error is reported to it for certain.
     Closing never raises: after a failed write it flushes what is still buffered and fails the
     same way, and that second error would bury the first, the one worth reporting.
     """
@@ -357,6 +426,7 @@ class _Parser:
 
     def __init__(self, buf: memoryview) -> None:
         self.buf, self.pos = buf, 0
+        self.value_types: dict[str, ValueType] = {}
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
@@ -405,11 +475,19 @@ class _Parser:
             if key in meta:
                 raise _Corrupt(f"key {key} appears twice")
             vtype = self.scalar("<I", 4)
+            item_type = self._peek_u32() if vtype == int(_V.ARRAY) else None
             meta[key] = self.value(vtype)
+            self.value_types[key] = (_V(vtype), None if item_type is None else _V(item_type))
             if vtype == int(_V.FLOAT32):
                 # float32 -> the shortest decimal that round-trips, so 1e-5 reads back as 1e-5
                 meta[key] = float(str(np.float32(meta[key])))
         return meta
+
+    def _peek_u32(self) -> int:
+        """The next uint32 without consuming it (an array's item type, before reading it)."""
+        value = self.scalar("<I", 4)
+        self.pos -= 4
+        return value
 
     def tensor_info(self) -> tuple[str, list[int], int, int]:
         """(name, ggml dims fastest-first, raw type id, offset in the data section)."""
@@ -437,8 +515,8 @@ def _check_magic(p: Path) -> None:
         )
 
 
-def _parse(p: Path) -> tuple[dict[str, Any], list[_TensorInfo]]:
-    """(metadata, tensor infos) of a GGUF; raises GGUFError."""
+def _parse(p: Path) -> tuple[dict[str, Any], list[_TensorInfo], dict[str, ValueType]]:
+    """(metadata, tensor infos, metadata value types) of a GGUF; raises GGUFError."""
     _check_magic(p)
     size = p.stat().st_size
     r = _Parser(memoryview(np.memmap(p, mode="r", dtype=np.uint8)))
@@ -459,11 +537,12 @@ def _parse(p: Path) -> tuple[dict[str, Any], list[_TensorInfo]]:
         if type(align) is not int or align <= 0 or align & (align - 1):
             raise _Corrupt(f"general.alignment {align!r} is not a power of two")
         data_start = (r.pos + align - 1) // align * align
+        value_types = r.value_types
     except _Corrupt as e:
         raise GGUFError(f"{p} is truncated or corrupt ({e}); re-export or re-download it") from e
     finally:
         del r  # release the memory map
-    return meta, _tensor_infos(p, raw_infos, data_start, align, size)
+    return meta, _tensor_infos(p, raw_infos, data_start, align, size), value_types
 
 
 def _tensor_infos(
@@ -503,27 +582,69 @@ def _tensor_infos(
     return infos
 
 
-def _read_tensor(p: Path, buf: np.ndarray, info: _TensorInfo) -> torch.Tensor:
-    """One tensor: integers as stored, everything else dequantized to float32."""
-    raw = buf[info.offset : info.offset + info.n_bytes]
-    qtype, shape = info.qtype, info.np_shape
-    if qtype in INTEGER_TYPES:
-        return torch.from_numpy(np.array(raw)).view(INTEGER_TYPES[qtype]).reshape(shape)
-    if qtype == _T.F32:
-        return torch.from_numpy(np.array(raw.view(np.float32).reshape(shape)))
-    if qtype in (_T.F16, _T.F64):
-        wide = np.float16 if qtype == _T.F16 else np.float64
-        return torch.from_numpy(raw.view(wide).reshape(shape).astype(np.float32))
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    byte_shape = (*shape[:-1], shape[-1] // block * type_size)
+_CHUNK_VALUES = 1 << 22
+"""Values dequantized at a time (16 MiB as float32). Reading a tensor then costs its float32
+result plus this much: a whole-tensor dequantization holds several float copies of it (gguf's
+per-group results, their concatenation, a cast), ~3x the largest tensor on top of the model."""
+
+
+def _dtype(info: _TensorInfo) -> torch.dtype:
+    """What a stored tensor reads back as: integers as stored, anything else float32."""
+    return INTEGER_TYPES.get(info.qtype, torch.float32)
+
+
+def _read_into(p: Path, f: BinaryIO, info: _TensorInfo, target: torch.Tensor) -> None:
+    """Fill ``target`` with a stored tensor: integers and F32 read straight into it, any other
+    type dequantized into it a chunk of rows at a time (see ``_CHUNK_VALUES``)."""
+    if tuple(target.shape) != info.np_shape or target.dtype != _dtype(info):
+        raise GGUFError(
+            f"{p}: tensor {info.name} is {info.qtype.name} {info.np_shape} but is read into a "
+            f"{target.dtype} {tuple(target.shape)} tensor; load it into the model this file "
+            "describes (its header gives the config)"
+        )
+    if target.device.type != "cpu" or not target.is_contiguous():
+        raise ValueError(f"tensor {info.name} must be read into a contiguous CPU tensor")
+    array = target.detach().numpy()  # shares the tensor's memory (a parameter's too)
+    if info.qtype in INTEGER_TYPES or info.qtype == _T.F32:
+        f.seek(info.offset)
+        if f.readinto(memoryview(array).cast("B")) != info.n_bytes:
+            raise GGUFError(f"{p} is truncated: tensor {info.name} ends past the end of the file")
+        return
+    rows = array.reshape(-1, array.shape[-1] if array.ndim else 1)
+    if rows.size == 0:
+        return
+    row_bytes = info.n_bytes // rows.shape[0]
+    step = max(1, _CHUNK_VALUES // rows.shape[1])
+    chunks = _read_chunks(p, f, info, step * row_bytes)
+    for start, raw in zip(range(0, rows.shape[0], step), chunks, strict=True):
+        raw_rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, row_bytes)
+        rows[start : start + len(raw_rows)] = _dequantize(p, info, raw_rows)
+
+
+def _read_chunks(p: Path, f: BinaryIO, info: _TensorInfo, chunk_bytes: int) -> Iterator[bytes]:
+    """A tensor's stored bytes, ``chunk_bytes`` at a time (the last piece may be shorter)."""
+    f.seek(info.offset)
+    for start in range(0, info.n_bytes, chunk_bytes):
+        want = min(chunk_bytes, info.n_bytes - start)
+        chunk = f.read(want)
+        if len(chunk) != want:
+            raise GGUFError(f"{p} is truncated: tensor {info.name} ends past the end of the file")
+        yield chunk
+
+
+def _dequantize(p: Path, info: _TensorInfo, raw: np.ndarray) -> np.ndarray:
+    """Whole rows of stored bytes as float values (gguf's dequantizers, bit for bit llama.cpp's
+    own ``dequantize_row_*``; tests/integration/test_quantized_import.py checks that)."""
+    if info.qtype in (_T.F16, _T.F64):
+        return raw.view(np.float16 if info.qtype == _T.F16 else np.float64)
     try:
-        out = gguf_quants.dequantize(raw.reshape(byte_shape), qtype)
+        return gguf_quants.dequantize(raw, info.qtype)
     except NotImplementedError as e:
         raise GGUFError(
-            f"{p}: tensor {info.name} has type {qtype.name}, which llamatrain cannot read; "
-            f"re-quantize the model to {', '.join(EXPORT_TYPES)}"
+            f"{p}: tensor {info.name} has type {info.qtype.name}, which llamatrain cannot "
+            "dequantize; convert the model to a type it reads (llama.cpp's llama-quantize to "
+            "Q8_0, Q6_K or Q4_K_M, or f16) and load that"
         ) from e
-    return torch.from_numpy(np.array(out, dtype=np.float32).reshape(shape))
 
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -531,22 +652,53 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _parse(Path(path))[0]
 
 
-def read_gguf(path: str | os.PathLike[str]) -> GGUFContents:
-    """Everything in a GGUF: metadata as Python values, tensors as torch tensors."""
+def read_gguf(path: str | os.PathLike[str], *, tensor_data: bool = True) -> GGUFContents:
+    """Everything in a GGUF: metadata as Python values, tensors as torch tensors.
+
+    ``tensor_data=False`` reads the header only: ``tensors`` then holds meta-device tensors of
+    each stored tensor's shape and dtype, enough to check a file, and ``read_tensors_into``
+    reads the data later straight into the tensors that keep it (a model's parameters), so a
+    model is never held twice. Tensors are read with ordinary reads, not through a memory
+    map, whose pages would count in the process's memory beside the float32 results.
+    """
     p = Path(path)
-    meta, infos = _parse(p)
-    contents = GGUFContents(p, meta)
-    if not infos:
-        return contents
-    buf = np.memmap(p, mode="r", dtype=np.uint8)
+    meta, infos, value_types = _parse(p)
+    contents = GGUFContents(p, meta, value_types)
+    device = "cpu" if tensor_data else "meta"
     for info in infos:
         contents.tensor_types[info.name] = info.qtype.name
         contents.tensor_nbytes[info.name] = info.n_bytes
-        contents.tensors[info.name] = _read_tensor(p, buf, info)
+        contents.tensors[info.name] = torch.empty(info.np_shape, dtype=_dtype(info), device=device)
+    if tensor_data:
+        _read_all_into(p, infos, contents.tensors)
     return contents
 
 
+def read_tensors_into(path: str | os.PathLike[str], targets: Mapping[str, torch.Tensor]) -> None:
+    """Read the named tensors of a GGUF into ``targets`` (float32, or an integer tensor's own
+    dtype; each of the stored shape), e.g. ``model.state_dict()``: each is dequantized into
+    place a chunk at a time, so the cost beyond the targets is a few MiB, not a copy of them."""
+    p = Path(path)
+    infos = {info.name: info for info in _parse(p)[1]}
+    missing = [name for name in targets if name not in infos]
+    if missing:
+        raise GGUFError(
+            f"{p} has no tensor {missing[0]} (of {len(missing)} missing); pass the model file "
+            "these tensors belong to"
+        )
+    _read_all_into(p, [infos[name] for name in targets], targets)
+
+
+def _read_all_into(
+    p: Path, infos: Sequence[_TensorInfo], targets: Mapping[str, torch.Tensor]
+) -> None:
+    with open(p, "rb") as f:
+        for info in infos:
+            _read_into(p, f, info, targets[info.name])
+
+
 _DAMAGED_FIX = "use an older checkpoint (checkpoints/step-*.gguf) or a good copy"
+_HASH_CHUNK_BYTES = 1 << 24
 
 
 def verify_gguf(path: str | os.PathLike[str]) -> int:
@@ -554,18 +706,19 @@ def verify_gguf(path: str | os.PathLike[str]) -> int:
 
     Returns how many tensors were checked: 0 for a file without ``TENSOR_SHA256_KEY`` (models
     and vocabularies; only checkpoints carry it). Raises GGUFError naming the damaged tensors.
+    The bytes are hashed 16 MiB at a time, so checking costs no memory however large the file.
     """
     p = Path(path)
-    meta, infos = _parse(p)
+    meta, infos, _ = _parse(p)
     if TENSOR_SHA256_KEY not in meta:
         return 0
     recorded = _recorded_digests(p, meta[TENSOR_SHA256_KEY])
-    buf = np.memmap(p, mode="r", dtype=np.uint8) if infos else np.empty(0, np.uint8)
-    damaged = [
-        info.name
-        for info in infos
-        if recorded.pop(info.name, None) != _sha256(buf[info.offset : info.offset + info.n_bytes])
-    ]
+    with open(p, "rb") as f:
+        damaged = [
+            info.name
+            for info in infos
+            if recorded.pop(info.name, None) != _stored_sha256(p, f, info)
+        ]
     damaged += [f"{name} (missing)" for name in recorded]
     if damaged:
         more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
@@ -574,6 +727,14 @@ def verify_gguf(path: str | os.PathLike[str]) -> int:
             f"it was written; {_DAMAGED_FIX}"
         )
     return len(infos)
+
+
+def _stored_sha256(p: Path, f: BinaryIO, info: _TensorInfo) -> str:
+    """sha256 of a tensor's bytes in the file: equal to ``_sha256`` of what was written."""
+    digest = hashlib.sha256()
+    for chunk in _read_chunks(p, f, info, _HASH_CHUNK_BYTES):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _recorded_digests(p: Path, text: object) -> dict[str, str]:
@@ -587,3 +748,21 @@ def _recorded_digests(p: Path, text: object) -> dict[str, str]:
             + _DAMAGED_FIX
         )
     return digests
+
+
+_VALUE_NUMPY_TYPES = {value: numpy_type for numpy_type, value in _NUMPY_VALUE_TYPES.items()}
+
+
+def typed_value(contents: GGUFContents, key: str) -> Any:
+    """A key's value in the form ``write_gguf`` stores with the type it was read with.
+
+    Copying a key from one file to another must keep its GGUF type: llama.cpp checks types
+    (a token id must stay UINT32, a float FLOAT32), and plain Python values would be written
+    as INT64/FLOAT64.
+    """
+    value = contents.metadata[key]
+    value_type, item_type = contents.value_types[key]
+    numpy_type = _VALUE_NUMPY_TYPES.get(item_type if value_type == _V.ARRAY else value_type)
+    if numpy_type is None or numpy_type is np.bool_:
+        return value  # strings, string arrays and bools are written back as they were
+    return np.asarray(value, dtype=numpy_type) if value_type == _V.ARRAY else numpy_type(value)

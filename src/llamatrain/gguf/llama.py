@@ -29,6 +29,7 @@ from llamatrain.gguf.file import (
     general_file_type,
     read_gguf,
     read_gguf_metadata,
+    typed_value,
     write_gguf,
 )
 from llamatrain.model import ModelConfig, tensor_shapes
@@ -40,6 +41,7 @@ __all__ = [
     "CONFIG_KEY",
     "LlamaFile",
     "check_tensors",
+    "inherited_metadata",
     "model_config_from_metadata",
     "model_metadata",
     "read_model",
@@ -67,6 +69,13 @@ _DERIVED_FIELDS = {
     "vocab_size": "the tokenizer's vocabulary size",
     "max_seq_len": "the context length the model is trained for",
 }
+_NOT_INHERITED = {
+    "general.architecture",
+    "general.file_type",
+    "general.quantization_version",
+    "general.alignment",
+}
+"""``general.*`` keys that describe the file, not the model: the writer sets them itself."""
 _TENSOR_FIX = "a llama GGUF holds exactly Llama(config).state_dict() — re-export the model"
 _INTEGER_TYPE_NAMES = {dtype: qtype.name for qtype, dtype in INTEGER_TYPES.items()}
 
@@ -85,7 +94,7 @@ def model_metadata(cfg: ModelConfig) -> dict[str, Any]:
                 f"the model config has no {name}; a GGUF records it — set it to {meaning}"
             )
     u32, f32 = np.uint32, np.float32
-    return {
+    metadata = {
         "llama.context_length": u32(cfg.max_seq_len),
         "llama.embedding_length": u32(cfg.dim),
         "llama.block_count": u32(cfg.n_layers),
@@ -98,6 +107,13 @@ def model_metadata(cfg: ModelConfig) -> dict[str, Any]:
         "llama.vocab_size": u32(cfg.vocab_size),
         CONFIG_KEY: json.dumps(cfg.architecture(), sort_keys=True),
     }
+    if cfg.key_length is not None:
+        metadata["llama.attention.key_length"] = u32(cfg.key_length)
+        metadata["llama.attention.value_length"] = u32(cfg.key_length)
+    if cfg.rope_scaling_factor != 1.0:
+        metadata["llama.rope.scaling.type"] = "linear"
+        metadata["llama.rope.scaling.factor"] = f32(cfg.rope_scaling_factor)
+    return metadata
 
 
 def model_config_from_metadata(contents: GGUFContents) -> ModelConfig:
@@ -105,7 +121,7 @@ def model_config_from_metadata(contents: GGUFContents) -> ModelConfig:
     ``llama.*`` keys and tensor shapes; a foreign file's from those alone."""
     meta, p = contents.metadata, contents.path
     _check_required_keys(meta, p)
-    _check_dense_with_plain_rope(meta, p)
+    _check_dense(meta, p)
     derived = _architecture_from_llama_keys(contents)
     try:
         if CONFIG_KEY in meta:
@@ -127,19 +143,28 @@ def _check_required_keys(meta: Mapping[str, Any], p: Path) -> None:
         )
 
 
-def _check_dense_with_plain_rope(meta: Mapping[str, Any], p: Path) -> None:
+def _check_dense(meta: Mapping[str, Any], p: Path) -> None:
     if int(meta.get("llama.expert_count", 0) or 0) > 0:
         raise GGUFError(f"{p} is a mixture-of-experts llama; llamatrain supports dense models only")
-    # llama.cpp's own saver writes type "linear" with factor 0 (= no scaling); only a real
-    # factor changes the model.
-    scaling = meta.get("llama.rope.scaling.type", "none")
+
+
+def _rope_scaling_factor(meta: Mapping[str, Any], p: Path) -> float:
+    """The linear rope scaling factor, read as llama.cpp reads it.
+
+    llama.cpp's own saver writes type "linear" with factor 0, which means no scaling; older
+    files say ``llama.rope.scale_linear``. YaRN and the other extrapolation schemes change the
+    attention itself; llamatrain does not train them.
+    """
+    scaling = meta.get("llama.rope.scaling.type", "linear")
     factor = float(meta.get("llama.rope.scaling.factor", 0.0) or 0.0)
-    linear = float(meta.get("llama.rope.scale_linear", 1.0) or 1.0)
-    if not (scaling == "none" or (scaling == "linear" and factor in (0.0, 1.0))) or linear != 1.0:
+    if scaling not in ("none", "linear"):
         raise GGUFError(
-            f"{p} uses rope scaling ({scaling!r}, factor {factor or linear}); llamatrain "
-            "supports plain rope only"
+            f"{p} uses {scaling!r} rope scaling; llamatrain supports linear scaling and "
+            "rope_freqs frequency factors only — finetune a model without it"
         )
+    if scaling == "none" or factor == 0.0:
+        factor = float(meta.get("llama.rope.scale_linear", 1.0) or 1.0)
+    return factor
 
 
 def _architecture_from_llama_keys(contents: GGUFContents) -> dict[str, Any]:
@@ -147,19 +172,7 @@ def _architecture_from_llama_keys(contents: GGUFContents) -> dict[str, Any]:
     meta, p, tensors = contents.metadata, contents.path, contents.tensors
     dim = int(meta["llama.embedding_length"])
     n_heads = int(meta["llama.attention.head_count"])
-    if n_heads < 1 or dim % n_heads:
-        raise GGUFError(f"{p}: embedding_length {dim} is not divisible by head_count {n_heads}")
-    head_dim = dim // n_heads
-    for key in (
-        "llama.rope.dimension_count",
-        "llama.attention.key_length",
-        "llama.attention.value_length",
-    ):
-        if key in meta and int(meta[key]) != head_dim:
-            raise GGUFError(
-                f"{p}: {key} = {meta[key]} differs from embedding_length/head_count = "
-                f"{head_dim}; llamatrain supports full-width rope and equal head sizes only"
-            )
+    key_length = _key_length(meta, dim, n_heads, p)
     if "llama.feed_forward_length" in meta:
         ffn_dim = int(meta["llama.feed_forward_length"])
     elif "blk.0.ffn_gate.weight" in tensors:
@@ -178,8 +191,38 @@ def _architecture_from_llama_keys(contents: GGUFContents) -> dict[str, Any]:
         max_seq_len=int(meta["llama.context_length"]),
         norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
         rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        rope_scaling_factor=_rope_scaling_factor(meta, p),
+        rope_freq_factors="rope_freqs.weight" in tensors,
+        key_length=key_length,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        mlp_bias="blk.0.ffn_gate.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
     )
+
+
+def _key_length(meta: Mapping[str, Any], dim: int, n_heads: int, p: Path) -> int | None:
+    """The head width when it is not ``dim / n_heads`` (None when it is).
+
+    llama.cpp's llama takes ``attention.key_length`` for it; values must be as wide as keys
+    and rope must turn the whole head, as in every llama-architecture model.
+    """
+    if n_heads < 1:
+        raise GGUFError(f"{p}: head_count {n_heads} must be positive")
+    width = int(meta.get("llama.attention.key_length", 0) or 0)
+    if not width:
+        if dim % n_heads:
+            raise GGUFError(
+                f"{p}: embedding_length {dim} is not divisible by head_count {n_heads} and "
+                "the file gives no llama.attention.key_length"
+            )
+        width = dim // n_heads
+    for key in ("llama.rope.dimension_count", "llama.attention.value_length"):
+        if key in meta and int(meta[key]) != width:
+            raise GGUFError(
+                f"{p}: {key} = {meta[key]} differs from the head width {width}; llamatrain "
+                "supports full-width rope and values as wide as keys only"
+            )
+    return None if width * n_heads == dim else width
 
 
 def _config_from_json(text: str, derived: Mapping[str, Any], p: Path) -> ModelConfig:
@@ -200,6 +243,11 @@ def _config_from_json(text: str, derived: Mapping[str, Any], p: Path) -> ModelCo
         ffn_dim=cfg.hidden_dim,
         max_seq_len=cfg.max_seq_len,
         tie_embeddings=cfg.tie_embeddings,
+        rope_scaling_factor=cfg.rope_scaling_factor,
+        rope_freq_factors=cfg.rope_freq_factors,
+        key_length=None if cfg.head_dim * cfg.n_heads == cfg.dim else cfg.head_dim,
+        attention_bias=cfg.attention_bias,
+        mlp_bias=cfg.mlp_bias,
     )
     disagreeing = [k for k, v in ours.items() if derived[k] != v]
     if disagreeing:
@@ -412,6 +460,7 @@ def write_model(
     tokenizer: Tokenizer,
     *,
     type: str = "f32",
+    inherited: Mapping[str, Any] | None = None,
     extra_kv: Mapping[str, Any] | None = None,
     extra_tensors: Mapping[str, torch.Tensor] | None = None,
     checksums: bool = False,
@@ -419,9 +468,12 @@ def write_model(
     """Write a llama GGUF atomically: a model llama.cpp runs, or with extras a checkpoint.
 
     ``tensors`` must be exactly ``Llama(cfg).state_dict()``; their matrices are stored as
-    ``type`` (one of ``EXPORT_TYPES``). ``extra_kv`` / ``extra_tensors`` carry a checkpoint's
-    state: keys of its own, and tensors under ``CHECKPOINT_TENSOR_PREFIXES`` written F32 (or
-    their integer type), which readers never take for weights. ``checksums`` records each
+    ``type`` (one of ``EXPORT_TYPES``). ``inherited``: a base model's keys to keep
+    (:func:`inherited_metadata`: its name, license, chat template …); the keys llamatrain
+    derives from ``cfg`` and ``tokenizer`` win over them. ``extra_kv`` / ``extra_tensors``
+    carry a checkpoint's state: keys of its own, and tensors under
+    ``CHECKPOINT_TENSOR_PREFIXES`` written F32 (or their integer type), which readers never
+    take for weights. ``checksums`` records each
     tensor's sha256 (``llamatrain.gguf.file.verify_gguf`` checks them).
     """
     file_type = general_file_type(type)
@@ -434,6 +486,7 @@ def write_model(
     check_tensors(cfg, tensors, path)
     metadata = {
         "general.name": "llamatrain",
+        **{k: v for k, v in (inherited or {}).items() if k not in _NOT_INHERITED},
         "general.file_type": np.uint32(file_type),
         **model_metadata(cfg),
         **tokenizer_metadata(tokenizer),
@@ -475,18 +528,26 @@ class LlamaFile:
     """A llama GGUF read back: what ``Llama(config).load_state_dict(tensors)`` needs.
 
     ``tensors`` holds the model's weights only; a checkpoint's ``optimizer.*`` / ``training.*``
-    tensors and keys stay in ``contents``.
+    tensors and keys stay in ``contents`` (None for a model read from elsewhere, such as an
+    HF folder). ``inherited``: the keys an export of this model keeps
+    (:func:`inherited_metadata`).
     """
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer
-    contents: GGUFContents
+    inherited: dict[str, Any]
+    contents: GGUFContents | None = None
 
 
-def read_model(path: str | os.PathLike[str]) -> LlamaFile:
-    """Read a llama model or checkpoint (ours or llama.cpp's, any type gguf can dequantize)."""
-    contents = read_gguf(path)
+def read_model(path: str | os.PathLike[str], *, tensor_data: bool = True) -> LlamaFile:
+    """Read a llama model or checkpoint (ours or llama.cpp's, any type gguf can dequantize).
+
+    ``tensor_data=False`` checks names and shapes from the header alone and leaves the
+    weights as meta-device placeholders, for ``read_tensors_into`` to read straight into a
+    model's parameters (``llamatrain.load_gguf``: the model is then held once, not twice).
+    """
+    contents = read_gguf(path, tensor_data=tensor_data)
     p = contents.path
     _check_architecture(contents.metadata, p)
     tokenizer = tokenizer_from_metadata(contents.metadata, source=str(p))
@@ -502,7 +563,19 @@ def read_model(path: str | os.PathLike[str]) -> LlamaFile:
         )
     cfg = model_config_from_metadata(contents)
     check_tensors(cfg, weights, p)
-    return LlamaFile(cfg, weights, tokenizer, contents)
+    return LlamaFile(cfg, weights, tokenizer, inherited_metadata(contents), contents)
+
+
+def inherited_metadata(contents: GGUFContents) -> dict[str, Any]:
+    """The keys of a model file that its finetunes keep: ``general.*`` (name, license, base
+    models …) and the ``tokenizer.*`` keys (chat template, extra special ids …), typed as
+    stored. llama.cpp's own finetune drops the chat template; a model that lost it no longer
+    formats chats the way it was trained to."""
+    return {
+        key: typed_value(contents, key)
+        for key in contents.metadata
+        if key.startswith(("general.", "tokenizer.")) and key not in _NOT_INHERITED
+    }
 
 
 def _check_architecture(meta: Mapping[str, Any], p: Path) -> None:

@@ -2,13 +2,16 @@
 
 Every op here is a ``torch.autograd.Function`` whose ``backward`` computes explicitly what
 ggml's backward op computes (``ggml_compute_backward`` in ggml.c), not autograd of a
-composition. They are pure tensor math: no config objects, no I/O.
+composition — except ``torch_lora_linear``, the LoRA layer in plain PyTorch for the "torch"
+op set, which ``lora_linear``'s written-out backward is checked against. They are pure tensor
+math: no config objects, no I/O.
 """
 
 from llamatrain.ops.activation import silu, swiglu
 from llamatrain.ops.attention import flash_attn
 from llamatrain.ops.embedding import get_rows
 from llamatrain.ops.fused import linear_cross_entropy
+from llamatrain.ops.lora import lora_linear, torch_lora_linear
 from llamatrain.ops.loss import cross_entropy, cross_entropy_loss
 from llamatrain.ops.matmul import mul_mat
 from llamatrain.ops.norm import rms_norm
@@ -23,10 +26,12 @@ __all__ = [
     "flash_attn",
     "get_rows",
     "linear_cross_entropy",
+    "lora_linear",
     "mul_mat",
     "rms_norm",
     "rope",
     "silu",
     "soft_max",
     "swiglu",
+    "torch_lora_linear",
 ]

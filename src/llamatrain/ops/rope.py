@@ -3,7 +3,9 @@
 llama.cpp's ``llama`` architecture uses rope mode NORM, which rotates *adjacent* pairs
 (x[2i], x[2i+1]); HF's ``rotate_half`` (rope mode NEOX) pairs x[i] with x[i + hd/2]. Using
 NORM in the model means exported Q/K weights need no permutation for llama.cpp. Pair i of a
-token at position p is rotated by the angle ``p * freq_scale * theta^(-2i/hd)``:
+token at position p is rotated by the angle ``p * freq_scale * theta^(-2i/hd) / f[i]``, where
+``f`` are optional per-pair frequency factors (ggml_rope_ext's third tensor, llama.cpp's
+``rope_freqs.weight``: Llama 3.1's long-context scaling slows the low frequencies down):
 
     y0 = x0*cos - x1*sin,   y1 = x0*sin + x1*cos
 
@@ -59,14 +61,17 @@ def _angles(
     head_dim: int,
     theta: float,
     freq_scale: float,
+    freq_factors: torch.Tensor | None,
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of ``pos * freq_scale * theta^(-2i/hd)``, shaped (B or 1, T, 1, hd/2)."""
+    """cos and sin of ``pos * freq_scale * theta^(-2i/hd) / f[i]``, shaped (B or 1, T, 1, hd/2)."""
     # float64 where the device supports it (MPS has no float64).
     adt = torch.float32 if device.type == "mps" else torch.float64
     exponent = torch.arange(0, head_dim, 2, dtype=adt, device=device) / head_dim
     inv_freq = torch.pow(torch.tensor(theta, dtype=adt, device=device), -exponent)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(device=device, dtype=adt)
     ang = (pos.to(device=device, dtype=adt) * freq_scale).unsqueeze(-1) * inv_freq
     if ang.dim() == 2:
         ang = ang.unsqueeze(0)
@@ -83,21 +88,23 @@ class _Rope(torch.autograd.Function):
         theta: float,
         mode: str,
         freq_scale: float,
+        freq_factors: torch.Tensor | None,
     ) -> torch.Tensor:
         cdt = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
-        cos, sin = _angles(pos, x.shape[-1], theta, freq_scale, cdt, x.device)
+        cos, sin = _angles(pos, x.shape[-1], theta, freq_scale, freq_factors, cdt, x.device)
         # Keep only cos/sin (B*T*hd values, 2*heads times smaller than x) for the backward.
         ctx.save_for_backward(cos, sin)
         ctx.mode = mode
         return _rotate(x.to(cdt), cos, sin, mode).to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         # ggml rope_back: the same rotation with sin negated (the transpose of the rotation):
-        #   dx0 = dy0*cos + dy1*sin,   dx1 = -dy0*sin + dy1*cos.  Positions get no gradient.
+        #   dx0 = dy0*cos + dy1*sin,   dx1 = -dy0*sin + dy1*cos.  Positions and frequency
+        # factors get no gradient (ggml's rope_back gives none either: they are not trained).
         cos, sin = ctx.saved_tensors
         dx = _rotate(grad.to(cos.dtype), cos, -sin, ctx.mode)
-        return dx.to(grad.dtype), None, None, None, None
+        return dx.to(grad.dtype), None, None, None, None, None
 
 
 def rope(
@@ -107,14 +114,16 @@ def rope(
     theta: float = 10000.0,
     mode: str = "norm",
     freq_scale: float = 1.0,
+    freq_factors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply rotary position embedding to ``x`` shaped (batch, seq, heads, head_dim).
 
     ``pos`` holds integer positions shaped (seq,) (shared by the batch) or (batch, seq);
     they need not be 0..seq-1. ``mode`` is ``"norm"`` (llama.cpp llama: adjacent pairs) or
     ``"neox"`` (pairs i and i + head_dim/2). ``theta`` is the rope frequency base and
-    ``freq_scale`` multiplies positions (linear rope scaling). Backward is ggml's
-    ``rope_back``; ``pos`` receives no gradient.
+    ``freq_scale`` multiplies positions (linear rope scaling); ``freq_factors`` (head_dim/2,)
+    divide each pair's frequency. Backward is ggml's ``rope_back``; ``pos`` and
+    ``freq_factors`` receive no gradient.
     """
     if mode not in _MODES:
         raise ValueError(f"rope: mode must be one of {_MODES}, got {mode!r}")
@@ -135,4 +144,9 @@ def rope(
             f"rope: pos must be shaped ({seq},) or ({batch}, {seq}) for x of shape "
             f"{tuple(x.shape)}, got {tuple(pos.shape)}"
         )
-    return _Rope.apply(x, pos, float(theta), mode, float(freq_scale))
+    if freq_factors is not None and tuple(freq_factors.shape) != (head_dim // 2,):
+        raise ValueError(
+            f"rope: freq_factors must be shaped ({head_dim // 2},), one per pair, got "
+            f"{tuple(freq_factors.shape)}"
+        )
+    return _Rope.apply(x, pos, float(theta), mode, float(freq_scale), freq_factors)

@@ -4,8 +4,10 @@
 llama (SentencePiece) vocabulary, trained with :func:`train_spm` or loaded from a
 sentencepiece model with :func:`load_sentencepiece` / :func:`spm_from_model_proto`;
 :class:`BpeTokenizer` is a byte-level BPE vocabulary (GGUF model ``gpt2``) with one of the
-pre-tokenizers in :data:`PRE_TOKENIZERS`. GGUF vocabularies are read by the GGUF layer, which
-builds either from them.
+pre-tokenizers in :data:`PRE_TOKENIZERS`, trained Llama 3-style with :func:`train_byte_bpe`.
+GGUF vocabularies are read by the GGUF layer, which builds either from them; a Hugging Face
+``tokenizer.json`` is read by :func:`read_hf_tokenizer` (the vocabulary llama.cpp's converter
+would make of it) and written by :func:`write_hf_tokenizer`.
 """
 
 from llamatrain.errors import TokenizerError
@@ -20,9 +22,12 @@ from llamatrain.tokenizer.base import (
     Tokenizer,
 )
 from llamatrain.tokenizer.bpe import BpeTokenizer
+from llamatrain.tokenizer.bpe_train import train_byte_bpe
+from llamatrain.tokenizer.hf_json import read_hf_tokenizer, write_hf_tokenizer
 from llamatrain.tokenizer.pretokenizers import PRE_TOKENIZERS
 from llamatrain.tokenizer.sentencepiece_load import load_sentencepiece, spm_from_model_proto
 from llamatrain.tokenizer.sentencepiece_train import train_spm
+from llamatrain.tokenizer.special import rstrip_ids
 from llamatrain.tokenizer.spm import SPACE, SpmTokenizer
 
 __all__ = [
@@ -40,6 +45,10 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "load_sentencepiece",
+    "read_hf_tokenizer",
+    "rstrip_ids",
     "spm_from_model_proto",
+    "train_byte_bpe",
     "train_spm",
+    "write_hf_tokenizer",
 ]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 from llamatrain.errors import TokenizerError
@@ -24,7 +25,7 @@ from llamatrain.tokenizer.base import (
     TOKEN_TYPE_USER_DEFINED,
     index_tokens,
 )
-from llamatrain.tokenizer.pretokenizers import pre_tokenizer
+from llamatrain.tokenizer.pretokenizers import PreTokenizer, pre_tokenizer
 from llamatrain.tokenizer.special import (
     effective_types,
     find_eot,
@@ -57,7 +58,8 @@ class BpeTokenizer:
 
     ``add_bos``/``add_eos`` are what llama.cpp adds when asked for special tokens; None takes
     llama.cpp's default for the pre-tokenizer. ``eot_id`` None looks for an end-of-turn token
-    by text, as llama.cpp does.
+    by text, as llama.cpp does. ``rstrip_ids``: tokens after which the whitespace in the text is
+    dropped (:func:`~llamatrain.tokenizer.special.rstrip_ids`).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class BpeTokenizer:
         pad_id: int | None = None,
         add_bos: bool | None = None,
         add_eos: bool = False,
+        rstrip_ids: Iterable[int] = (),
     ) -> None:
         self._tokens = [str(t) for t in tokens]
         self._types = [int(t) for t in types]
@@ -101,6 +104,7 @@ class BpeTokenizer:
             special: split_order(self._tokens, self._effective, special=special)
             for special in (False, True)
         }
+        self._rstrip = frozenset(int(i) for i in rstrip_ids)
         self._cache: dict[str, list[int]] = {}
         self._fingerprint: str | None = None
 
@@ -151,6 +155,11 @@ class BpeTokenizer:
         return self._pre.name
 
     @property
+    def pre_tokenizer(self) -> PreTokenizer:
+        """The word splitter itself (its regexes, and their tokenizer.json form)."""
+        return self._pre
+
+    @property
     def tokens(self) -> list[str]:
         return list(self._tokens)
 
@@ -164,6 +173,11 @@ class BpeTokenizer:
         """Merge rules ``"left right"``, best (lowest rank) first."""
         return list(self._merges)
 
+    @property
+    def rstrip_ids(self) -> frozenset[int]:
+        """Tokens after which llama.cpp drops the whitespace that follows in the text."""
+        return self._rstrip
+
     def piece(self, token_id: int) -> str:
         """The raw vocabulary text of a token (byte-level characters, e.g. ``Ġ`` for space)."""
         return self._tokens[token_id]
@@ -173,7 +187,7 @@ class BpeTokenizer:
 
     def fingerprint(self) -> str:
         """sha256 over everything that decides ids: tokens, types, merges, pre, special ids and
-        add_bos/add_eos (the end-of-turn id decides none, so it is left out)."""
+        add_bos/add_eos and any rstrip ids (the end-of-turn id decides none, so it is left out)."""
         if self._fingerprint is None:
             h = hashlib.sha256(b"llamatrain-bpe-v1\0")
             for token, t in zip(self._tokens, self._types, strict=True):
@@ -184,6 +198,8 @@ class BpeTokenizer:
             unk, pad = (-1 if v is None else v for v in (self._unk, self._pad))
             h.update(struct.pack("<4i", self._bos, self._eos, unk, pad))
             h.update(struct.pack("<??", self._add_bos, self._add_eos))
+            if self._rstrip:  # hashed only when present: older fingerprints stay valid
+                h.update(struct.pack(f"<{len(self._rstrip)}i", *sorted(self._rstrip)))
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
@@ -213,12 +229,11 @@ class BpeTokenizer:
         control tokens written in the text stay text.
         """
         ids = [self._bos] if bos else []
-        for fragment in split_on_tokens(text, self._order[special], self._tokens):
+        for fragment in split_on_tokens(text, self._order[special], self._tokens, self._rstrip):
             if isinstance(fragment, int):
                 ids.append(fragment)
             else:
-                for word in self._pre.split(fragment):
-                    ids.extend(self._word_ids(word))
+                ids += self._text_ids(fragment)
         if eos:
             ids.append(self._eos)
         return ids
@@ -229,15 +244,17 @@ class BpeTokenizer:
         """:meth:`encode` for each text."""
         return [self.encode(t, bos, eos, special) for t in texts]
 
-    def _word_ids(self, word: str) -> list[int]:
-        """Ids of one pre-tokenized word, through the cache."""
-        ids = self._cache.get(word)
-        if ids is None:
-            ids = self._encode_word("".join(_BYTE_CHARS[b] for b in _utf8(word)))
-            if len(self._cache) >= _CACHE_MAX:
-                self._cache.clear()
-            self._cache[word] = ids
-        return ids
+    def _text_ids(self, text: str) -> Iterator[int]:
+        """Ids of text without special tokens: its words' ids, each word merged once and then
+        looked up in the cache (a C-level loop over the words; see bench/README.md)."""
+        words = self._pre.split(text)
+        cache = self._cache
+        new = set(words).difference(cache)
+        if len(cache) + len(new) > _CACHE_MAX:
+            cache.clear()
+        for word in new:
+            cache[word] = self._encode_word(_utf8(word).decode("latin-1").translate(_BYTE_CHARS))
+        return chain.from_iterable(map(cache.__getitem__, words))
 
     def _encode_word(self, word: str) -> list[int]:
         """Ids of a byte-level word: merged symbols, else their single-byte tokens."""

@@ -10,19 +10,27 @@ Regexes without categories run on the code points themselves. HF ``tokenizers`` 
 ``regex`` module do not split exactly like that (``\\s``, for one, differs), so the same
 collapse is done here with the standard library: identical words by construction.
 
-Categories come from :mod:`unicodedata`, so code points assigned after the running Python's
-Unicode version (3.11: Unicode 14) are "other" here but may be letters to llama.cpp.
+Categories are llama.cpp's (:mod:`~llamatrain.tokenizer.unicode_categories`: Unicode 15.1).
 """
 
 from __future__ import annotations
 
 import re
-import unicodedata
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 from llamatrain.errors import TokenizerError
+from llamatrain.tokenizer.unicode_categories import category
 
-__all__ = ["PRE_TOKENIZERS", "PreTokenizer", "pre_tokenizer"]
+__all__ = [
+    "HF_BYTE_LEVEL",
+    "HF_PRE_TOKENIZERS",
+    "HF_PUNCTUATION",
+    "PRE_TOKENIZERS",
+    "PreTokenizer",
+    "pre_tokenizer",
+    "pre_tokenizer_for_hf",
+]
 
 # Stand-ins for non-ASCII code points, as llama.cpp's collapsed text has them.
 _OTHER, _NUMBER, _LETTER, _PUNCT, _MARK, _SYMBOL = "\xd0", "\xd1", "\xd2", "\xd3", "\xd4", "\xd5"
@@ -80,24 +88,56 @@ _DEEPSEEK_PUNCT = r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u30
 @dataclass(frozen=True)
 class _Rule:
     """One regex of a pre-tokenizer; ``collapsed``: it runs on collapsed text (it uses
-    categories), else on the code points (non-ASCII whitespace still becomes ``\\v``)."""
+    categories), else on the code points (non-ASCII whitespace still becomes ``\\v``).
 
-    pattern: re.Pattern[str]
+    ``splitter`` is the regex captured whole: ``re.split`` with it returns the text between
+    matches and the matches, alternately, in one C call (a Python step per match was most of
+    the tokenizer's time; see bench/README.md).
+    """
+
+    splitter: re.Pattern[str]
     collapsed: bool
 
 
 def _rule(pattern: str, collapsed: bool = True) -> _Rule:
     # ASCII: \s is C's isspace ([ \t\n\v\f\r]), as in llama.cpp's std::regex.
-    return _Rule(re.compile(pattern, re.ASCII), collapsed)
+    splitter = re.compile(f"({pattern})", re.ASCII)
+    assert splitter.groups == 1, "a pre-tokenizer regex must not capture: re.split would return it"
+    return _Rule(splitter, collapsed)
 
 
 @dataclass(frozen=True)
 class _Kind:
-    """A family of pre-tokenizer names llama.cpp treats alike."""
+    """A family of pre-tokenizer names llama.cpp treats alike; the first name is the one
+    llama.cpp's converter writes for the family's best-known model."""
 
     rules: tuple[_Rule, ...]
     ignore_merges: bool = False  # a word that is a whole token is taken as is
     add_bos: bool = False  # llama.cpp's default when the file has no add_bos_token
+    hf: tuple[str, ...] | None = None  # the splits as tokenizer.json files write them
+
+
+# The splits as HF tokenizer.json files write them (HF regex syntax; ByteLevel's own regex and
+# Digits written as the regexes they apply): how a tokenizer.json's pre-tokenizer is recognised.
+HF_BYTE_LEVEL = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+"""The regex of HF's ByteLevel pre-tokenizer with ``use_regex`` (GPT-2's)."""
+HF_PUNCTUATION = r"[\p{P}\$\+<=>\^~\|`]+"
+"""HF's Punctuation pre-tokenizer (contiguous) as a regex: its punctuation includes ASCII
+symbols."""
+_HF_TAIL = r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_HF_LLAMA3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|" + _HF_TAIL
+_HF_QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|" + _HF_TAIL
+_HF_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _literal(pattern: str) -> str:
+    r"""``pattern`` with its ``\uXXXX`` escapes as the characters tokenizer.json holds."""
+    return re.sub(
+        r"\\u([0-9a-f]{4})|\\U([0-9a-f]{8})", lambda m: chr(int(m[1] or m[2], 16)), pattern
+    )
 
 
 _DEFAULT = _Kind(
@@ -105,10 +145,10 @@ _DEFAULT = _Kind(
 )
 _KINDS: dict[tuple[str, ...], _Kind] = {
     ("default",): _DEFAULT,
-    ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral"): _Kind(
-        (_rule(_LLAMA3),), ignore_merges=True, add_bos=True
+    ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral"): _Kind(
+        (_rule(_LLAMA3),), ignore_merges=True, add_bos=True, hf=(_HF_LLAMA3,)
     ),
-    ("dbrx", "smaug-bpe"): _Kind((_rule(_LLAMA3),)),
+    ("dbrx", "smaug-bpe"): _Kind((_rule(_LLAMA3),), hf=(_HF_LLAMA3,)),
     ("deepseek-llm",): _Kind(
         (
             _rule(r"[\r\n]", False),
@@ -117,7 +157,15 @@ _KINDS: dict[tuple[str, ...], _Kind] = {
             _rule(r"\s+\Z", False),
             _rule(_CJK, False),
             _rule(rf"[{N}]+"),
-        )
+        ),
+        hf=(
+            "[\r\n]",
+            _literal(_DEEPSEEK_LETTERS),
+            _literal(_DEEPSEEK_PUNCT),
+            r"\s+$",
+            _literal(_CJK),
+            r"\p{N}+",
+        ),
     ),
     ("deepseek-coder",): _Kind(
         (
@@ -126,20 +174,38 @@ _KINDS: dict[tuple[str, ...], _Kind] = {
             _rule(rf"\s?[{P}]+"),
             _rule(_CJK, False),
             _rule(rf"[{N}]"),
-        )
+        ),
+        hf=("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _literal(_CJK), r"\p{N}"),
     ),
-    ("falcon",): _Kind((_rule(rf"[{P}$+<=>^~|`]+"), _rule(_GPT2), _rule("[0-9]{3}", False))),
-    ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"): _Kind(
-        (_rule(rf"[{N}]"), _rule(_GPT2))
+    ("falcon",): _Kind(
+        (_rule(rf"[{P}$+<=>^~|`]+"), _rule(_GPT2), _rule("[0-9]{3}", False)),
+        hf=(HF_PUNCTUATION, HF_BYTE_LEVEL, r"\p{N}+", "[0-9][0-9][0-9]"),
     ),
-    ("gpt-2", "phi-2", "mpt", "olmo", "jais"): _Kind((_rule(_GPT2),)),
-    ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "hunyuan"): _Kind((_rule(_QWEN2),)),
-    ("qwen35",): _Kind((_rule(_QWEN35),)),
+    ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"): _Kind(
+        (_rule(rf"[{N}]"), _rule(_GPT2)), hf=(r"\p{N}", HF_BYTE_LEVEL)
+    ),
+    ("gpt-2", "phi-2", "mpt", "olmo", "jais"): _Kind((_rule(_GPT2),), hf=(HF_BYTE_LEVEL,)),
+    ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "hunyuan"): _Kind(
+        (_rule(_QWEN2),), hf=(_HF_QWEN2,)
+    ),
+    ("qwen35",): _Kind((_rule(_QWEN35),), hf=(_HF_QWEN35,)),
 }
 _BY_NAME = {name: kind for names, kind in _KINDS.items() for name in names}
 
 PRE_TOKENIZERS: tuple[str, ...] = tuple(sorted(_BY_NAME))
 """The ``tokenizer.ggml.pre`` values llamatrain splits exactly like llama.cpp."""
+
+HF_PRE_TOKENIZERS: tuple[str, ...] = tuple(names[0] for names, k in _KINDS.items() if k.hf)
+"""The pre-tokenizers :func:`pre_tokenizer_for_hf` recognises in a tokenizer.json."""
+
+
+def pre_tokenizer_for_hf(splits: tuple[str, ...], ignore_merges: bool) -> str | None:
+    """The ``tokenizer.ggml.pre`` name for a tokenizer.json whose pre-tokenizer applies these
+    regexes in turn (HF syntax), or None if none of ours does. Two families share Llama 3's
+    regex; the model's ``ignore_merges`` tells them apart, as it does for llama.cpp."""
+    matches = [(names[0], k) for names, k in _KINDS.items() if k.hf == splits]
+    exact = [name for name, k in matches if k.ignore_merges == ignore_merges]
+    return (exact or [name for name, _ in matches] or [None])[0]
 
 
 class _CollapseTable(dict[int, str]):
@@ -151,7 +217,7 @@ class _CollapseTable(dict[int, str]):
         elif cpt in _WHITESPACE:
             value = _SPACE
         else:
-            value = _STAND_IN.get(unicodedata.category(chr(cpt))[0], _OTHER)
+            value = _STAND_IN.get(category(cpt), _OTHER)
         self[cpt] = value
         return value
 
@@ -183,17 +249,15 @@ class PreTokenizer:
         self._rules = kind.rules
         self.ignore_merges = kind.ignore_merges
         self.add_bos = kind.add_bos
+        self.hf_splits = kind.hf  # as a tokenizer.json writes them; None: no HF equivalent
 
     def split(self, text: str) -> list[str]:
         """The words of ``text``, in order; they concatenate back to ``text``."""
-        if not text:
-            return []
-        views = {True: _view(text, _COLLAPSE), False: _view(text, _SPACES)}
-        bounds = [(0, len(text))]
+        words = [text] if text else []
         for rule in self._rules:
-            view = views[rule.collapsed]
-            bounds = [piece for start, end in bounds for piece in _cut(rule, view, start, end)]
-        return [text[start:end] for start, end in bounds]
+            table = _COLLAPSE if rule.collapsed else _SPACES
+            words = [w for word in words for w in _cut(rule, word, table)]
+        return words
 
     def __repr__(self) -> str:
         return f"PreTokenizer({self.name!r})"
@@ -205,20 +269,19 @@ def pre_tokenizer(name: str | None) -> PreTokenizer:
     return PreTokenizer("default" if name is None else name)
 
 
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+
+
 def _view(text: str, table: dict[int, str]) -> str:
-    return text if text.isascii() else text.translate(table)
+    """``text`` as the rule sees it: ASCII as is, the rest through ``table`` (runs at a time,
+    so mostly-ASCII text costs one C copy)."""
+    return _NON_ASCII.sub(lambda run: run[0].translate(table), text)
 
 
-def _cut(rule: _Rule, view: str, start: int, end: int) -> list[tuple[int, int]]:
-    """``view[start:end]`` cut into the matches of ``rule`` and the text between them."""
-    pieces: list[tuple[int, int]] = []
-    done = start
-    for match in rule.pattern.finditer(view, start, end):
-        if match.start() > done:
-            pieces.append((done, match.start()))
-        if match.end() > match.start():
-            pieces.append(match.span())
-        done = match.end()
-    if done < end:
-        pieces.append((done, end))
-    return pieces
+def _cut(rule: _Rule, text: str, table: dict[int, str]) -> list[str]:
+    """``text`` cut into the matches of ``rule`` (on its view) and the text between them."""
+    if text.isascii():  # its own view
+        return [part for part in rule.splitter.split(text) if part]
+    parts = rule.splitter.split(_view(text, table))
+    ends = accumulate(map(len, parts), initial=0)
+    return [text[a:b] for a, b in pairwise(ends) if b > a]

@@ -20,6 +20,7 @@ from typing import Any
 from llamatrain.errors import TokenizerError
 from llamatrain.tokenizer.sentencepiece_load import spm_from_model_proto
 from llamatrain.tokenizer.spm import SpmTokenizer
+from llamatrain.tokenizer.training_files import check_training_files
 
 __all__ = ["train_spm"]
 
@@ -55,7 +56,7 @@ def train_spm(
 
     _check_model_type(model_type)
     paths = [Path(f) for f in files]
-    _check_training_files(paths)
+    check_training_files(paths)
     if vocab_size < _MIN_VOCAB_SIZE:
         raise TokenizerError(
             f"vocab_size {vocab_size} is too small: 3 special + 256 byte pieces take 259 "
@@ -109,16 +110,6 @@ def _check_model_type(model_type: str) -> None:
             "optimised. Use model_type='bpe' unless you know you want this.",
             stacklevel=3,  # the train_spm call
         )
-
-
-def _check_training_files(paths: Sequence[Path]) -> None:
-    if not paths:
-        raise TokenizerError("No training files given; pass at least one text file.")
-    for p in paths:
-        if not p.is_file():
-            raise TokenizerError(f"Tokenizer training file {str(p)!r} does not exist.")
-        if p.stat().st_size == 0:
-            raise TokenizerError(f"Tokenizer training file {str(p)!r} is empty.")
 
 
 def _training_error(message: str, vocab_size: int) -> TokenizerError:

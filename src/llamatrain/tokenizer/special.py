@@ -9,12 +9,14 @@ a user is tokenized as ordinary text and can never forge a control token.
 llama.cpp also *retypes* some tokens by their text: a token that looks like an end-of-turn,
 end-of-generation or fill-in-the-middle marker becomes a control token even when the file says
 it is normal or user-defined (a converter bug it works around). That changes which tokens are
-cut out and what decoding renders, so the same retyping is applied here.
+cut out and what decoding renders, so the same retyping is applied here. And for a model whose
+``general.name`` says Phi-3, llama.cpp drops the whitespace after most special tokens in the
+text (their RSTRIP attribute, :func:`rstrip_ids`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from llamatrain.tokenizer.base import (
     TOKEN_TYPE_CONTROL,
@@ -27,6 +29,7 @@ __all__ = [
     "EOT_TEXTS",
     "effective_types",
     "find_eot",
+    "rstrip_ids",
     "split_on_tokens",
     "split_order",
 ]
@@ -63,6 +66,9 @@ CONTROL_LOOKING: frozenset[str] = frozenset(
 """Token texts llama.cpp treats as control tokens whatever type the file gives them."""
 
 
+_C_SPACE = " \t\n\v\f\r"  # what C's isspace() accepts
+
+
 def effective_types(pieces: Sequence[str], types: Sequence[int]) -> list[int]:
     """The token types llama.cpp tokenizes and decodes with: the file's, with control-looking
     tokens (:data:`CONTROL_LOOKING`) retyped as control."""
@@ -91,9 +97,34 @@ def split_order(pieces: Sequence[str], types: Sequence[int], *, special: bool) -
     return sorted(ids, key=lambda i: -len(pieces[i].encode("utf-8")))
 
 
-def split_on_tokens(text: str, order: Sequence[int], pieces: Sequence[str]) -> list[str | int]:
+def rstrip_ids(
+    model_name: str | None, pieces: Sequence[str], types: Sequence[int]
+) -> frozenset[int]:
+    """The tokens after which llama.cpp drops the whitespace that follows them in the text.
+
+    llama.cpp gives its RSTRIP attribute by the model's ``general.name``: for a name containing
+    "phi-3" or "phi3" (any case) every token it cuts out of text (control, user-defined and
+    unknown, after :func:`effective_types`; ``types`` are the file's) and ``</s>``, except
+    ``<unk>``, ``<s>`` and ``<|endoftext|>``. No other llama or gpt2 vocabulary has the attribute.
+    """
+    name = (model_name or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return frozenset()
+    cut_out = {TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN}
+    ids = {i for i, t in enumerate(effective_types(pieces, types)) if t in cut_out}
+    named = {p: i for i, p in enumerate(pieces) if p in ("</s>", "<unk>", "<s>", "<|endoftext|>")}
+    if "</s>" in named:
+        ids.add(named["</s>"])
+    ids.difference_update(named[p] for p in ("<unk>", "<s>", "<|endoftext|>") if p in named)
+    return frozenset(ids)
+
+
+def split_on_tokens(
+    text: str, order: Sequence[int], pieces: Sequence[str], rstrip: Set[int] = frozenset()
+) -> list[str | int]:
     """``text`` cut at every occurrence of the tokens in ``order`` (each token in turn, over
-    the fragments still text): token ids, and the non-empty text between them."""
+    the fragments still text): token ids, and the non-empty text between them. The text after
+    a token in ``rstrip`` loses its leading whitespace (C's ``isspace``), as in llama.cpp."""
     if not text:
         return []
     fragments: list[str | int] = [text]
@@ -109,6 +140,8 @@ def split_on_tokens(text: str, order: Sequence[int], pieces: Sequence[str]) -> l
             for j, part in enumerate(fragment.split(piece)):
                 if j:
                     split.append(tid)
+                    if tid in rstrip:
+                        part = part.lstrip(_C_SPACE)
                 if part:
                     split.append(part)
         fragments = split

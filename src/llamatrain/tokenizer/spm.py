@@ -54,6 +54,8 @@ class SpmTokenizer:
     ``tokenizer.model`` with :func:`~llamatrain.tokenizer.load_sentencepiece`, or directly from
     the arrays a GGUF file stores. Every route ends in this constructor, so ids never depend on
     where the vocabulary came from. ``fast=False`` forces the pure-Python reference algorithm.
+    ``rstrip_ids``: tokens after which the whitespace in the text is dropped
+    (:func:`~llamatrain.tokenizer.special.rstrip_ids`).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class SpmTokenizer:
         pad_id: int | None = None,
         add_space_prefix: bool = True,
         fast: bool = True,
+        rstrip_ids: Iterable[int] = (),
     ) -> None:
         _check_lengths(len(pieces), len(scores), len(types))
         self._pieces: list[str] = [str(p) for p in pieces]
@@ -87,6 +90,7 @@ class SpmTokenizer:
             special: split_order(self._pieces, self._effective, special=special)
             for special in (False, True)
         }
+        self._rstrip = frozenset(int(i) for i in rstrip_ids)
         self._chunkable = not any(_CROSSES_CHUNK.search(p) for p in self._pieces)
         self._cache: dict[str, list[int]] = {}
         self._fingerprint: str | None = None
@@ -150,6 +154,11 @@ class SpmTokenizer:
         """True when encoding runs in sentencepiece's C++ (verified identical), else Python."""
         return self._engine is not None
 
+    @property
+    def rstrip_ids(self) -> frozenset[int]:
+        """Tokens after which llama.cpp drops the whitespace that follows in the text."""
+        return self._rstrip
+
     def piece(self, token_id: int) -> str:
         """The raw vocabulary text of a token (``▁`` for spaces, ``<0x0A>`` for bytes)."""
         return self._pieces[token_id]
@@ -161,7 +170,8 @@ class SpmTokenizer:
         return self._types[token_id]
 
     def fingerprint(self) -> str:
-        """sha256 over everything that decides ids: pieces, float32 scores, types, specials."""
+        """sha256 over everything that decides ids: pieces, float32 scores, types, specials and
+        any rstrip ids."""
         if self._fingerprint is None:
             h = hashlib.sha256(b"llamatrain-spm-v1\0")
             for p, s, t in zip(self._pieces, self._scores, self._types, strict=True):
@@ -170,6 +180,8 @@ class SpmTokenizer:
             h.update(
                 struct.pack("<4i?", self._bos, self._eos, self._unk, pad, self._add_space_prefix)
             )
+            if self._rstrip:  # hashed only when present: older fingerprints stay valid
+                h.update(struct.pack(f"<{len(self._rstrip)}i", *sorted(self._rstrip)))
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
@@ -257,7 +269,7 @@ class SpmTokenizer:
         """llama.cpp's SPM tokenization in Python: the definition the fast engine must match."""
         out: list[int] = []
         prev_special = True  # llama.cpp prefixes a space at the start and after special tokens
-        for fragment in split_on_tokens(text, self._order[special], self._pieces):
+        for fragment in split_on_tokens(text, self._order[special], self._pieces, self._rstrip):
             if isinstance(fragment, int):
                 out.append(fragment)
                 prev_special = True

@@ -1,0 +1,240 @@
+"""The config's sections: one dataclass per TOML table, and ``Config``, the whole run.
+
+The ``[model]`` section is the model's own ``ModelConfig``. Each field carries its default, its
+help line and its value rules (``setting``), so that checking, overriding and the README's
+reference table (:func:`config_reference`) all read the same declaration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llamatrain.config.fields import config_keys
+from llamatrain.gguf.file import ALL_EXPORT_TYPES
+from llamatrain.model import ModelConfig
+from llamatrain.settings import setting
+
+__all__ = [
+    "SECTIONS",
+    "Config",
+    "DataSection",
+    "OptimSection",
+    "OutputSection",
+    "TokenizerSection",
+    "TrainSection",
+    "config_reference",
+]
+
+
+@dataclass
+class TokenizerSection:
+    """Where the vocabulary comes from."""
+
+    path: str | None = setting(
+        None,
+        "unset = train a tokenizer on the corpus (model_type); a .model file = load it; "
+        "a .gguf file = use its tokenizer.* keys (like 2023's --vocab-model); an HF "
+        "tokenizer.json or a folder holding one = read it as llama.cpp's converter does",
+    )
+    vocab_size: int = setting(1024, "vocabulary size when training a tokenizer", ge=8)
+    model_type: str = setting(
+        "bpe",
+        "algorithm when training: 'bpe' or 'unigram' = a sentencepiece (llama SPM) vocabulary; "
+        "'byte_bpe' = a Llama 3-style byte-level BPE vocabulary (HF tokenizers; GGUF 'gpt2', "
+        "pre-tokenizer 'llama-bpe')",
+        choices=("bpe", "unigram", "byte_bpe"),
+    )
+    max_sentence_length: int = setting(
+        16384, "longest line (bytes) sentencepiece trains on; longer lines are skipped", gt=0
+    )
+    input_sentence_size: int = setting(
+        200_000,
+        "lines sentencepiece samples to train on (0 = all); caps training time "
+        "(byte_bpe trains on all the text)",
+        ge=0,
+    )
+
+
+@dataclass
+class DataSection:
+    """Training text and how it is cut into windows."""
+
+    path: str | list[str] = setting(
+        "shakespeare",
+        "file, folder (all *.txt, recursive), glob, or a list of them, relative to the "
+        "working directory; 'shakespeare' = the embedded default corpus",
+    )
+    n_ctx: int = setting(128, "training sequence length in tokens (llama.context_length)", ge=2)
+    val_fraction: float = setting(
+        0.05, "last fraction of the token stream held out for validation (0 = none)", ge=0, lt=0.5
+    )
+    sample_start: str = setting(
+        "any",
+        "where training windows may start: 'any' token, right after a 'newline', "
+        "or every 'stride' tokens",
+        choices=("any", "newline", "stride"),
+    )
+    stride: int | None = setting(
+        None, "window spacing for sample_start = 'stride'; unset = n_ctx / 2", gt=0
+    )
+    bos_prefix: bool = setting(
+        True,
+        "start every window with BOS as the 2023 trainer and llama.cpp prompts do; "
+        "false = plain n_ctx+1 slices of the stream (llama-finetune, nanoGPT)",
+    )
+    cache_dir: str = setting(
+        ".cache/llamatrain",
+        "where the downloaded corpus and tokenized data are kept (relative to the "
+        "working directory unless absolute)",
+    )
+
+
+@dataclass
+class OptimSection:
+    """Optimizer and learning-rate schedule (2023 train-text-from-scratch's knobs)."""
+
+    name: str = setting("adamw", "optimizer", choices=("adamw", "lbfgs"))
+    lr: float = setting(1e-3, "peak learning rate", gt=0)
+    lr_min: float = setting(1e-4, "learning rate at the end of each cosine decay (absolute)", ge=0)
+    weight_decay: float = setting(0.1, "AdamW decoupled weight decay", ge=0)
+    decay_min_ndim: int = setting(
+        2, "decay only tensors with at least this many dims (matrices, not norms)", ge=0
+    )
+    beta1: float = setting(0.9, "AdamW first-moment decay", ge=0, lt=1)
+    beta2: float = setting(0.999, "AdamW second-moment decay", ge=0, lt=1)
+    eps: float = setting(1e-8, "AdamW epsilon", gt=0)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
+    warmup_steps: int = setting(100, "linear warmup steps", ge=0)
+    cos_decay_steps: int = setting(1000, "length of the (first) cosine decay after warmup", gt=0)
+    cos_decay_restart: float = setting(
+        1.1,
+        "0 = no restarts (hold lr_min after one decay); >= 1 = restart the cosine, each "
+        "period this factor longer than the last (1.0 = constant period)",
+        ge=0,
+    )
+    lbfgs_history: int = setting(10, "L-BFGS history size", gt=0)
+    lbfgs_max_iter: int = setting(20, "L-BFGS iterations per optimizer step", gt=0)
+    opt_past: int = setting(
+        0,
+        "delta convergence test: stop when the loss changed by less than opt_delta (relative) "
+        "against the loss this many steps earlier (0 = off; 1 = ggml's AdamW eps_f test)",
+        ge=0,
+    )
+    opt_delta: float = setting(1e-5, "relative loss change the delta test stops below", gt=0)
+    opt_max_no_improvement: int = setting(
+        0, "stop after this many steps without a new best loss (0 = off)", ge=0
+    )
+    opt_no_improvement_on: str = setting(
+        "train",
+        "the loss opt_max_no_improvement watches: every step's 'train' loss, or the 'val' "
+        "loss at each evaluation (train.eval_every)",
+        choices=("train", "val"),
+    )
+    adam_epsf: float = setting(
+        0.0, "stop when the gradient norm (before clipping) falls below this (0 = off)", ge=0
+    )
+
+
+@dataclass
+class TrainSection:
+    """The loop: batch sizes, steps, saving, evaluation, device."""
+
+    steps: int = setting(
+        1000, "optimizer steps to train (a resumed run continues up to this)", gt=0
+    )
+    n_batch: int = setting(1024, "tokens per optimizer step; a multiple of data.n_ctx", gt=0)
+    n_ubatch: int | None = setting(
+        None,
+        "tokens computed at once (gradient accumulation over n_batch / n_ubatch); unset = n_batch",
+        gt=0,
+    )
+    seed: int = setting(42, "seed for initialisation, shuffling and sampling")
+    save_every: int = setting(
+        200, "save a checkpoint every this many steps (0 = only at the end)", ge=0
+    )
+    eval_every: int = setting(
+        200, "evaluate and print a sample every this many steps (0 = only at the end)", ge=0
+    )
+    eval_batches: int = setting(8, "validation batches per evaluation (0 = all)", ge=0)
+    keep_checkpoints: int = setting(3, "checkpoints kept in the run folder (0 = keep all)", ge=0)
+    checkpointing: str = setting(
+        "none",
+        "gradient checkpointing: 'none', 'full' (every block), 'every_n' blocks, or "
+        "'auto' (the 2023 sqrt(n·v/u) spacing)",
+        choices=("none", "full", "every_n", "auto"),
+    )
+    checkpoint_every_n: int = setting(2, "blocks per checkpointed segment for 'every_n'", gt=0)
+    device: str = setting(
+        "auto", "'auto' = CUDA when available, else CPU", choices=("auto", "cpu", "cuda")
+    )
+    dtype: str = setting(
+        "float32",
+        "compute dtype; 'bfloat16' = autocast (fast on CUDA, slow on most CPUs)",
+        choices=("float32", "bfloat16"),
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile the training loss (static shapes; compiles for 0.5-2 min on 2 CPU cores)",
+    )
+    sample_prompt: str = setting("Romeo.\n", "prompt of the samples printed at each evaluation")
+    sample_tokens: int = setting(64, "tokens generated per sample (0 = no sample)", ge=0)
+    sample_temperature: float = setting(0.8, "sampling temperature (0 = greedy)", ge=0)
+    sample_seen_tokens_only: bool = setting(
+        False,
+        "samples draw only tokens that occur in the training data (the 2023 trainer's option); "
+        "the set is stored in each checkpoint for `llamatrain generate --seen-tokens-only`",
+    )
+    log_every: int = setting(10, "write a metrics line every this many steps", gt=0)
+
+
+@dataclass
+class OutputSection:
+    """Where results go and what the final export is."""
+
+    dir: str = setting("runs/default", "run folder: checkpoints, metrics.jsonl, exported model")
+    export: bool = setting(True, "write a llama.cpp GGUF model at the end of training")
+    export_type: str = setting(
+        "f32",
+        "tensor type of the exported model (norms stay f32); the K-quants and other types "
+        "llama.cpp's quantizer writes need pip install 'llamatrain[quantize]'",
+        choices=ALL_EXPORT_TYPES,
+    )
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "tokenizer": TokenizerSection,
+    "data": DataSection,
+    "optim": OptimSection,
+    "train": TrainSection,
+    "output": OutputSection,
+}
+
+
+@dataclass
+class Config:
+    """A whole run. ``origins`` remembers where each non-default value came from."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def origin(self, key: str) -> str:
+        """Where ``key`` (dotted) was set: a file, a ``--set`` item, or the defaults."""
+        return self.origins.get(key, "the defaults")
+
+
+def config_reference() -> list[tuple[str, object, str]]:
+    """Every key as ``(dotted key, default, help)``, in section order, for the README."""
+    rows: list[tuple[str, object, str]] = []
+    for sec_name, cls in SECTIONS.items():
+        for f in config_keys(cls).values():
+            help_text = f.metadata["help"]
+            if "choices" in f.metadata:
+                help_text += " (" + " | ".join(repr(c) for c in f.metadata["choices"]) + ")"
+            rows.append((f"{sec_name}.{f.name}", f.default, help_text))
+    return rows

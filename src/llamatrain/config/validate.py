@@ -1,0 +1,111 @@
+"""The rules that tie several config values together, checked once on the whole config.
+
+Per-field rules (ranges, choices) are the fields' own metadata (``settings.check_rules``);
+what is written out here is only what one field alone cannot say: n_batch must be a multiple
+of n_ctx, lr_min must not exceed lr, a quantized export needs block-sized rows …
+"""
+
+from __future__ import annotations
+
+from llamatrain.config.sections import SECTIONS, Config
+from llamatrain.errors import ConfigError
+from llamatrain.gguf.quantize import require_quantizer
+from llamatrain.settings import check_rules, divisors
+
+__all__ = ["validate"]
+
+
+def _set_in(cfg: Config, *keys: str) -> str:
+    """'(from X and Y)' for error messages: where the keys involved came from."""
+    places: list[str] = []
+    for key in keys:
+        where = cfg.origin(key)
+        if where not in places:
+            places.append(where)
+    return "(from " + " and ".join(places) + ")"
+
+
+def _nearest_multiples(value: int, unit: int) -> str:
+    lo = max(unit, value // unit * unit)
+    hi = lo + unit if lo <= value else lo
+    return f"{lo}" if lo == hi else f"{lo} or {hi}"
+
+
+_DERIVED = "the default (= train.n_batch)"
+
+
+def _validate_model(cfg: Config) -> None:
+    """The [model] section's own rules, plus what the export type needs of its shapes."""
+    m = cfg.model
+    if m.init_from is not None:  # the architecture comes from the file; only choices count
+        check_rules(m, "model", lambda key: f" in {cfg.origin(key)}")
+        return
+    m.validate(lambda key: " " + _set_in(cfg, "model.dim", key))
+    quantized = cfg.output.export_type in ("q8_0", "q4_0")
+    if quantized and (m.dim % 32 or m.hidden_dim % 32):
+        raise ConfigError(
+            f"output.export_type = {cfg.output.export_type!r} needs model.dim and the "
+            f"ffn width to be multiples of 32 (quant blocks), got dim {m.dim}, "
+            f"ffn {m.hidden_dim} {_set_in(cfg, 'output.export_type', 'model.dim')}; "
+            "use export_type 'f16' or change the sizes"
+        )
+
+
+def validate(cfg: Config) -> Config:
+    """Check every value and the rules that tie fields together; fill derived defaults.
+
+    Filled here: ``train.n_ubatch`` (unset = ``train.n_batch``), so later code never meets
+    ``None`` there. Returns ``cfg``.
+    """
+    for sec_name in SECTIONS:
+        if sec_name != "model":
+            check_rules(getattr(cfg, sec_name), sec_name, lambda key: f" in {cfg.origin(key)}")
+    _validate_model(cfg)
+    require_quantizer(cfg.output.export_type)
+
+    d, o, t = cfg.data, cfg.optim, cfg.train
+    if cfg.origins.get("train.n_ubatch") == _DERIVED:
+        t.n_ubatch = None  # filled by an earlier validate: follow a changed n_batch
+
+    if o.lr_min > o.lr:
+        raise ConfigError(
+            f"optim.lr_min = {o.lr_min} must not exceed optim.lr = {o.lr} "
+            f"{_set_in(cfg, 'optim.lr_min', 'optim.lr')}; lr_min is absolute (e.g. lr / 10)"
+        )
+    if o.opt_max_no_improvement and o.opt_no_improvement_on == "val" and d.val_fraction == 0:
+        raise ConfigError(
+            "optim.opt_no_improvement_on = 'val' watches the validation loss, but "
+            f"data.val_fraction = 0 holds none out {_set_in(cfg, 'optim.opt_no_improvement_on')}"
+            "; set data.val_fraction > 0 or watch the 'train' loss"
+        )
+    if 0 < o.cos_decay_restart < 1:
+        raise ConfigError(
+            f"optim.cos_decay_restart = {o.cos_decay_restart} in "
+            f"{cfg.origin('optim.cos_decay_restart')} must be 0 (no restarts) or >= 1 "
+            "(each cosine period that many times longer than the last)"
+        )
+
+    if t.n_batch % d.n_ctx:
+        raise ConfigError(
+            f"train.n_batch = {t.n_batch} (tokens per step) must be a multiple of data.n_ctx = "
+            f"{d.n_ctx} {_set_in(cfg, 'train.n_batch', 'data.n_ctx')}; e.g. n_batch = "
+            f"{_nearest_multiples(t.n_batch, d.n_ctx)}"
+        )
+    if t.n_ubatch is not None:
+        if t.n_ubatch % d.n_ctx:
+            raise ConfigError(
+                f"train.n_ubatch = {t.n_ubatch} must be a multiple of data.n_ctx = {d.n_ctx} "
+                f"{_set_in(cfg, 'train.n_ubatch', 'data.n_ctx')}; e.g. "
+                f"{_nearest_multiples(t.n_ubatch, d.n_ctx)}"
+            )
+        if t.n_batch % t.n_ubatch:
+            n_seq = t.n_batch // d.n_ctx
+            ok = [k * d.n_ctx for k in divisors(n_seq)]
+            raise ConfigError(
+                f"train.n_ubatch = {t.n_ubatch} must divide train.n_batch = {t.n_batch} "
+                f"{_set_in(cfg, 'train.n_ubatch', 'train.n_batch')}; choose one of {ok}"
+            )
+    else:
+        t.n_ubatch = t.n_batch
+        cfg.origins["train.n_ubatch"] = _DERIVED
+    return cfg

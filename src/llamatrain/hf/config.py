@@ -1,0 +1,141 @@
+"""An HF ``config.json`` ⇄ our ``ModelConfig``.
+
+The keys are transformers' ``LlamaConfig``; a key the file leaves out takes transformers'
+default (``rms_norm_eps`` 1e-6, ``rope_theta`` 10000, no bias, untied), so a folder imports as
+the model transformers itself would build from it. Only what a llama is passes: model_type
+``llama``, or ``mistral`` without sliding-window attention (then it is the same network),
+with SiLU feed-forwards and a rope llama.cpp's ``llama`` architecture runs (see
+``llamatrain.hf.rope``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from llamatrain.errors import CheckpointError, ConfigError
+from llamatrain.hf.rope import rope_scaling_of, rope_theta_of
+from llamatrain.model import ModelConfig
+from llamatrain.tokenizer import Tokenizer
+
+__all__ = ["HF_ARCHITECTURE", "hf_config", "model_config_from_hf"]
+
+HF_ARCHITECTURE = "LlamaForCausalLM"
+_MODEL_TYPES = {"llama": HF_ARCHITECTURE, "mistral": "MistralForCausalLM"}
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_TRANSFORMERS_DEFAULTS = {
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+"""``LlamaConfig``'s values for keys a config.json may leave out."""
+
+
+def model_config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
+    """The ModelConfig of the llama an HF ``config.json`` describes.
+
+    Raises CheckpointError, naming the key, for anything that is not a llama we can run.
+    """
+    _check_is_llama(hf, source)
+    missing = [key for key in _REQUIRED if hf.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{source} lacks {', '.join(missing)}; it is not a complete config")
+    get = {**_TRANSFORMERS_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}.get
+    if get("hidden_act") != "silu":
+        raise CheckpointError(
+            f"{source} has hidden_act {get('hidden_act')!r}; a llama's feed-forward is 'silu'"
+        )
+    scaling = rope_scaling_of(hf, source) or {}
+    dim, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    head_dim = get("head_dim")
+    try:
+        cfg = ModelConfig(
+            vocab_size=int(get("vocab_size")),
+            dim=dim,
+            n_layers=int(get("num_hidden_layers")),
+            n_heads=n_heads,
+            n_kv_heads=int(get("num_key_value_heads", n_heads)),
+            ffn_dim=int(get("intermediate_size")),
+            max_seq_len=int(get("max_position_embeddings")),
+            norm_eps=float(get("rms_norm_eps")),
+            rope_theta=rope_theta_of(hf),
+            rope_scaling_factor=float(scaling["factor"]) if _is(scaling, "linear") else 1.0,
+            rope_freq_factors=_is(scaling, "llama3"),
+            key_length=None if head_dim in (None, dim / n_heads) else int(head_dim),
+            attention_bias=bool(get("attention_bias")),
+            mlp_bias=bool(get("mlp_bias")),
+            tie_embeddings=bool(get("tie_word_embeddings")),
+        )
+    except (ConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{source} describes an invalid llama model: {e}") from e
+    return cfg
+
+
+def _is(scaling: Mapping[str, Any], kind: str) -> bool:
+    return scaling.get("rope_type") == kind
+
+
+def _check_is_llama(hf: Mapping[str, Any], source: str) -> None:
+    """Refuse any model but a llama (or a mistral that is one), by name."""
+    model_type = hf.get("model_type")
+    architectures = list(hf.get("architectures") or [])
+    if model_type not in _MODEL_TYPES:
+        named = f"{model_type!r}" + (f" ({', '.join(architectures)})" if architectures else "")
+        raise CheckpointError(
+            f"{source} describes a {named} model; llamatrain imports llama models "
+            "(model_type 'llama', or 'mistral' without sliding-window attention)"
+        )
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window is not None:
+        raise CheckpointError(
+            f"{source} is a mistral with sliding-window attention (sliding_window = {window}); "
+            "llamatrain's llama attends to the whole context — only a mistral with "
+            "sliding_window null is a llama"
+        )
+
+
+def hf_config(
+    cfg: ModelConfig, tokenizer: Tokenizer, rope_scaling: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The ``config.json`` transformers builds ``cfg``'s model from (``LlamaForCausalLM``).
+
+    Written in the transformers 4 spelling (``rope_theta`` + ``rope_scaling``), which
+    transformers 5 and llama.cpp's converter read as well; ``rope_scaling`` comes from
+    ``llamatrain.hf.rope.hf_rope_scaling``.
+    """
+    config: dict[str, Any] = {
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if rope_scaling is None else dict(rope_scaling),
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "mlp_bias": cfg.mlp_bias,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if tokenizer.pad_id is not None:
+        config["pad_token_id"] = tokenizer.pad_id
+    return config

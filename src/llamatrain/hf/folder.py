@@ -1,0 +1,221 @@
+"""An HF checkpoint folder as a whole: read one into a ``LlamaFile``, write one atomically.
+
+A folder (what transformers' ``save_pretrained`` writes) holds ``config.json``, the weights
+(``model.safetensors``, or shards listed by ``model.safetensors.index.json``), ``tokenizer.json``
+and usually ``tokenizer_config.json``. Reading gives the same ``LlamaFile`` a GGUF gives:
+our config, our tensor names, the tokenizer, and as ``inherited`` the GGUF keys llama.cpp's
+converter would have written for it (``general.name``, ``tokenizer.chat_template``).
+
+Writing goes into a temporary folder beside the target, which is renamed into place only when
+complete, so an interrupted export leaves no half-written model. An existing target is
+replaced only when it is empty or a folder we wrote (its ``model.safetensors`` says so in its
+metadata and it holds nothing else of anyone's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from llamatrain.errors import CheckpointError
+from llamatrain.gguf.llama import LlamaFile
+from llamatrain.hf.config import hf_config, model_config_from_hf
+from llamatrain.hf.rope import hf_rope_scaling, rope_freqs_from_hf
+from llamatrain.hf.tokenizer_files import (
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
+    read_chat_template,
+    read_folder_tokenizer,
+    write_tokenizer_files,
+)
+from llamatrain.hf.weights import SINGLE_FILE, hf_state_dict, read_hf_weights, weight_files
+from llamatrain.model import ModelConfig
+from llamatrain.tokenizer import Tokenizer
+
+__all__ = ["CONFIG_FILE", "read_hf_folder", "write_hf_folder"]
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+_PRODUCER = {"producer": "llamatrain"}
+"""Recorded in the safetensors metadata: how a later export knows the folder is ours."""
+_WRITTEN = frozenset(
+    {CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
+)
+"""The files of a folder we wrote: an export replaces such a folder, and no other."""
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def read_hf_folder(path: str | os.PathLike[str]) -> LlamaFile:
+    """An HF llama folder as a ``LlamaFile`` (float32 tensors under our names).
+
+    Raises CheckpointError (TokenizerError for tokenizer.json itself) with one line naming
+    what is missing or unsupported, checking the cheap things (files, config.json, tensor
+    names) before loading any weight.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder; pass an HF checkpoint folder")
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{folder} has no {CONFIG_FILE}; an HF checkpoint folder holds config.json, "
+            "model.safetensors and tokenizer.json"
+        )
+    hf = _read_config(config_path)
+    cfg = model_config_from_hf(hf, str(config_path))
+    weight_files(folder)  # no weights: say so before reading the tokenizer
+    tokenizer = read_folder_tokenizer(folder, cfg.vocab_size)
+    tensors = read_hf_weights(folder, cfg)
+    if cfg.rope_freq_factors:
+        tensors["rope_freqs.weight"] = rope_freqs_from_hf(hf, cfg, str(config_path))
+    return LlamaFile(cfg, tensors, tokenizer, _inherited(folder, hf), contents=None)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); fix the file") from e
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(hf).__name__}, not a config object")
+    return hf
+
+
+def _inherited(folder: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The GGUF keys llama.cpp's converter derives from the folder: the model's name (from
+    config.json's ``_name_or_path``, else the folder's name) and the chat template."""
+    name = str(hf.get("_name_or_path") or "").rstrip("/").rpartition("/")[2] or folder.name
+    inherited: dict[str, Any] = {"general.name": name}
+    template = read_chat_template(folder)
+    if template is not None:
+        inherited[CHAT_TEMPLATE_KEY] = template
+    return inherited
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+def write_hf_folder(
+    directory: str | os.PathLike[str],
+    cfg: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    inherited: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a folder transformers loads as ``LlamaForCausalLM`` (float32 safetensors) with
+    its tokenizer (``AutoTokenizer``; byte-level BPE vocabularies only).
+
+    ``tensors`` are ours (``Llama(cfg).state_dict()``); ``inherited`` may carry the
+    ``tokenizer.chat_template`` to keep. What config.json or tokenizer.json cannot express
+    (the rope scaling, a vocabulary other than byte-level BPE) fails before any weight is
+    written, and a failure leaves nothing behind.
+    """
+    target = Path(directory)
+    if cfg.vocab_size != tokenizer.vocab_size:
+        raise CheckpointError(
+            f"the model has vocab_size {cfg.vocab_size} but the tokenizer has "
+            f"{tokenizer.vocab_size} tokens; export a model with the tokenizer it was built for"
+        )
+    _check_replaceable(target)
+    config = hf_config(cfg, tokenizer, hf_rope_scaling(cfg, tensors.get("rope_freqs.weight")))
+    state = hf_state_dict(cfg, tensors)
+    template = (inherited or {}).get(CHAT_TEMPLATE_KEY)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    staging.mkdir()
+    try:
+        write_tokenizer_files(staging, tokenizer, template, cfg.max_seq_len)  # may refuse: first
+        _write_json(staging / CONFIG_FILE, config)
+        _write_json(staging / GENERATION_CONFIG, _generation_config(tokenizer))
+        _save_weights(state, staging / SINGLE_FILE)
+        _fsync([*staging.iterdir(), staging])
+        _move_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _fsync([target.parent])
+    return target
+
+
+def _save_weights(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """``model.safetensors``, marked as ours; a failed write (a full disk) is one line."""
+    try:
+        save_file(dict(state), str(path), metadata={"format": "pt", **_PRODUCER})
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"could not write {path.name} into {path.parent.parent} ({e}); free some space "
+            "or choose another folder"
+        ) from e
+
+
+def _generation_config(tokenizer: Tokenizer) -> dict[str, Any]:
+    """What ``generate`` starts and stops on, as transformers' generation_config.json says."""
+    config: dict[str, Any] = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    if tokenizer.pad_id is not None:
+        config["pad_token_id"] = tokenizer.pad_id
+    return config
+
+
+def _write_json(path: Path, value: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _check_replaceable(target: Path) -> None:
+    """Refuse a target that is a file, or a folder holding anything we did not write."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise CheckpointError(f"{target} is a file; an HF export writes a folder — pick a new path")
+    entries = {p.name for p in target.iterdir()}
+    if entries and not (entries <= _WRITTEN and _written_by_us(target / SINGLE_FILE)):
+        raise CheckpointError(
+            f"{target} is a non-empty folder llamatrain did not write; export into a new or "
+            "empty folder"
+        )
+
+
+def _written_by_us(weights: Path) -> bool:
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError):
+        return False
+    return all(metadata.get(k) == v for k, v in _PRODUCER.items())
+
+
+def _fsync(paths: list[Path]) -> None:
+    """Flush files and folders to disk: the files before the rename publishes them, the
+    parent after it, so a crash leaves the old folder or the complete new one."""
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename the finished folder onto ``target``; an old one (ours) goes only afterwards."""
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    retired = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.old"
+    os.replace(target, retired)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(retired, target)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)

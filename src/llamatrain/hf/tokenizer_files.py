@@ -1,0 +1,111 @@
+"""The tokenizer side of an HF folder: ``tokenizer.json`` and ``tokenizer_config.json``.
+
+``tokenizer.json`` itself is read and written by ``llamatrain.tokenizer.hf_json``, which also
+sizes the vocabulary as llama.cpp's converter does (ids up to config.json's ``vocab_size``
+that the tokenizer leaves unused become ``[PAD<id>]`` tokens). What belongs to the folder is
+handled here: a tokenizer larger than the embedding is refused (llama.cpp's converter refuses
+it too), the chat template is found, and ``tokenizer_config.json`` — the special tokens
+``tokenizer.json`` does not name — is written beside it on export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llamatrain.errors import CheckpointError
+from llamatrain.gguf.llama import tokenizer_metadata
+from llamatrain.tokenizer import Tokenizer
+from llamatrain.tokenizer.hf_json import read_hf_tokenizer, write_hf_tokenizer
+
+__all__ = [
+    "TOKENIZER_CONFIG",
+    "TOKENIZER_FILE",
+    "read_chat_template",
+    "read_folder_tokenizer",
+    "write_tokenizer_files",
+]
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""Where transformers 5 saves the chat template instead of tokenizer_config.json."""
+
+
+def read_folder_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
+    """The folder's tokenizer, which must have exactly ``vocab_size`` ids (config.json's)."""
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise CheckpointError(
+            f"{folder} has no {TOKENIZER_FILE}; copy the model's tokenizer files into it"
+        )
+    tokenizer = read_hf_tokenizer(folder)
+    if tokenizer.vocab_size != vocab_size:
+        raise CheckpointError(
+            f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but config.json's "
+            f"vocab_size is {vocab_size}; the model has no embedding for ids past "
+            f"{vocab_size - 1} — use the model's own tokenizer"
+        )
+    return tokenizer
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """The folder's default chat template, or None: from tokenizer_config.json (a string, or
+    a list of named templates of which ``default`` is the one llama.cpp's converter keeps),
+    else from ``chat_template.jinja``."""
+    config = _read_json(folder / TOKENIZER_CONFIG)
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    jinja = folder / CHAT_TEMPLATE_FILE
+    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); fix or remove it") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def write_tokenizer_files(
+    folder: Path, tokenizer: Tokenizer, chat_template: str | None, max_seq_len: int
+) -> None:
+    """``tokenizer.json`` and the ``tokenizer_config.json`` transformers reads beside it: the
+    special tokens, whether BOS/EOS are added, and the chat template. Byte-level BPE only
+    (``write_hf_tokenizer`` raises TokenizerError for another vocabulary)."""
+    write_hf_tokenizer(tokenizer, folder / TOKENIZER_FILE)
+    (folder / TOKENIZER_CONFIG).write_text(
+        json.dumps(_tokenizer_config(tokenizer, chat_template, max_seq_len), indent=2) + "\n",
+        encoding="utf-8",
+    )
+
+
+def _tokenizer_config(
+    tokenizer: Tokenizer, chat_template: str | None, max_seq_len: int
+) -> dict[str, Any]:
+    tokens = tokenizer_metadata(tokenizer)["tokenizer.ggml.tokens"]
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[tokenizer.bos_id],
+        "eos_token": tokens[tokenizer.eos_id],
+        "add_bos_token": tokenizer.add_bos,
+        "add_eos_token": tokenizer.add_eos,
+        "model_max_length": max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    for role, token_id in (("unk_token", tokenizer.unk_id), ("pad_token", tokenizer.pad_id)):
+        if token_id is not None:
+            config[role] = tokens[token_id]
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return config

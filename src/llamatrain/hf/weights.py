@@ -1,0 +1,204 @@
+"""An HF llama's safetensors weights ⇄ our tensors: names, q/k row order, reading shards.
+
+Names: HF's ``model.layers.N.self_attn.q_proj.weight`` is our (llama.cpp's)
+``blk.N.attn_q.weight``, and so on (``_BLOCK`` / ``_TOP``); the map is built from
+``tensor_shapes``, the one list of a model's tensors, so it cannot drift from the model.
+
+Row order: HF applies rope with ``rotate_half`` (NEOX: element i of a head pairs with element
+i + head_dim/2), llama.cpp's ``llama`` architecture and our model rotate adjacent pairs (2i,
+2i+1). The two are the same network once the rows of q_proj and k_proj (and their biases) are
+reordered within each head, which is what llama.cpp's converter does on import
+(``LlamaModel.permute``): :func:`to_adjacent_pairs`; export undoes it with
+:func:`to_rotate_half`.
+
+Reading opens one shard at a time and converts one tensor at a time, so the float32 tensors
+returned are the only copy of the model in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from llamatrain.errors import CheckpointError
+from llamatrain.model import ModelConfig, tensor_shapes
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "hf_state_dict",
+    "hf_tensor_name",
+    "read_hf_weights",
+    "to_adjacent_pairs",
+    "to_rotate_half",
+    "weight_files",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+COMPUTED = ("rope_freqs.weight",)
+"""Our tensors HF has no tensor for: a config.json's rope scaling encodes them."""
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Buffers older transformers saved with the weights; they are recomputed, never loaded."""
+
+
+def hf_tensor_name(name: str) -> str:
+    """The HF name of one of our tensors: ``blk.3.attn_q.weight`` -> ``model.layers.3.
+    self_attn.q_proj.weight``."""
+    stem, _, kind = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, module = stem.split(".")
+        return f"model.layers.{layer}.{_BLOCK[module]}.{kind}"
+    return f"{_TOP[stem]}.{kind}"
+
+
+def _rope_heads(name: str, cfg: ModelConfig) -> int | None:
+    """How many rope heads a tensor's rows hold (q: n_heads, k: kv_heads); None if not q/k."""
+    module = name.rpartition(".")[0].rpartition(".")[2]
+    return {"attn_q": cfg.n_heads, "attn_k": cfg.kv_heads}.get(module)
+
+
+def to_adjacent_pairs(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of q/k (or a bias) from HF's rotate-half order to adjacent rope pairs.
+
+    Within each head, row i and row i + head_dim/2 (a NEOX pair) become rows 2i and 2i+1.
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`to_adjacent_pairs`: adjacent pairs back to HF's order."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files holding a folder's weights: the index's shards, or the one file.
+
+    Raises CheckpointError when there are none (naming what an HF folder holds instead).
+    """
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"{index} is not a safetensors index (no weight_map: {e}); re-save the model"
+            ) from e
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            raise CheckpointError(f"{folder} lacks the shard(s) {', '.join(missing)}; copy them")
+        return [folder / name for name in shards]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    legacy = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+    hint = (
+        f"; it has PyTorch pickles ({legacy[0]}…) — re-save it with save_pretrained(..., "
+        "safe_serialization=True)"
+        if legacy
+        else ""
+    )
+    raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def read_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our float32 tensors (minus ``COMPUTED``) from a folder's safetensors, q/k permuted.
+
+    The tensor names and shapes are checked against ``cfg`` before anything is loaded: a
+    missing or unexpected tensor is one CheckpointError naming it (with HF's name).
+    """
+    ours = {hf_tensor_name(name): name for name in tensor_shapes(cfg) if name not in COMPUTED}
+    files = weight_files(folder)
+    stored = {path: _tensor_names(path) for path in files}
+    present = {name for names in stored.values() for name in names}
+    if cfg.tie_embeddings:  # transformers ties lm_head to the embedding and ignores a stored one
+        present.discard(hf_tensor_name("output.weight"))
+    missing = sorted(set(ours) - present)
+    unexpected = sorted(n for n in present - set(ours) if not n.endswith(_IGNORED_SUFFIXES))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{folder}: the weights are not those of the llama config.json describes (missing: "
+            f"{_first_few(missing)}; unexpected: {_first_few(unexpected)}); re-save the model"
+        )
+    shapes = tensor_shapes(cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    for path, names in stored.items():
+        with _open(path) as f:
+            for hf_name in names:
+                if hf_name in ours:
+                    name = ours[hf_name]
+                    tensors[name] = _converted(f.get_tensor(hf_name), name, shapes[name], cfg, path)
+    return tensors
+
+
+def _tensor_names(path: Path) -> list[str]:
+    with _open(path) as f:
+        return list(f.keys())
+
+
+def _open(path: Path) -> safe_open:
+    """A safetensors file opened for reading; a damaged one is a CheckpointError."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); re-save it") from e
+
+
+def _converted(
+    tensor: torch.Tensor, name: str, shape: tuple[int, ...], cfg: ModelConfig, path: Path
+) -> torch.Tensor:
+    """One HF tensor as ours: shape checked, float32, q/k rows in adjacent-pair order."""
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(
+            f"{path}: {hf_tensor_name(name)} has shape {tuple(tensor.shape)} but config.json "
+            f"needs {shape}; the weights do not belong to this config"
+        )
+    if not tensor.is_floating_point():
+        raise CheckpointError(f"{path}: {hf_tensor_name(name)} is {tensor.dtype}, not a float")
+    tensor = tensor.float()
+    heads = _rope_heads(name, cfg)
+    return tensor if heads is None else to_adjacent_pairs(tensor, heads)
+
+
+def _first_few(names: list[str], n: int = 6) -> str:
+    return f"{names[:n]}{' …' if len(names) > n else ''}"
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's names and row order for our tensors (``COMPUTED`` ones left out), ready for
+    ``safetensors.torch.save_file``; a tied model has no ``lm_head.weight``, as transformers
+    saves it."""
+    state: dict[str, torch.Tensor] = {}
+    for name in tensor_shapes(cfg):
+        if name in COMPUTED:
+            continue
+        tensor = tensors[name].detach().float().cpu()
+        heads = _rope_heads(name, cfg)
+        state[hf_tensor_name(name)] = (
+            tensor if heads is None else to_rotate_half(tensor, heads)
+        ).contiguous()
+    return state

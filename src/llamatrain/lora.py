@@ -1,0 +1,213 @@
+"""LoRA adapters, applied to a model from outside.
+
+:func:`apply_lora` replaces the chosen projections of every block with a :class:`LoraLinear`
+that holds the base projection's own parameters under their own names (``weight``, ``bias``),
+frozen, beside two trainable low-rank factors ``lora_a`` (r, in) and ``lora_b`` (out, r).
+Like ``llamatrain.activation_checkpointing``, it swaps modules and leaves the model's code
+alone, so ``state_dict()`` keeps llama.cpp's names (``blk.0.attn_q.weight``) and adds
+``blk.0.attn_q.lora_a`` / ``.lora_b``, which are llama.cpp's adapter tensor names minus the
+``.weight`` (``llamatrain.gguf.adapter`` adds it).
+
+The adapted matmul is the model's op set's: ``ops.lora_linear`` (the written-out backward)
+for ``ggml``, ``ops.torch_lora_linear`` for ``torch``. Initialisation is PEFT's (A
+kaiming-uniform with a = sqrt(5), as ``nn.Linear`` does; B zero), so a freshly adapted model
+computes exactly what the base computes. Everything else in the model is frozen too: a LoRA
+run trains the adapters alone.
+
+:func:`merge_lora` folds the adapters into a plain ``Llama`` (W + s·B·A, what llama.cpp's
+``llama-export-lora`` writes); :func:`lora_state_dict` and :func:`load_lora_state_dict` move
+the adapter tensors alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llamatrain import ops
+from llamatrain.errors import ConfigError
+from llamatrain.gguf.adapter import LORA_SUFFIXES
+from llamatrain.model import Linear, Llama
+
+__all__ = [
+    "ALL_TARGETS",
+    "LoraLinear",
+    "apply_lora",
+    "load_lora_state_dict",
+    "lora_modules",
+    "lora_state_dict",
+    "merge_lora",
+    "trainable_parameter_count",
+]
+
+ALL_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+"""The projections of a block LoRA can adapt (their llama.cpp names), all by default."""
+
+_LORA_OPS: dict[str, Callable[..., torch.Tensor]] = {
+    "ggml": ops.lora_linear,
+    "torch": ops.torch_lora_linear,
+}
+"""The adapted matmul of each op set (``ModelConfig.ops``)."""
+
+
+class LoraLinear(nn.Module):
+    """A frozen projection plus a trainable low-rank update: y = x·Wᵀ + s·B·A·x' (+ bias).
+
+    ``weight`` and ``bias`` are the base ``Linear``'s own parameters (not copies), so
+    optimizers, state dicts and exports see the same tensors under the same names. x' is x
+    after dropout on the adapter path, while training (PEFT's placement).
+    """
+
+    def __init__(self, base: Linear, rank: int, alpha: float, dropout: float, op_set: str) -> None:
+        super().__init__()
+        self.weight = base.weight.requires_grad_(False)
+        self.bias = None if base.bias is None else base.bias.requires_grad_(False)
+        n_out, n_in = self.weight.shape
+        like = {"device": self.weight.device, "dtype": self.weight.dtype}
+        self.lora_a = nn.Parameter(torch.empty(rank, n_in, **like))
+        self.lora_b = nn.Parameter(torch.zeros(n_out, rank, **like))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.rank, self.alpha, self.dropout = rank, alpha, dropout
+        self.scale = alpha / rank
+        self.op = _LORA_OPS[op_set]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dropped = F.dropout(x, self.dropout, self.training) if self.dropout else None
+        y = self.op(x, self.weight, self.lora_a, self.lora_b, self.scale, dropped)
+        return y if self.bias is None else y + self.bias
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + s·B·A in W's dtype (summed in float32 at least, so a bf16 W rounds once)."""
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        delta = self.lora_b.to(dtype) @ self.lora_a.to(dtype)
+        return (self.weight.to(dtype) + self.scale * delta).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        n_out, n_in = self.weight.shape
+        settings = f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}"
+        return f"in={n_in}, out={n_out}, {settings}"
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
+    """(name, module) of every adapted projection: ``("blk.0.attn_q", LoraLinear)`` …"""
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            yield name, module
+
+
+def apply_lora(
+    model: Llama,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    targets: Iterable[str] = ALL_TARGETS,
+) -> Llama:
+    """Freeze ``model`` and adapt ``targets`` of every block with rank-``rank`` LoRA; returns
+    the same model. Raises ConfigError (one line) for an unknown or repeated target, a rank
+    that is not in 1..min(in, out) of every target, alpha ≤ 0, dropout outside [0, 1), or a
+    model that has adapters already. Works before or after activation checkpointing."""
+    targets = tuple(targets)
+    _check_settings(rank, alpha, dropout, targets)
+    if any(True for _ in lora_modules(model)):
+        raise ConfigError(
+            "the model has LoRA adapters already; apply_lora once per model (merge_lora gives a "
+            "plain model to adapt again)"
+        )
+    blocks = list(model.blk)
+    for target in targets:
+        n_out, n_in = getattr(blocks[0], target).weight.shape
+        if rank > min(n_in, n_out):
+            raise ConfigError(
+                f"lora rank {rank} exceeds {target}'s smaller side min({n_in}, {n_out}) = "
+                f"{min(n_in, n_out)}; choose a rank of at most {min(n_in, n_out)}"
+            )
+    model.requires_grad_(False)
+    for block in blocks:
+        for target in targets:
+            adapted = LoraLinear(getattr(block, target), rank, alpha, dropout, model.cfg.ops)
+            setattr(block, target, adapted)
+    return model
+
+
+def _check_settings(rank: int, alpha: float, dropout: float, targets: tuple[str, ...]) -> None:
+    unknown = [t for t in targets if t not in ALL_TARGETS]
+    if unknown:
+        raise ConfigError(
+            f"unknown LoRA target {unknown[0]!r}; choose among {', '.join(ALL_TARGETS)}"
+        )
+    if not targets or len(set(targets)) != len(targets):
+        raise ConfigError(
+            f"LoRA targets {list(targets)} must name each projection once and at least one; "
+            f"choose among {', '.join(ALL_TARGETS)}"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ConfigError(f"lora rank {rank!r} must be a positive integer (e.g. 8 or 16)")
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise ConfigError(
+            f"lora alpha {alpha!r} must be positive and finite (the update is scaled by "
+            "alpha / rank; llama.cpp reads alpha 0 as scale 1)"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"lora dropout {dropout!r} must be in [0, 1) (0 = none)")
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors alone, ``{"blk.0.attn_q.lora_a": A, "blk.0.attn_q.lora_b": B, …}``
+    (detached, not copied)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in lora_modules(model):
+        tensors[f"{name}.lora_a"] = module.lora_a.detach()
+        tensors[f"{name}.lora_b"] = module.lora_b.detach()
+    return tensors
+
+
+def load_lora_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy adapter tensors (:func:`lora_state_dict`'s names) into an adapted model.
+
+    Exactly the model's adapter tensors, of their shapes, or a ConfigError naming the first
+    difference: an adapter of another rank or other targets does not belong to the model.
+    """
+    own = lora_state_dict(model)
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        first = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+        raise ConfigError(
+            f"the LoRA tensors do not match the model's adapters ({first}; {len(missing)} "
+            f"missing, {len(unexpected)} unexpected); apply_lora with the adapter's targets"
+        )
+    for name, target in own.items():
+        if tensors[name].shape != target.shape:
+            raise ConfigError(
+                f"LoRA tensor {name} has shape {tuple(tensors[name].shape)} but the model's is "
+                f"{tuple(target.shape)}; apply_lora with the adapter's rank"
+            )
+    with torch.no_grad():
+        for name, target in own.items():
+            target.copy_(tensors[name])
+
+
+def merge_lora(model: Llama) -> Llama:
+    """A new plain ``Llama`` whose adapted weights are W + s·B·A (llama.cpp's
+    ``llama-export-lora``); ``model`` is left as it is (training may go on)."""
+    state = {
+        name: tensor.clone()
+        for name, tensor in model.state_dict().items()
+        if not name.endswith(LORA_SUFFIXES)
+    }
+    for name, module in lora_modules(model):
+        state[f"{name}.weight"] = module.merged_weight()
+    with torch.device("meta"):
+        merged = Llama(model.cfg)
+    merged.load_state_dict(state, strict=True, assign=True)
+    return merged.train(model.training)
+
+
+def trainable_parameter_count(model: nn.Module) -> int:
+    """Elements of the parameters an optimizer would update (``requires_grad``)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

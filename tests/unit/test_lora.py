@@ -1,0 +1,215 @@
+"""LoRA applied to a model from outside (``llamatrain.lora``).
+
+Adapting may add the adapter tensors and nothing else: the base's names (llama.cpp's) and
+values stay, everything but the adapters is frozen, a fresh adapter computes exactly what the
+base computes (B = 0), and the two op sets, activation checkpointing (applied before or
+after) and the merged model all compute the same network. Bad settings are one ConfigError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from llamatrain import activation_checkpointing as ac
+from llamatrain.errors import ConfigError
+from llamatrain.lora import (
+    ALL_TARGETS,
+    LoraLinear,
+    apply_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+    merge_lora,
+    trainable_parameter_count,
+)
+from llamatrain.model import Llama, ModelConfig, tensor_shapes
+
+SMALL = dict(vocab_size=40, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+
+
+def make_model(seed: int = 0, **changes: object) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(ModelConfig(**{**SMALL, **changes})).double()
+
+
+def adapted(
+    rank: int = 4, alpha: float = 8.0, seed: int = 0, dropout: float = 0.0, **changes: object
+) -> Llama:
+    """A float64 model with LoRA on every target and B random, so the adapters matter."""
+    model = apply_lora(make_model(seed, **changes), rank, alpha, dropout)
+    with torch.no_grad():
+        for name, tensor in lora_state_dict(model).items():
+            if name.endswith("lora_b"):
+                tensor.normal_(0.0, 0.1)
+    return model
+
+
+def batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_and_grads(model: Llama) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model.loss(*batch(model.cfg))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_names_stay_llama_cpps_and_only_the_adapters_train() -> None:
+    base = make_model(attention_bias=True, mlp_bias=True)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    model = apply_lora(base, rank=4, alpha=8.0)
+    state = model.state_dict()
+    adapters = {
+        f"blk.{i}.{t}.{ab}" for i in range(3) for t in ALL_TARGETS for ab in ("lora_a", "lora_b")
+    }
+    assert set(state) == set(before) | adapters
+    assert set(lora_state_dict(model)) == adapters
+    for name, tensor in before.items():
+        assert torch.equal(state[name], tensor), name
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == adapters
+    block = model.blk[0]
+    assert isinstance(block.attn_k, LoraLinear) and block.attn_k.bias is not None
+    assert block.attn_k.lora_a.shape == (4, 32) and block.attn_k.lora_b.shape == (16, 4)
+    shapes = tensor_shapes(model.cfg)
+    expected = sum(
+        4 * sum(shapes[f"blk.{i}.{t}.weight"]) for i in range(3) for t in ALL_TARGETS
+    )  # r·(in + out) per adapted projection
+    assert trainable_parameter_count(model) == expected
+
+
+def test_a_fresh_adapter_is_the_base_model_and_peft_initialised() -> None:
+    base = make_model()
+    tokens, _ = batch(base.cfg)
+    with torch.no_grad():
+        expected = base(tokens)
+        model = apply_lora(base, rank=8, alpha=16.0)
+        assert torch.equal(model(tokens), expected)
+    for _, tensor in lora_state_dict(model).items():
+        if tensor.shape[0] == 8:  # A: kaiming-uniform(a=√5), bound 1/√in, as nn.Linear's
+            bound = 1 / math.sqrt(tensor.shape[1])
+            assert tensor.abs().max() <= bound and tensor.abs().max() > 0.8 * bound
+        else:  # B
+            assert not tensor.any()
+
+
+def test_chosen_targets_only() -> None:
+    model = apply_lora(make_model(), rank=2, alpha=2.0, targets=("attn_v", "ffn_down"))
+    kinds = {name.split(".")[2] for name in lora_state_dict(model)}
+    assert kinds == {"attn_v", "ffn_down"}
+    assert not isinstance(model.blk[0].attn_q, LoraLinear)
+
+
+def test_gradients_reach_only_the_adapters() -> None:
+    model = adapted()
+    _, grads = loss_and_grads(model)
+    assert set(grads) == set(lora_state_dict(model))
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+def test_both_op_sets_compute_the_same_adapted_model() -> None:
+    ggml = adapted()
+    torch_ops = Llama(dataclasses.replace(ggml.cfg, ops="torch")).double()
+    apply_lora(torch_ops, rank=4, alpha=8.0)
+    torch_ops.load_state_dict(ggml.state_dict())
+    (loss, grads), (loss_ref, grads_ref) = loss_and_grads(ggml), loss_and_grads(torch_ops)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_ref[name], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("order", ["lora_then_checkpointing", "checkpointing_then_lora"])
+def test_activation_checkpointing_before_or_after(order: str) -> None:
+    plain = adapted()
+    loss_ref, grads_ref = loss_and_grads(plain)
+    if order == "lora_then_checkpointing":
+        model = adapted()
+        ac.apply(model, "full")
+    else:
+        model = make_model()
+        ac.apply(model, "every_n", every_n=2)
+        apply_lora(model, rank=4, alpha=8.0)
+        load_lora_state_dict(model, lora_state_dict(plain))
+    assert isinstance(model.blk, ac.CheckpointedBlocks)
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    loss, grads = loss_and_grads(model)
+    assert torch.equal(loss, loss_ref)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_ref[name], rtol=0, atol=0)
+
+
+def test_merge_gives_a_plain_model_with_the_same_outputs() -> None:
+    model = adapted(attention_bias=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = merge_lora(model)
+    assert type(merged) is Llama and not any(isinstance(m, LoraLinear) for m in merged.modules())
+    assert merged.state_dict().keys() == tensor_shapes(model.cfg).keys()
+    tokens, _ = batch(model.cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), model(tokens), rtol=1e-12, atol=1e-12)
+        lora = model.blk[1].attn_k
+        w = lora.weight + lora.scale * lora.lora_b @ lora.lora_a
+        assert torch.equal(merged.state_dict()["blk.1.attn_k.weight"], w)
+    for name, tensor in model.state_dict().items():  # the adapted model is left as it was
+        assert torch.equal(tensor, before[name])
+    assert merged.token_embd.weight.data_ptr() != model.token_embd.weight.data_ptr()
+
+
+def test_adapter_tensors_load_into_a_model_adapted_alike() -> None:
+    source = adapted(seed=0)
+    target = apply_lora(make_model(seed=0), rank=4, alpha=8.0)
+    load_lora_state_dict(target, lora_state_dict(source))
+    tokens, _ = batch(source.cfg)
+    with torch.no_grad():
+        assert torch.equal(target(tokens), source(tokens))
+    other_rank = apply_lora(make_model(), rank=2, alpha=8.0)
+    with pytest.raises(ConfigError, match="apply_lora with the adapter's rank"):
+        load_lora_state_dict(other_rank, lora_state_dict(source))
+    fewer = apply_lora(make_model(), rank=4, alpha=8.0, targets=("attn_q",))
+    with pytest.raises(ConfigError, match=r"unexpected blk\.0\.attn_k\.lora_a"):
+        load_lora_state_dict(fewer, lora_state_dict(source))
+
+
+def test_dropout_acts_in_training_only() -> None:
+    model = adapted(dropout=0.5)
+    tokens, _ = batch(model.cfg)
+    with torch.no_grad():
+        evaluated = [model.eval()(tokens) for _ in range(2)]
+        trained = [model.train()(tokens) for _ in range(2)]
+    assert torch.equal(*evaluated)
+    assert not torch.equal(*trained) and not torch.equal(trained[0], evaluated[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(targets=("attn_q", "wq")), "unknown LoRA target 'wq'; choose among attn_q"),
+        (dict(targets=()), "at least one"),
+        (dict(targets=("attn_q", "attn_q")), "each projection once"),
+        (dict(rank=0), "lora rank 0 must be a positive integer"),
+        (dict(rank=2.5), "positive integer"),
+        (dict(rank=17), r"exceeds attn_k's smaller side min\(32, 16\) = 16"),
+        (dict(alpha=0.0), "lora alpha 0.0 must be positive"),
+        (dict(dropout=1.0), r"lora dropout 1.0 must be in \[0, 1\)"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(kwargs: dict, message: str) -> None:
+    model = make_model()
+    settings = {"rank": 4, "alpha": 8.0, **kwargs}
+    with pytest.raises(ConfigError, match=message) as error:
+        apply_lora(model, **settings)
+    assert "\n" not in str(error.value)
+    assert not any(isinstance(m, LoraLinear) for m in model.modules())  # nothing half-applied
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_applying_twice_is_refused() -> None:
+    model = apply_lora(make_model(), rank=4, alpha=8.0)
+    with pytest.raises(ConfigError, match="has LoRA adapters already"):
+        apply_lora(model, rank=4, alpha=8.0, targets=("attn_q",))
