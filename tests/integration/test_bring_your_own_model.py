@@ -30,13 +30,11 @@ MODELS = {
     "deepseek-llm": dict(),
 }
 """Vocabulary -> the variant its random base model takes."""
-SLOW = {"llama-bpe", "deepseek-llm"}
-"""128k / 100k-token vocabularies: 1.5–2 minutes each on 2 cores, so run with ``-m slow``."""
 SHAPE = dict(dim=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=512, max_seq_len=256)
 """Small, with every row a multiple of 256 so that llama.cpp's K-quants apply to each matrix."""
 LOGIT_TOL = 1e-5
 """Max |Δlogit|, f32 export vs our model, llama.cpp with an F32 KV cache, ~150–180 tokens: the
-finetuned logits reach 7–8.5; measured 3.8e-6 (llama-spm), 4.3e-6 (llama-bpe), 4.8e-6
+finetuned logits reach 7–8.5; measured 3.8e-6 (llama-spm), 4.8e-6 (llama-bpe), 4.8e-6
 (deepseek-llm)."""
 
 
@@ -70,9 +68,7 @@ def mean_nll(logits: np.ndarray, ids: list[int]) -> float:
     return float(-log_probs[np.arange(len(ids) - 1), ids[1:]].mean())
 
 
-@pytest.mark.parametrize(
-    "vocab", [pytest.param(v, marks=[pytest.mark.slow] if v in SLOW else []) for v in MODELS]
-)
+@pytest.mark.parametrize("vocab", MODELS)  # 17 s, 48 s, 41 s on 2 cores
 def test_finetune_a_llama_cpp_quantized_model_and_run_it_in_llama_cpp(
     llama_cpp: Any,
     vocab_dir: Path,
@@ -84,7 +80,7 @@ def test_finetune_a_llama_cpp_quantized_model_and_run_it_in_llama_cpp(
         llama_cpp, vocab_dir / f"ggml-vocab-{vocab}.gguf", tmp_path, **MODELS[vocab]
     )
     overrides = tiny_overrides(**{
-        "model.init_from": f'"{base}"', "train.steps": 24, "train.n_batch": 256,
+        "model.init_from": f'"{base}"', "train.steps": 24, "train.n_batch": 128,
         "optim.warmup_steps": 4, "optim.cos_decay_steps": 20, "train.eval_every": 0,
         "train.save_every": 0, "train.sample_tokens": 0, "output.export_type": '"f32"',
     })  # fmt: skip
@@ -108,6 +104,6 @@ def test_finetune_a_llama_cpp_quantized_model_and_run_it_in_llama_cpp(
     finally:
         finetuned.close()
         base_llm.close()
-    # measured: 10.38 -> 6.89 (llama-spm), 11.83 -> 7.29 (llama-bpe), 11.54 -> 7.28 (deepseek)
+    # measured: 10.38 -> 7.35 (llama-spm), 11.83 -> 8.25 (llama-bpe), 11.54 -> 7.62 (deepseek)
     assert after < before - 1.0, f"{vocab}: llama.cpp's loss {before:.3f} -> {after:.3f}"
     assert before > 0.5 * math.log(result.tokenizer.vocab_size)  # the base knew nothing

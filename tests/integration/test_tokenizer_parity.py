@@ -143,16 +143,7 @@ def test_decoding_matches_llama_cpp(
     assert not wrong, f"{len(wrong)} texts do not round-trip; first (text, decoded): {wrong[0]}"
 
 
-RSTRIP_NOT_READ = pytest.mark.xfail(
-    strict=True,
-    reason="llama.cpp strips whitespace after Phi-3's special tokens (RSTRIP, from general.name);"
-    " the tokenizer supports it (rstrip_ids) but read_tokenizer does not pass it yet",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=RSTRIP_NOT_READ) if n == "phi-3" else n for n in VOCABS]
-)
+@pytest.mark.parametrize("name", VOCABS)
 def test_special_tokens_in_text_match_llama_cpp(
     references: dict[str, Llama],
     tokenizers: dict[str, Tokenizer],

@@ -33,7 +33,13 @@ from llamatrain.gguf.file import (
     write_gguf,
 )
 from llamatrain.model import ModelConfig, tensor_shapes
-from llamatrain.tokenizer import TOKEN_TYPE_NORMAL, BpeTokenizer, SpmTokenizer, Tokenizer
+from llamatrain.tokenizer import (
+    TOKEN_TYPE_NORMAL,
+    BpeTokenizer,
+    SpmTokenizer,
+    Tokenizer,
+    rstrip_ids,
+)
 
 __all__ = [
     "ARCHITECTURE",
@@ -375,6 +381,7 @@ def _spm_from_metadata(meta: Mapping[str, Any], source: str) -> SpmTokenizer:
         unk_id=unk,
         pad_id=_special_id(meta, "padding_token_id", None, n),
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+        rstrip_ids=rstrip_ids(meta.get("general.name"), tokens, types),
     )
 
 
@@ -406,6 +413,7 @@ def _bpe_from_metadata(meta: Mapping[str, Any], source: str) -> BpeTokenizer:
             pad_id=_special_id(meta, "padding_token_id", None, n),
             add_bos=None if add_bos is None else bool(add_bos),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            rstrip_ids=rstrip_ids(meta.get("general.name"), tokens, types),
         )
     except TokenizerError as e:
         raise TokenizerError(f"{source}: {e}") from e
