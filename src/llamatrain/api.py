@@ -21,12 +21,17 @@ import torch
 
 from llamatrain import activation_checkpointing
 from llamatrain.checkpoint import (
-    LATEST,
     Checkpoint,
     CheckpointManager,
+    LoraBase,
+    build_model,
     check_compatible,
     checkpoint_dir,
+    describe_base,
+    is_lora_checkpoint,
     load_checkpoint,
+    model_file,
+    read_model_source,
 )
 from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, load_config
 from llamatrain.config import validate as validate_config
@@ -34,11 +39,13 @@ from llamatrain.data import build_train_data, resolve_inputs
 from llamatrain.device import configure_process, resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
 from llamatrain.evaluate import PerplexityResult, perplexity
+from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
 from llamatrain.gguf.describe import describe_gguf
-from llamatrain.gguf.file import QUANTIZER_TYPES, read_tensors_into, verify_gguf
+from llamatrain.gguf.file import QUANTIZER_TYPES, verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_model, write_vocab
 from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
-from llamatrain.hf.folder import read_hf_folder, write_hf_folder
+from llamatrain.hf.folder import write_hf_folder
+from llamatrain.lora import ALL_TARGETS, apply_lora, merge_lora
 from llamatrain.model import Llama
 from llamatrain.plot import can_plot, plot_metrics
 from llamatrain.runlock import run_lock
@@ -57,6 +64,7 @@ __all__ = [
     "PerplexityResult",
     "describe_gguf",
     "export",
+    "export_adapter",
     "export_gguf",
     "export_hf",
     "fit",
@@ -81,6 +89,7 @@ class FitResult:
     run_dir: Path
     export_path: Path | None
     curves_path: Path | None = None  # curves.png, when matplotlib is installed
+    adapter_path: Path | None = None  # a LoRA run's adapter-f32.gguf (llama.cpp's --lora)
 
 
 # ---- tokenizers --------------------------------------------------------------------------
@@ -151,7 +160,7 @@ def _fresh_model(cfg: Config, paths: Sequence[Path]) -> tuple[Llama, Tokenizer, 
     """A new model (seeded) with its tokenizer, or the one ``model.init_from`` names; and the
     base model's keys its checkpoints and exports keep (``inherited_metadata``)."""
     if cfg.model.init_from:
-        base = _read_source(cfg.model.init_from)
+        base = read_model_source(cfg.model.init_from)
         context = max(base.config.max_seq_len, cfg.data.n_ctx)
         run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
         return *_build(base, max_seq_len=context, **run_choices), base.inherited
@@ -168,8 +177,13 @@ def _resumed_model(
 ) -> tuple[Llama, Tokenizer]:
     """A model shaped like the checkpoint's, after checking it is the run the config asks for.
 
-    Its weights are still the initial ones: ``Trainer.load_state`` restores them.
+    Its weights are still the initial ones: ``Trainer.load_state`` restores them; a LoRA run's
+    model is its base (``load_checkpoint`` checked it is the one trained on), adapted later.
     """
+    _check_same_kind(cfg, checkpoint)
+    if checkpoint.adapter is not None:
+        model, tokenizer, _ = _fresh_model(cfg, paths)
+        return model, tokenizer
     if cfg.model.init_from:  # a finetune keeps its base model's architecture and vocabulary
         expected, tokenizer = checkpoint.config, checkpoint.tokenizer
     else:
@@ -180,6 +194,39 @@ def _resumed_model(
     check_compatible(checkpoint, expected, tokenizer)
     run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
     return Llama(dataclasses.replace(checkpoint.config, **run_choices)), checkpoint.tokenizer
+
+
+def _check_same_kind(cfg: Config, checkpoint: Checkpoint) -> None:
+    """A LoRA run resumes as a LoRA run and a full finetune as one: the checkpoint holds
+    adapters or the whole model, and the config must ask for the same."""
+    lora_checkpoint = checkpoint.adapter is not None
+    if lora_checkpoint != (cfg.lora.rank > 0):
+        held = "a LoRA adapter" if lora_checkpoint else "a whole model (no LoRA)"
+        asked = "0 (full finetuning)" if cfg.lora.rank == 0 else str(cfg.lora.rank)
+        raise CheckpointError(
+            f"the checkpoint holds {held} but the config has lora.rank = {asked}; resume "
+            "with the config it was trained with"
+        )
+
+
+def _adapt(model: Llama, cfg: Config) -> None:
+    """Freeze ``model`` and add the ``[lora]`` adapters (nothing for rank 0). Seeded, so a
+    run's adapters start alike however the base was read; a resume then loads its own."""
+    lora = cfg.lora
+    if lora.rank == 0:
+        return
+    torch.manual_seed(cfg.train.seed)
+    targets = ALL_TARGETS if lora.targets is None else lora.targets
+    apply_lora(model, lora.rank, lora.alpha, lora.dropout, targets)
+
+
+def _lora_base(cfg: Config, checkpoint: Checkpoint | None) -> LoraBase | None:
+    """The base a LoRA run adapts (as a resumed checkpoint checked it), None for full runs."""
+    if cfg.lora.rank == 0:
+        return None
+    if checkpoint is not None:
+        return checkpoint.state.lora_base
+    return describe_base(cfg.model.init_from)
 
 
 def fit(
@@ -214,12 +261,14 @@ def _fit_locked(
     checkpoint = None
     if resume:
         manager = CheckpointManager(checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints)
-        checkpoint = load_checkpoint(manager.resolve(resume))
+        base = cfg.model.init_from if cfg.lora.rank else None
+        checkpoint = load_checkpoint(manager.resolve(resume), base=base)
         model, tokenizer = _resumed_model(cfg, checkpoint, paths)
         inherited = checkpoint.state.inherited
     else:
         model, tokenizer, inherited = _fresh_model(cfg, paths)
     data = build_train_data(cfg, tokenizer, paths=paths, progress=progress)
+    _adapt(model, cfg)
     activation_checkpointing.apply(
         model,
         cfg.train.checkpointing,
@@ -232,22 +281,35 @@ def _fit_locked(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(config_to_toml(cfg))
     trainer = Trainer(
-        model, cfg, data=data, tokenizer=tokenizer, progress=progress, inherited=inherited
+        model,
+        cfg,
+        data=data,
+        tokenizer=tokenizer,
+        progress=progress,
+        inherited=inherited,
+        lora_base=_lora_base(cfg, checkpoint),
     )
     if checkpoint is not None:
         trainer.load_state(checkpoint)
     history = trainer.fit()
+    adapter_path = None
+    if cfg.lora.rank:
+        adapter_path = write_lora_adapter(
+            run_dir / "adapter-f32.gguf", trainer.model, alpha=cfg.lora.alpha, inherited=inherited
+        )
     export_path = None
     if cfg.output.export:
         export_path = export_gguf(
-            trainer.model,
+            merge_lora(trainer.model) if cfg.lora.rank else trainer.model,
             tokenizer,
             run_dir / f"model-{cfg.output.export_type}.gguf",
             type=cfg.output.export_type,
             inherited=inherited,
         )
     curves = _write_curves(run_dir)
-    return FitResult(cfg, trainer.model, tokenizer, history, run_dir, export_path, curves)
+    return FitResult(
+        cfg, trainer.model, tokenizer, history, run_dir, export_path, curves, adapter_path
+    )
 
 
 def _write_curves(run_dir: Path) -> Path | None:
@@ -269,20 +331,9 @@ def _write_curves(run_dir: Path) -> Path | None:
 # ---- models as files ---------------------------------------------------------------------
 
 
-def _build(model_file: LlamaFile, **changes: object) -> tuple[Llama, Tokenizer]:
-    """The model a GGUF describes, with its weights; ``changes`` to its config (run choices).
-
-    A file read without its tensor data (``read_model(path, tensor_data=False)``) is read
-    straight into the model's parameters, a tensor at a time: the import then holds the model
-    once, where loading a state dict holds a float copy of every weight beside it.
-    """
-    model = Llama(dataclasses.replace(model_file.config, **changes))
-    header_only = any(tensor.is_meta for tensor in model_file.tensors.values())
-    if header_only and model_file.contents is not None:
-        read_tensors_into(model_file.contents.path, model.state_dict())
-    else:
-        model.load_state_dict(model_file.tensors, strict=True)
-    return model, model_file.tokenizer
+def _build(source: LlamaFile, **changes: object) -> tuple[Llama, Tokenizer]:
+    """The model a file describes with its tokenizer (``build_model``'s ``changes``)."""
+    return build_model(source, **changes), source.tokenizer
 
 
 def load_gguf(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
@@ -290,38 +341,16 @@ def load_gguf(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
     return _build(read_model(path, tensor_data=False), ops=ops)
 
 
-def _model_file(path: str | Path) -> Path:
-    """A run folder means its latest checkpoint; anything else names a file."""
-    path = Path(path)
-    if path.is_dir():
-        path = checkpoint_dir(path) / LATEST
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist; pass a checkpoint, a GGUF or a run folder")
-    return path
-
-
-def _read_source(path: str | Path) -> LlamaFile:
-    """A run folder (its latest checkpoint), a checkpoint, a llama GGUF, or an HF checkpoint
-    folder (any other folder: one without ``checkpoints/``). A checkpoint's tensors are checked
-    against the sha256 recorded when it was written (``verify_gguf``), so nothing built from
-    it uses silently damaged weights."""
-    path = Path(path)
-    if path.is_dir() and not checkpoint_dir(path).is_dir():
-        return read_hf_folder(path)
-    path = _model_file(path)
-    verify_gguf(path)
-    return read_model(path, tensor_data=False)
-
-
 def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
     """A model and tokenizer from a run folder (its latest checkpoint), a checkpoint, any
-    llama GGUF file or an HF checkpoint folder (config.json, safetensors, tokenizer.json)."""
-    return _build(_read_source(path), ops=ops)
+    llama GGUF file or an HF checkpoint folder (config.json, safetensors, tokenizer.json); a
+    LoRA run's is its base with the adapter merged in."""
+    return _build(read_model_source(path), ops=ops)
 
 
 def seen_tokens(path: str | Path) -> torch.Tensor:
     """(vocab,) bool: the tokens a run's training data held, from its checkpoint (or folder)."""
-    path = _model_file(path)
+    path = model_file(path)
     seen = load_checkpoint(path).state.seen_tokens
     if seen is None:
         raise CheckpointError(
@@ -381,11 +410,31 @@ def export(source: str | Path, path: str | Path, type: str = "f32", format: str 
             f"an HF export stores float32 safetensors; the type {type!r} is for GGUF exports"
         )
     require_quantizer(type)
-    model_file = _read_source(source)
-    model, tokenizer = _build(model_file)
+    source_file = read_model_source(source)
+    model, tokenizer = _build(source_file)
     if format == "hf":
-        return export_hf(model, tokenizer, path, inherited=model_file.inherited)
-    return export_gguf(model, tokenizer, path, type=type, inherited=model_file.inherited)
+        return export_hf(model, tokenizer, path, inherited=source_file.inherited)
+    return export_gguf(model, tokenizer, path, type=type, inherited=source_file.inherited)
+
+
+def export_adapter(source: str | Path, path: str | Path) -> Path:
+    """Write a LoRA run's adapter (its folder's latest checkpoint, or a LoRA checkpoint) as
+    the adapter GGUF llama.cpp applies with ``--lora`` over the base; the base is not read."""
+    checkpoint_file = model_file(source)
+    if not is_lora_checkpoint(checkpoint_file):
+        raise ConfigError(
+            f"{source} holds no LoRA adapter (not a run with lora.rank > 0); export the model "
+            "without --adapter"
+        )
+    verify_gguf(checkpoint_file)
+    adapter = read_lora_adapter(checkpoint_file)
+    return write_lora_adapter(
+        path,
+        adapter.tensors,
+        alpha=adapter.alpha,
+        base_architecture=adapter.architecture,
+        inherited=adapter.inherited,
+    )
 
 
 # ---- using a model -----------------------------------------------------------------------

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import fields
 
-from llamatrain.errors import LlamatrainError
+from llamatrain.errors import ConfigError, LlamatrainError
 from llamatrain.gguf.file import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
 from llamatrain.sampling import SamplingParams
 
@@ -30,6 +30,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     print(f"run directory: {result.run_dir}")
     if result.curves_path is not None:
         print(f"training curves: {result.curves_path}")
+    if result.adapter_path is not None:
+        print(f"LoRA adapter: {result.adapter_path} (llama-cli --lora, over model.init_from)")
     if result.export_path is not None:
         print(f"exported GGUF: {result.export_path}")
         prompt = shlex.quote(result.config.train.sample_prompt.strip() or "Once upon a time")
@@ -78,6 +80,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from llamatrain import api
 
+    if args.adapter:
+        if args.type != "f32" or args.format != "gguf":
+            raise ConfigError(
+                "--adapter writes llama.cpp's f32 adapter GGUF; drop --type and --format"
+            )
+        path = api.export_adapter(args.checkpoint, args.output)
+        print(f"wrote {path} ({path.stat().st_size:,} bytes, LoRA adapter, f32)")
+        return 0
     path = api.export(args.checkpoint, args.output, type=args.type, format=args.format)
     if args.format == "hf":
         print(f"wrote {path}/ (HF checkpoint folder, float32)")
@@ -174,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TYPE",
         help=f"{', '.join(EXPORT_TYPES)} (default f32), or through llama.cpp's quantizer "
         f"(pip install 'llamatrain[quantize]') {', '.join(QUANTIZER_TYPES)}",
+    )
+    ex.add_argument(
+        "--adapter",
+        action="store_true",
+        help="write a LoRA run's adapter (llama.cpp's --lora file, f32) instead of the model "
+        "with the adapter merged in",
     )
     ex.set_defaults(func=cmd_export)
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from llamatrain import ops
 from llamatrain.errors import ConfigError
-from llamatrain.gguf.adapter import LORA_SUFFIXES
+from llamatrain.gguf.adapter import ALL_TARGETS, LORA_SUFFIXES
 from llamatrain.model import Linear, Llama
 
 __all__ = [
@@ -43,9 +43,6 @@ __all__ = [
     "merge_lora",
     "trainable_parameter_count",
 ]
-
-ALL_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-"""The projections of a block LoRA can adapt (their llama.cpp names), all by default."""
 
 _LORA_OPS: dict[str, Callable[..., torch.Tensor]] = {
     "ggml": ops.lora_linear,

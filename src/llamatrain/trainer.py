@@ -29,6 +29,7 @@ from llamatrain.checkpoint import (
     DIVERGED_FIX,
     Checkpoint,
     CheckpointManager,
+    LoraBase,
     TrainingState,
     checkpoint_dir,
 )
@@ -64,7 +65,9 @@ class Trainer:
     ``data`` and ``tokenizer`` are needed by :meth:`fit` (batches, samples, checkpoints);
     :meth:`train_step` alone needs neither, which is how the benchmarks time the trainer's own
     step. ``inherited``: a base model's GGUF keys (name, license, chat template …) that every
-    checkpoint keeps, so the run's export still says what the base said.
+    checkpoint keeps, so the run's export still says what the base said. ``lora_base``: the
+    frozen base of a LoRA run (``model`` adapted by ``llamatrain.lora.apply_lora``), whose
+    checkpoints then hold the adapters and name the base.
     """
 
     def __init__(
@@ -76,13 +79,16 @@ class Trainer:
         tokenizer: Tokenizer | None = None,
         progress: bool = True,
         inherited: Mapping[str, Any] | None = None,
+        lora_base: LoraBase | None = None,
     ) -> None:
         cfg = validate(cfg)  # fills the derived defaults a hand-built Config leaves unset
         self.cfg, self.data, self.tokenizer, self.progress = cfg, data, tokenizer, progress
         self.device = resolve_device(cfg.train.device)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.state = TrainingState(config=config_to_dict(cfg), inherited=dict(inherited or {}))
+        self.state = TrainingState(
+            config=config_to_dict(cfg), inherited=dict(inherited or {}), lora_base=lora_base
+        )
         if data is not None:
             self.state.seen_tokens = data.seen_tokens(self.model.cfg.vocab_size)
         self.convergence = ConvergenceTests(cfg.optim)
@@ -102,7 +108,7 @@ class Trainer:
 
     def load_state(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint``: weights, optimizer state, RNG, counters, data cursor."""
-        self.model.load_state_dict(checkpoint.weights)
+        checkpoint.restore_weights(self.model)
         checkpoint.restore_optimizer(self.model, self.optimizer)
         checkpoint.restore_rng()
         saved = checkpoint.state

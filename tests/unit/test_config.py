@@ -174,6 +174,13 @@ def test_type_errors(tmp_path, text, key, expected):
         (["optim.cos_decay_restart=0.5"], ["cos_decay_restart", "0 (no restarts) or >= 1"]),
         (["optim.beta2=1.0"], ["optim.beta2", "< 1"]),
         (["model.dim=48", "model.n_heads=4", "output.export_type=q8_0"], ["multiples of 32"]),
+        (["lora.rank=8"], ["lora.rank = 8", "model.init_from is unset"]),
+        (["lora.rank=-1"], ["lora.rank", ">= 0"]),
+        (["lora.alpha=0"], ["lora.alpha", "> 0"]),
+        (["lora.dropout=1"], ["lora.dropout", "< 1"]),
+        (["lora.targets=['attn_q', 'wq']"], ["lora.targets", "'wq'", "attn_output, ffn_gate"]),
+        (["lora.targets=['ffn_up', 'ffn_up']"], ["lora.targets", "each projection once"]),
+        (["lora.targets=[]"], ["lora.targets", "at least one"]),
     ],
 )
 def test_impossible_values(overrides, fragments):
@@ -187,6 +194,15 @@ def test_validation_names_the_file(tmp_path):
     path = write(tmp_path, "[train]\nn_batch = 1000\n")
     msg = error_of(load_config, path)
     assert str(path) in msg
+
+
+def test_lora_is_off_by_default_and_adapts_every_projection_when_on():
+    assert load_config(None).lora.rank == 0  # full finetuning
+    cfg = load_config(None, ["model.init_from=base.gguf", "lora.rank=8", "lora.alpha=32"])
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout) == (8, 32.0, 0.0)
+    assert cfg.lora.targets is None  # all seven projections (api.fit applies ALL_TARGETS)
+    cfg = load_config(None, ["model.init_from=b.gguf", "lora.rank=4", "lora.targets=['attn_v']"])
+    assert cfg.lora.targets == ["attn_v"]
 
 
 def test_init_from_skips_architecture_checks():

@@ -1,9 +1,10 @@
 """Run configuration: one dataclass per TOML section, ``--set`` overrides, validation.
 
 A run is fully described by a TOML file with the sections ``[model]``, ``[tokenizer]``,
-``[data]``, ``[optim]``, ``[train]`` and ``[output]``; every key is optional and falls back to
-the dataclass default. ``--set section.key=value`` overrides are applied on top, then the whole
-config is validated once, so a file that is only valid *after* its overrides still works.
+``[data]``, ``[optim]``, ``[train]``, ``[output]`` and ``[lora]``; every key is optional and
+falls back to the dataclass default. ``--set section.key=value`` overrides are applied on top,
+then the whole config is validated once, so a file that is only valid *after* its overrides
+still works.
 
 Why dataclasses driven by type hints: one generic checker (``fields.check_type``) covers every
 field, the help text lives next to the default (``field(metadata={"help": ...})``) and the
@@ -33,6 +34,7 @@ from llamatrain.config.sections import (
     SECTIONS,
     Config,
     DataSection,
+    LoraSection,
     OptimSection,
     OutputSection,
     TokenizerSection,
@@ -46,6 +48,7 @@ __all__ = [
     "SECTIONS",
     "Config",
     "DataSection",
+    "LoraSection",
     "OptimSection",
     "OutputSection",
     "TokenizerSection",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llamatrain.config.fields import config_keys
+from llamatrain.gguf.adapter import ALL_TARGETS
 from llamatrain.gguf.file import ALL_EXPORT_TYPES
 from llamatrain.model import ModelConfig
 from llamatrain.settings import setting
@@ -18,6 +19,7 @@ __all__ = [
     "SECTIONS",
     "Config",
     "DataSection",
+    "LoraSection",
     "OptimSection",
     "OutputSection",
     "TokenizerSection",
@@ -201,6 +203,27 @@ class OutputSection:
     )
 
 
+@dataclass
+class LoraSection:
+    """Train low-rank adapters over a frozen base model (model.init_from) instead of it."""
+
+    rank: int = setting(
+        0,
+        "LoRA rank r of every adapted projection; 0 = off (full finetuning); a run with "
+        "r > 0 trains r·(in + out) numbers per projection and writes adapter-f32.gguf",
+        ge=0,
+    )
+    alpha: float = setting(16.0, "LoRA alpha: the update B·A is scaled by alpha / rank", gt=0)
+    dropout: float = setting(
+        0.0, "dropout on the adapters' input while training (0 = none)", ge=0, lt=1
+    )
+    targets: list[str] | None = setting(
+        None,
+        "the projections of every block to adapt, by llama.cpp's names; unset = all of "
+        + ", ".join(ALL_TARGETS),
+    )
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "tokenizer": TokenizerSection,
@@ -208,6 +231,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimSection,
     "train": TrainSection,
     "output": OutputSection,
+    "lora": LoraSection,
 }
 
 
@@ -221,6 +245,7 @@ class Config:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     output: OutputSection = field(default_factory=OutputSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def origin(self, key: str) -> str:

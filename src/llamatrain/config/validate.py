@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from llamatrain.config.sections import SECTIONS, Config
 from llamatrain.errors import ConfigError
+from llamatrain.gguf.adapter import ALL_TARGETS
 from llamatrain.gguf.quantize import require_quantizer
 from llamatrain.settings import check_rules, divisors
 
@@ -51,6 +52,31 @@ def _validate_model(cfg: Config) -> None:
         )
 
 
+def _validate_lora(cfg: Config) -> None:
+    """A LoRA run adapts a trained base; its targets are projections a block has, once each
+    (unset: all of them)."""
+    lora = cfg.lora
+    if lora.rank > 0 and cfg.model.init_from is None:
+        raise ConfigError(
+            f"lora.rank = {lora.rank} {_set_in(cfg, 'lora.rank')} adapts a base model, but "
+            "model.init_from is unset (LoRA on a random model learns nothing useful); set "
+            "model.init_from to a GGUF, run folder or HF folder, or lora.rank = 0"
+        )
+    if lora.targets is None:
+        return
+    unknown = [t for t in lora.targets if t not in ALL_TARGETS]
+    if unknown:
+        raise ConfigError(
+            f"lora.targets {_set_in(cfg, 'lora.targets')} names unknown projection "
+            f"{unknown[0]!r}; choose among {', '.join(ALL_TARGETS)}"
+        )
+    if not lora.targets or len(set(lora.targets)) != len(lora.targets):
+        raise ConfigError(
+            f"lora.targets = {lora.targets} {_set_in(cfg, 'lora.targets')} must name each "
+            f"projection once and at least one; choose among {', '.join(ALL_TARGETS)}"
+        )
+
+
 def validate(cfg: Config) -> Config:
     """Check every value and the rules that tie fields together; fill derived defaults.
 
@@ -61,6 +87,7 @@ def validate(cfg: Config) -> Config:
         if sec_name != "model":
             check_rules(getattr(cfg, sec_name), sec_name, lambda key: f" in {cfg.origin(key)}")
     _validate_model(cfg)
+    _validate_lora(cfg)
     require_quantizer(cfg.output.export_type)
 
     d, o, t = cfg.data, cfg.optim, cfg.train

@@ -35,9 +35,11 @@ import numpy as np
 import torch
 
 from llamatrain.errors import ConfigError, GGUFError
-from llamatrain.gguf.file import read_gguf, typed_value, write_gguf
+from llamatrain.gguf.file import GGUFContents, read_gguf, typed_value, write_gguf
+from llamatrain.gguf.llama import CHECKPOINT_TENSOR_PREFIXES
 
 __all__ = [
+    "ALL_TARGETS",
     "LORA_SUFFIXES",
     "LoraAdapter",
     "adapter_rank",
@@ -47,6 +49,9 @@ __all__ = [
     "write_lora_adapter",
 ]
 
+ALL_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+"""The projections of a block LoRA can adapt (their llama.cpp names), all by default. Here,
+below the config, so that ``[lora] targets`` is checked against the same names."""
 LORA_SUFFIXES = (".lora_a", ".lora_b")
 """llama.cpp's adapter tensor suffixes, and our state-dict names' (``blk.0.attn_q.lora_a``)."""
 _BASE_SUFFIX = ".weight"
@@ -74,6 +79,8 @@ class LoraAdapter:
     rank: int
     tensors: dict[str, torch.Tensor]
     inherited: dict[str, Any]
+    contents: GGUFContents | None = None
+    """The whole file: a LoRA checkpoint's ``training.*`` keys and state tensors are here."""
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -86,21 +93,29 @@ class LoraAdapter:
 
 def write_lora_adapter(
     path: str | os.PathLike[str],
-    model: torch.nn.Module,
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
     *,
     alpha: float,
     base_architecture: str = "llama",
     inherited: Mapping[str, Any] | None = None,
+    extra_kv: Mapping[str, Any] | None = None,
+    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+    checksums: bool = False,
 ) -> Path:
-    """Write ``model``'s LoRA tensors as llama.cpp's adapter GGUF, atomically.
+    """Write ``model``'s LoRA tensors as llama.cpp's adapter GGUF, atomically (``model``: an
+    adapted model, or its ``lora_state_dict``, as a checkpoint holds it).
 
     ``alpha`` must be the one the adapters were applied with (the scale is alpha / rank);
     ``inherited``: the base model's keys, of which the ``general.*`` ones (name, license …)
-    are kept. A and B are stored F32: exact, and small beside the base (r·(in + out) per
+    are kept. ``extra_kv`` / ``extra_tensors`` / ``checksums`` make it a LoRA run's
+    checkpoint, as ``write_model``'s do for a full one: keys of its own, state tensors under
+    ``CHECKPOINT_TENSOR_PREFIXES`` (which readers never take for adapter tensors) and each
+    tensor's sha256. A and B are stored F32: exact, and small beside the base (r·(in + out) per
     projection). A lower type would cost more than its rounding: llama.cpp then also rounds
     the activations it multiplies with them (measured with f16: 5e-4 on logits of 0.6).
     """
-    adapter = adapter_tensors(model.state_dict(), path)
+    state = model if isinstance(model, Mapping) else model.state_dict()
+    adapter = adapter_tensors(state, path)
     adapter_rank(adapter, str(path))
     check_alpha(alpha, path)
     kept = {key: value for key, value in (inherited or {}).items() if _kept(key)}
@@ -111,8 +126,27 @@ def write_lora_adapter(
         "adapter.type": "lora",
         _ALPHA_KEY: np.float32(alpha),
     }
+    extra_kv, extra_tensors = dict(extra_kv or {}), dict(extra_tensors or {})
+    _check_extras(metadata, extra_kv, extra_tensors)
     tensors = {_file_name(name): (tensor, "f32") for name, tensor in adapter.items()}
-    return write_gguf(path, base_architecture, metadata, tensors)
+    tensors.update({name: (tensor, "f32") for name, tensor in extra_tensors.items()})
+    metadata.update(extra_kv)
+    return write_gguf(path, base_architecture, metadata, tensors, checksums=checksums)
+
+
+def _check_extras(
+    metadata: Mapping[str, Any], extra_kv: Mapping[str, Any], extra_tensors: Mapping[str, Any]
+) -> None:
+    """A checkpoint's extras must neither replace the adapter's keys nor pass for A/B."""
+    for key in extra_kv:
+        if key in metadata or key == "general.architecture":
+            raise GGUFError(f"extra_kv key {key!r} collides with a key the adapter writes itself")
+    for name in extra_tensors:
+        if not name.startswith(CHECKPOINT_TENSOR_PREFIXES):
+            raise GGUFError(
+                f"extra tensor {name!r} would be read back as an adapter tensor; name it "
+                f"{' or '.join(p + '*' for p in CHECKPOINT_TENSOR_PREFIXES)}"
+            )
 
 
 def adapter_tensors(
@@ -175,7 +209,8 @@ def _kept(key: str) -> bool:
 
 def read_lora_adapter(path: str | os.PathLike[str]) -> LoraAdapter:
     """Read a LoRA adapter GGUF (ours or llama.cpp's converter's) back; GGUFError for a file
-    that is not one, holds tensors other than A/B pairs, or pairs that do not fit."""
+    that is not one, holds tensors other than A/B pairs, or pairs that do not fit. A LoRA
+    checkpoint's state tensors (``CHECKPOINT_TENSOR_PREFIXES``) stay in ``contents``."""
     contents = read_gguf(path)
     meta, p = contents.metadata, contents.path
     kind = (meta.get("general.type"), meta.get("adapter.type"))
@@ -184,12 +219,16 @@ def read_lora_adapter(path: str | os.PathLike[str]) -> LoraAdapter:
             f"{p} is not a LoRA adapter (general.type = {kind[0]!r}, adapter.type = "
             f"{kind[1]!r}); pass an adapter GGUF (llamatrain's or convert_lora_to_gguf.py's)"
         )
-    tensors = {_model_name(name, p): tensor for name, tensor in contents.tensors.items()}
+    tensors = {
+        _model_name(name, p): tensor
+        for name, tensor in contents.tensors.items()
+        if not name.startswith(CHECKPOINT_TENSOR_PREFIXES)
+    }
     rank = adapter_rank(tensors, str(p))
     alpha = float(meta.get(_ALPHA_KEY, 0.0) or rank)
     inherited = {key: typed_value(contents, key) for key in meta if _kept(key)}
     architecture = str(meta.get("general.architecture", ""))
-    return LoraAdapter(p, architecture, alpha, rank, tensors, inherited)
+    return LoraAdapter(p, architecture, alpha, rank, tensors, inherited, contents)
 
 
 def _model_name(name: str, p: Path) -> str:
