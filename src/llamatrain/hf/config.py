@@ -10,7 +10,9 @@ with SiLU feed-forwards and a rope llama.cpp's ``llama`` architecture runs (see
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import CheckpointError, ConfigError
@@ -18,7 +20,7 @@ from llamatrain.hf.rope import rope_scaling_of, rope_theta_of
 from llamatrain.model import ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
-__all__ = ["HF_ARCHITECTURE", "hf_config", "model_config_from_hf"]
+__all__ = ["HF_ARCHITECTURE", "hf_config", "model_config_from_hf", "read_json_object"]
 
 HF_ARCHITECTURE = "LlamaForCausalLM"
 _MODEL_TYPES = {"llama": HF_ARCHITECTURE, "mistral": "MistralForCausalLM"}
@@ -38,6 +40,20 @@ _TRANSFORMERS_DEFAULTS = {
     "mlp_bias": False,
 }
 """``LlamaConfig``'s values for keys a config.json may leave out."""
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from one of an HF folder's files (config.json, tokenizer_config.json);
+    {} when the file is absent, as the optional ones may be."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); fix or remove it") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def model_config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from llamatrain.errors import CheckpointError
 from llamatrain.gguf.llama import LlamaFile
-from llamatrain.hf.config import hf_config, model_config_from_hf
+from llamatrain.hf.config import hf_config, model_config_from_hf, read_json_object
 from llamatrain.hf.rope import hf_rope_scaling, rope_freqs_from_hf
 from llamatrain.hf.tokenizer_files import (
     TOKENIZER_CONFIG,
@@ -73,7 +73,7 @@ def read_hf_folder(path: str | os.PathLike[str]) -> LlamaFile:
             f"{folder} has no {CONFIG_FILE}; an HF checkpoint folder holds config.json, "
             "model.safetensors and tokenizer.json"
         )
-    hf = _read_config(config_path)
+    hf = read_json_object(config_path)
     cfg = model_config_from_hf(hf, str(config_path))
     weight_files(folder)  # no weights: say so before reading the tokenizer
     tokenizer = read_folder_tokenizer(folder, cfg.vocab_size)
@@ -81,16 +81,6 @@ def read_hf_folder(path: str | os.PathLike[str]) -> LlamaFile:
     if cfg.rope_freq_factors:
         tensors["rope_freqs.weight"] = rope_freqs_from_hf(hf, cfg, str(config_path))
     return LlamaFile(cfg, tensors, tokenizer, _inherited(folder, hf), contents=None)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); fix the file") from e
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(hf).__name__}, not a config object")
-    return hf
 
 
 def _inherited(folder: Path, hf: Mapping[str, Any]) -> dict[str, Any]:

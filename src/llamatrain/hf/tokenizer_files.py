@@ -16,6 +16,7 @@ from typing import Any
 
 from llamatrain.errors import CheckpointError
 from llamatrain.gguf.llama import tokenizer_metadata
+from llamatrain.hf.config import read_json_object
 from llamatrain.tokenizer import Tokenizer
 from llamatrain.tokenizer.hf_json import read_hf_tokenizer, write_hf_tokenizer
 
@@ -53,7 +54,7 @@ def read_chat_template(folder: Path) -> str | None:
     """The folder's default chat template, or None: from tokenizer_config.json (a string, or
     a list of named templates of which ``default`` is the one llama.cpp's converter keeps),
     else from ``chat_template.jinja``."""
-    config = _read_json(folder / TOKENIZER_CONFIG)
+    config = read_json_object(folder / TOKENIZER_CONFIG)
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -62,19 +63,6 @@ def read_chat_template(folder: Path) -> str | None:
         return template
     jinja = folder / CHAT_TEMPLATE_FILE
     return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``; {} when the file is absent."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); fix or remove it") from e
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
-    return value
 
 
 def write_tokenizer_files(
