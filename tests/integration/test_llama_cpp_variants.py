@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from llama_cpp_runs import cpp_logits
+from random_models import move_off_neutral
 
 from llamatrain import api
 from llamatrain.gguf.file import read_gguf
@@ -57,15 +58,7 @@ def random_model(tokenizer: SpmTokenizer, seed: int = 0, **variant: Any) -> Llam
     """A random llama whose 1-D tensors (norms, biases, rope factors) are far from neutral."""
     torch.manual_seed(seed)
     model = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, **{**BASE, **variant}))
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if name.endswith(".bias"):
-                tensor.normal_(0.0, 0.1)
-            elif name == "rope_freqs.weight":  # Llama 3.1's shape: 1 for high, up to 8 for low
-                tensor.copy_(torch.linspace(1.0, 8.0, tensor.numel()))
-            elif tensor.dim() == 1:
-                tensor.uniform_(0.5, 1.5)
-    return model.eval()
+    return move_off_neutral(model).eval()
 
 
 @pytest.fixture(scope="module")

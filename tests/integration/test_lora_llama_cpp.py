@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 import torch
 from llama_cpp_runs import cpp_logits
+from random_models import move_off_neutral, randomly_adapted
 
 from llamatrain import api
 from llamatrain.data import SONNETS_PATH
 from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
-from llamatrain.lora import apply_lora, load_lora_state_dict, lora_state_dict, merge_lora
+from llamatrain.lora import apply_lora, load_lora_state_dict, merge_lora
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.tokenizer import SpmTokenizer, train_spm
 
@@ -67,21 +68,8 @@ def random_adapted_model(tokenizer: SpmTokenizer, **variant: Any) -> tuple[Llama
     """(the base, a copy of it with random nonzero LoRA on every target), both in eval mode."""
     torch.manual_seed(0)
     base = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, **{**BASE, **variant})).eval()
-    with torch.no_grad():  # norms and biases away from their neutral 1 and 0
-        for name, tensor in base.state_dict().items():
-            if name.endswith(".bias"):
-                tensor.normal_(0.0, 0.1)
-            elif tensor.dim() == 1:
-                tensor.uniform_(0.5, 1.5)
-    adapted = Llama(base.cfg).eval()
-    adapted.load_state_dict(base.state_dict())
-    apply_lora(adapted, RANK, ALPHA)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, tensor in lora_state_dict(adapted).items():
-            std = 0.05 if name.endswith("lora_b") else 0.2
-            tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
-    return base, adapted
+    move_off_neutral(base)
+    return base, randomly_adapted(base, RANK, ALPHA, std_a=0.2, std_b=0.05)
 
 
 def our_logits(model: Llama, ids: list[int]) -> np.ndarray:

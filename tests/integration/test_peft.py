@@ -19,13 +19,14 @@ import pytest
 import torch
 from llama_cpp_files import vocab_dir as vocab_dir  # llama.cpp's vocab files
 from peft import PeftModel
+from random_models import move_off_neutral, randomly_adapted
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from llamatrain import api
 from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
-from llamatrain.lora import apply_lora, lora_state_dict
+from llamatrain.lora import lora_state_dict
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
@@ -45,19 +46,8 @@ def tokenizer(vocab_dir: Path) -> Tokenizer:
 def base_and_adapted(tokenizer: Tokenizer) -> tuple[Llama, Llama]:
     torch.manual_seed(0)
     base = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, **SHAPE)).eval()
-    with torch.no_grad():
-        for name, tensor in base.state_dict().items():
-            if name.endswith(".bias"):
-                tensor.normal_(0.0, 0.1)
-    adapted = Llama(base.cfg).eval()
-    adapted.load_state_dict(base.state_dict())
-    apply_lora(adapted, RANK, ALPHA)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, tensor in lora_state_dict(adapted).items():
-            std = 0.1 if name.endswith("lora_b") else 0.3
-            tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
-    return base, adapted
+    move_off_neutral(base, norms=False)
+    return base, randomly_adapted(base, RANK, ALPHA, std_a=0.3, std_b=0.1)
 
 
 def peft_logits(base_folder: Path, adapter_folder: Path, ids: torch.Tensor) -> torch.Tensor:
