@@ -160,16 +160,21 @@ def _fresh_model(cfg: Config, paths: Sequence[Path]) -> tuple[Llama, Tokenizer, 
     """A new model (seeded) with its tokenizer, or the one ``model.init_from`` names; and the
     base model's keys its checkpoints and exports keep (``inherited_metadata``)."""
     if cfg.model.init_from:
-        base = read_model_source(cfg.model.init_from)
-        context = max(base.config.max_seq_len, cfg.data.n_ctx)
-        run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
-        return *_build(base, max_seq_len=context, **run_choices), base.inherited
+        return _from_base(cfg, read_model_source(cfg.model.init_from))
     tokenizer = build_tokenizer(cfg, paths)
     torch.manual_seed(cfg.train.seed)
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
     )
     return Llama(model_cfg), tokenizer, {}
+
+
+def _from_base(cfg: Config, base: LlamaFile) -> tuple[Llama, Tokenizer, dict]:
+    """The model of ``base`` with the run's choices; its context stays the base's unless the
+    run trains on longer windows."""
+    context = max(base.config.max_seq_len, cfg.data.n_ctx)
+    run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
+    return *_build(base, max_seq_len=context, **run_choices), base.inherited
 
 
 def _resumed_model(
@@ -182,7 +187,7 @@ def _resumed_model(
     """
     _check_same_kind(cfg, checkpoint)
     if checkpoint.adapter is not None:
-        model, tokenizer, _ = _fresh_model(cfg, paths)
+        model, tokenizer, _ = _from_base(cfg, checkpoint.base)
         return model, tokenizer
     if cfg.model.init_from:  # a finetune keeps its base model's architecture and vocabulary
         expected, tokenizer = checkpoint.config, checkpoint.tokenizer

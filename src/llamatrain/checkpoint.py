@@ -246,6 +246,9 @@ class Checkpoint:
     metadata: dict
     tensors: dict[str, torch.Tensor]  # every tensor in the file, optimizer state included
     adapter: LoraAdapter | None = None  # a LoRA run's: ``weights`` are then its tensors
+    base: LlamaFile | None = None
+    """A LoRA run's base as read to check it (a GGUF's header only), so that building the
+    model does not read it a second time (an HF base's weights would be)."""
 
     def restore_weights(self, model: Llama) -> None:
         """Load the weights into ``model``: all of them, or a LoRA run's adapters (``model``
@@ -320,8 +323,9 @@ def _load_lora_checkpoint(path: Path, base: str | Path | None) -> Checkpoint:
     state = _training_state(meta, tensors, base_file.config.vocab_size, base_file.inherited)
     state.lora_base = used
     return Checkpoint(
-        base_file.config, adapter.tensors, base_file.tokenizer, state, meta, tensors, adapter
-    )
+        base_file.config, adapter.tensors, base_file.tokenizer, state, meta, tensors, adapter,
+        base_file,
+    )  # fmt: skip
 
 
 def _training_state(
@@ -400,7 +404,7 @@ def read_model_source(path: str | Path) -> LlamaFile:
 def _merged_lora_run(checkpoint: Checkpoint) -> LlamaFile:
     """A LoRA checkpoint as the plain model it stands for: base W + s·B·A."""
     adapter = checkpoint.adapter
-    model = build_model(read_model_source(checkpoint.state.lora_base.path))
+    model = build_model(checkpoint.base)
     apply_lora(model, adapter.rank, adapter.alpha, targets=adapter.targets)
     checkpoint.restore_weights(model)
     merged = merge_lora(model)
