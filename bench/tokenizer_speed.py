@@ -22,7 +22,9 @@ Columns: the seconds of each run, ``MB/s`` = UTF-8 bytes / median seconds, ``vs 
 the ratio of MB/s, and ``ids`` whether the row's ids equal llama.cpp's in every run. Results
 go to ``bench/results/tokenize.json`` (``--json``) and the table to stdout.
 
-Usage: ``python bench/tokenize.py [--rounds N] [--vocab PATH] [--cache-dir DIR] [--json PATH]``.
+Usage: ``python bench/tokenizer_speed.py [--rounds N] [--vocab PATH] [--cache-dir DIR]
+[--json PATH]``. (Not ``tokenize.py``: run as a script, that name would shadow the standard
+library module ``inspect`` imports, and every bench script importing torch would fail.)
 Takes about a minute on 2 CPU cores. The latest figures are in ``bench/README.md``.
 """
 
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         "corpus_bytes": n_bytes,
         "load_avg_start": load_average(),
     }
-    print(f"bench/tokenize.py: {n_bytes / 1e6:.2f} MB of {SHAKESPEARE}, {args.vocab.name}")
+    print(f"bench/tokenizer_speed.py: {n_bytes / 1e6:.2f} MB of {SHAKESPEARE}, {args.vocab.name}")
     runs = [one_round(text, args.vocab, llm) for _ in range(args.rounds)]
     rows = summarize(runs, n_bytes)
     print_table(rows)
