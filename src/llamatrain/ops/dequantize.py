@@ -1,0 +1,198 @@
+"""GGUF block dequantization in torch, for a frozen quantized base weight (QLoRA).
+
+A QLoRA matmul keeps the base weight in its GGUF blocks and turns a chunk of rows back into
+floats inside every forward and backward. gguf-py's numpy dequantizers are exact but run on
+the CPU only and allocate several float copies; these decoders are pure tensor ops, so they
+run where the weight lives (CUDA too), vectorised over blocks with no Python loop. Each one
+follows ggml's ``dequantize_row_*`` (ggml-quants.c) operation for operation in float32, so
+the result is bit-for-bit what gguf-py and llama.cpp compute.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+QK_K = 256  # values per K-quant super-block
+
+Decoder = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _f16(field: torch.Tensor) -> torch.Tensor:
+    """A little-endian float16 field of every block (``(n, 2)`` bytes) as float32 ``(n, 1)``."""
+    return field.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _split_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unpack ``bits``-wide fields: ``(..., k, L)`` bytes -> ``(..., k, 8 // bits, L)``.
+
+    Field ``i`` of a byte is ``(byte >> bits * i) & mask``; ggml packs the ``i``-th field of
+    ``L`` consecutive bytes as ``L`` consecutive values, which this layout keeps in order.
+    """
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return (packed.unsqueeze(-2) >> shifts.view(-1, 1)) & ((1 << bits) - 1)
+
+
+def _low_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Bit ``i`` of a little-endian bit field of ``(n, nbytes)`` bytes as value ``i``."""
+    return _split_bits(packed.unsqueeze(-1), 1).flatten(1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """A 32-value block's 16 nibble bytes -> the low nibbles, then the high ones."""
+    return _split_bits(qs.unsqueeze(1), 4).flatten(1)
+
+
+def _decode_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[:, 2:].view(torch.int8).to(torch.float32) * _f16(blocks[:, :2])
+
+
+def _decode_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8
+    return _f16(blocks[:, :2]) * q.to(torch.float32)
+
+
+def _decode_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, 4:]).to(torch.float32)
+    return _f16(blocks[:, :2]) * q + _f16(blocks[:, 2:4])
+
+
+def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1 quants: low nibbles from ``qs`` with the fifth bit from the 32-bit ``qh``."""
+    return _nibbles(qs) | (_low_bits(qh) << 4)
+
+
+def _decode_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _five_bit(blocks[:, 2:6], blocks[:, 6:]).to(torch.int8) - 16
+    return _f16(blocks[:, :2]) * q.to(torch.float32)
+
+
+def _decode_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _five_bit(blocks[:, 4:8], blocks[:, 8:]).to(torch.float32)
+    return _f16(blocks[:, :2]) * q + _f16(blocks[:, 2:4])
+
+
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 8 six-bit scales and 8 six-bit mins from 12 packed bytes, as float32.
+
+    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the
+    same for the mins; bytes 8-11 the low nibbles of scales 4-7 and (high nibble) mins 4-7.
+    """
+    d, m, low = packed.reshape(-1, 3, 4).unbind(1)
+    scales = torch.cat([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mins = torch.cat([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return scales.to(torch.float32), mins.to(torch.float32)
+
+
+def _affine_k(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K: ``d * scale * q - dmin * min`` per 32-value sub-block."""
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    d = (_f16(blocks[:, :2]) * scales).unsqueeze(-1)
+    dm = (_f16(blocks[:, 2:4]) * mins).unsqueeze(-1)
+    return (d * q.reshape(-1, 8, 32).to(torch.float32) - dm).flatten(1)
+
+
+def _decode_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    return _affine_k(blocks, _split_bits(blocks[:, 16:].reshape(-1, 4, 32), 4))
+
+
+def _decode_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    low = _split_bits(blocks[:, 48:].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
+    high = _split_bits(blocks[:, 16:48].unsqueeze(1), 1).reshape(-1, 8, 32)
+    return _affine_k(blocks, low | (high << 4))
+
+
+def _decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    low = _split_bits(blocks[:, :128].reshape(-1, 2, 64), 4).reshape(-1, 8, 32)
+    high = _split_bits(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 8, 32)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(-1, 16, 16)
+    scales = blocks[:, 192:208].view(torch.int8).to(torch.float32)
+    d = (_f16(blocks[:, 208:]) * scales).unsqueeze(-1)
+    return (d * q.to(torch.float32)).flatten(1)
+
+
+def _decode_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    packed = blocks[:, :16]
+    dl = (_f16(blocks[:, 80:82]) * (packed & 0x0F).to(torch.float32)).unsqueeze(-1)
+    ml = (_f16(blocks[:, 82:]) * (packed >> 4).to(torch.float32)).unsqueeze(-1)
+    q = _split_bits(blocks[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)
+    return (dl * q.to(torch.float32) - ml).flatten(1)
+
+
+def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 16 six-bit signed scales from 12 bytes: low nibbles in bytes 0-7, top 2 bits
+    in bytes 8-11 (scale ``4 * s + k`` in bits ``2s`` of byte ``8 + k``)."""
+    low = _split_bits(packed[:, :8].unsqueeze(1), 4).flatten(1)
+    high = _split_bits(packed[:, 8:].unsqueeze(1), 2).flatten(1)
+    return ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
+
+
+def _decode_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    dl = (_f16(blocks[:, 108:]) * _q3_k_scales(blocks[:, 96:108])).unsqueeze(-1)
+    low = _split_bits(blocks[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)
+    # ggml subtracts 4 where the hmask bit is *clear*.
+    high = _split_bits(blocks[:, :32].unsqueeze(1), 1).reshape(-1, 16, 16) ^ 1
+    q = low.to(torch.int8) - (high << 2).to(torch.int8)
+    return (dl * q.to(torch.float32)).flatten(1)
+
+
+def _reinterpret(dtype: torch.dtype) -> Decoder:
+    """Decoder of an unquantized type: the bytes viewed as ``dtype``, widened to float32."""
+
+    def decode(blocks: torch.Tensor) -> torch.Tensor:
+        return blocks.contiguous().view(dtype).to(torch.float32)
+
+    return decode
+
+
+# name -> (values per block, bytes per block, decoder); sizes as ggml's type_traits.
+_FORMATS: dict[str, tuple[int, int, Decoder]] = {
+    "F32": (1, 4, _reinterpret(torch.float32)),
+    "F16": (1, 2, _reinterpret(torch.float16)),
+    "BF16": (1, 2, _reinterpret(torch.bfloat16)),
+    "Q8_0": (32, 34, _decode_q8_0),
+    "Q4_0": (32, 18, _decode_q4_0),
+    "Q4_1": (32, 20, _decode_q4_1),
+    "Q5_0": (32, 22, _decode_q5_0),
+    "Q5_1": (32, 24, _decode_q5_1),
+    "Q2_K": (QK_K, 84, _decode_q2_k),
+    "Q3_K": (QK_K, 110, _decode_q3_k),
+    "Q4_K": (QK_K, 144, _decode_q4_k),
+    "Q5_K": (QK_K, 176, _decode_q5_k),
+    "Q6_K": (QK_K, 210, _decode_q6_k),
+}
+
+DEQUANTIZABLE: frozenset[str] = frozenset(_FORMATS)
+
+
+def _format(qtype: str) -> tuple[int, int, Decoder]:
+    if qtype not in _FORMATS:
+        supported = ", ".join(sorted(DEQUANTIZABLE))
+        raise ValueError(f"cannot dequantize ggml type {qtype!r}; supported: {supported}")
+    return _FORMATS[qtype]
+
+
+def row_bytes(qtype: str, n_cols: int) -> int:
+    """Stored bytes of one row of ``n_cols`` values of ``qtype``."""
+    block_size, type_size, _ = _format(qtype)
+    if n_cols % block_size:
+        raise ValueError(f"{qtype} rows hold whole blocks of {block_size} values, got {n_cols}")
+    return n_cols // block_size * type_size
+
+
+def dequantize(
+    blocks: torch.Tensor, qtype: str, n_cols: int, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Rows of ``qtype`` blocks (uint8 ``(rows, row_bytes)``) as ``(rows, n_cols)`` ``dtype``.
+
+    Computed in float32 exactly as ggml does and cast last, so a half-precision result is
+    the float32 one rounded once.
+    """
+    block_size, type_size, decode = _format(qtype)
+    expected = row_bytes(qtype, n_cols)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != expected:
+        raise ValueError(
+            f"{qtype} rows of {n_cols} values need uint8 (rows, {expected}) bytes, "
+            f"got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    values = decode(blocks.reshape(-1, type_size))
+    return values.reshape(blocks.shape[0], n_cols).to(dtype)
