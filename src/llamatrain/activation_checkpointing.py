@@ -78,19 +78,30 @@ class CheckpointedBlocks(Blocks):
         super().__init__(blocks)
         self.segment = segment
 
-    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if cache is not None or not torch.is_grad_enabled():
-            return super().forward(x, rope, cache)
+            return super().forward(x, rope, cache, documents)
         blocks = list(self)
         for start in range(0, len(blocks), self.segment):
             segment = blocks[start : start + self.segment]
-            x = checkpoint(_run_segment, segment, x, rope, use_reentrant=False)
+            x = checkpoint(_run_segment, segment, x, rope, documents, use_reentrant=False)
         return x
 
 
-def _run_segment(blocks: list[torch.nn.Module], x: torch.Tensor, rope: Rope) -> torch.Tensor:
+def _run_segment(
+    blocks: list[torch.nn.Module],
+    x: torch.Tensor,
+    rope: Rope,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
     for block in blocks:
-        x = block(x, rope)
+        x = block(x, rope, documents=documents)
     return x
 
 

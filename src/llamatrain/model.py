@@ -213,9 +213,36 @@ def torch_rope(
     return out.flatten(-2).to(x.dtype)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Rope positions (B, T) of packed documents: each token's index within its document.
+
+    ``documents`` holds non-decreasing ids per row, so a document starts at the first index
+    holding its id, which ``searchsorted`` finds for every token at once.
+    """
+    if documents.dim() != 2 or bool((documents.diff(dim=1) < 0).any()):
+        raise ValueError(
+            f"documents must be (batch, seq) ids, non-decreasing along seq; got shape "
+            f"{tuple(documents.shape)}"
+        )
+    ids = documents.contiguous()
+    starts = torch.searchsorted(ids, ids)
+    return torch.arange(ids.shape[1], device=ids.device) - starts
+
+
+def _document_visible(documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean: query i sees key j iff j <= i in the same document (reference)."""
+    same = documents[:, :, None] == documents[:, None, :]
+    return same.tril_()[:, None]
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """SDPA with causal masking aligned to the end (queries are the last rows of the keys)."""
     t, t_kv = q.shape[-2], k.shape[-2]
+    if documents is not None:
+        mask = _document_visible(documents)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if t == t_kv:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     rows = torch.arange(t, device=q.device)[:, None] + (t_kv - t)
@@ -233,17 +260,34 @@ def _values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return p @ v.repeat_interleave(p.shape[1] // v.shape[1], dim=1)
 
 
-def _ggml_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The 2023 graph without flash attention: KQ, diag_mask_inf, soft_max(scale), KQV."""
+def _ggml_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The 2023 graph without flash attention: KQ, diag_mask_inf, soft_max(scale), KQV.
+
+    Packed documents add soft_max's additive mask (-inf across documents), as ggml's
+    ``soft_max_ext`` takes a KQ mask.
+    """
     masked = ggml_ops.diag_mask_inf(_scores(q, k), n_past=k.shape[-2] - q.shape[-2])
-    return _values(ggml_ops.soft_max(masked, scale=1.0 / math.sqrt(q.shape[-1])), v)
+    mask = None
+    if documents is not None:
+        hidden = ~_document_visible(documents)
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            hidden, float("-inf")
+        )
+    return _values(ggml_ops.soft_max(masked, mask, scale=1.0 / math.sqrt(q.shape[-1])), v)
 
 
-def _torch_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _torch_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     t, t_kv = q.shape[-2], k.shape[-2]
     scores = _scores(q, k) / math.sqrt(q.shape[-1])
-    future = torch.ones(t, t_kv, dtype=torch.bool, device=q.device).triu_(t_kv - t + 1)
-    return _values(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1), v)
+    if documents is not None:
+        hidden = ~_document_visible(documents)
+    else:
+        hidden = torch.ones(t, t_kv, dtype=torch.bool, device=q.device).triu_(t_kv - t + 1)
+    return _values(torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1), v)
 
 
 def _torch_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -382,7 +426,13 @@ class Block(nn.Module):
         self.ffn_up = Linear(cfg.dim, cfg.hidden_dim, ops, mlp)
         self.ffn_down = Linear(cfg.hidden_dim, cfg.dim, ops, mlp)
 
-    def attention(self, x: torch.Tensor, rope: Rope, cache: KVCache | None) -> torch.Tensor:
+    def attention(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        cache: KVCache | None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q = self.attn_q(x).view(b, t, self.cfg.n_heads, hd)
@@ -393,23 +443,36 @@ class Block(nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        out = self.ops.attention(q, k, v)  # (b, heads, t, hd), causal, end-aligned
+        out = self.ops.attention(q, k, v, documents=documents)  # (b, heads, t, hd), causal
         return self.attn_output(out.transpose(1, 2).reshape(b, t, -1))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ffn_down(self.ops.swiglu(self.ffn_gate(x), self.ffn_up(x)))
 
-    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attn_norm(x), rope, cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``documents`` (B, T): packed document ids; attention stays within each document."""
+        h = x + self.attention(self.attn_norm(x), rope, cache, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Blocks(nn.ModuleList):
     """The stack of blocks, run in order (a container others may replace; see module doc)."""
 
-    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         for block in self:
-            x = block(x, rope, cache)
+            x = block(x, rope, cache, documents)
         return x
 
 
@@ -464,11 +527,27 @@ class Llama(nn.Module):
         factors = None if self.rope_freqs is None else self.rope_freqs.weight
         return Rope(pos, self.cfg.rope_theta, 1.0 / self.cfg.rope_scaling_factor, factors)
 
-    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-normed hidden states (batch, seq, dim) — everything but the lm head."""
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states (batch, seq, dim) — everything but the lm head.
+
+        ``documents`` (batch, seq): ids of the documents packed into each row (non-decreasing);
+        each document then runs as if alone: rope positions restart at 0 at its first token
+        and its tokens attend only within it. Training only (no KV cache).
+        """
+        if documents is not None and cache is not None:
+            raise ValueError("documents (packed training rows) cannot be used with a KV cache")
         start = cache.length if cache is not None else 0
-        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        x = self.blk(self.ops.embedding(self.token_embd.weight, tokens), self.rope_for(pos), cache)
+        if documents is None:
+            pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        else:
+            pos = document_positions(documents)
+        x = self.ops.embedding(self.token_embd.weight, tokens)
+        x = self.blk(x, self.rope_for(pos), cache, documents)
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.output_norm(x)
@@ -479,21 +558,30 @@ class Llama(nn.Module):
         targets: torch.Tensor | None = None,
         *,
         cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (batch, seq, vocab); with ``targets`` (-100 = ignore) also the mean loss."""
-        logits = self.ops.linear(self.hidden_states(tokens, cache), self.lm_head_weight)
+        """Logits (batch, seq, vocab); with ``targets`` (-100 = ignore) also the mean loss.
+
+        ``documents``: see :meth:`hidden_states`.
+        """
+        hidden = self.hidden_states(tokens, cache, documents)
+        logits = self.ops.linear(hidden, self.lm_head_weight)
         if targets is None:
             return logits
         return logits, self.ops.cross_entropy(logits, targets)
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mean next-token loss for training, without returning logits.
 
         With the ggml op set the lm head and cross-entropy run fused over row chunks, so the
         (tokens x vocab) logits never exist at once — the largest tensor of a small-model,
         large-vocabulary step. Same value and gradients as ``forward(tokens, targets)[1]``.
+        ``documents``: see :meth:`hidden_states`.
         """
-        return self.ops.head_loss(self.hidden_states(tokens), self.lm_head_weight, targets)
+        hidden = self.hidden_states(tokens, documents=documents)
+        return self.ops.head_loss(hidden, self.lm_head_weight, targets)
 
     @torch.no_grad()
     def generate_stream(

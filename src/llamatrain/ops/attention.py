@@ -15,6 +15,12 @@ Peak extra memory is one score tile of ``B·H·block·seq_kv`` elements, linear 
 Grouped-query attention never materialises repeated K/V: q is viewed as
 ``(B, Hkv, G, T, D)`` and the G query heads that share a kv head are flattened into the rows
 of one batched matmul, so their K/V gradients are summed by the matmul itself.
+
+Packed documents: with ``documents`` (B, T) ids, non-decreasing along each row, the mask adds
+``-inf`` wherever ``doc_i != doc_j`` as well as where ``j > i``:
+``S_ij = Q_i·K_jᵀ·scale`` if ``j <= i`` and ``doc_i == doc_j``, else ``-inf``. Each block builds
+that mask as one (B, block, kv) bias tile from the ids (never T×T), and its kv columns start at
+the first document its rows belong to: earlier documents are invisible to all of them.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class _FlashAttn(torch.autograd.Function):
         causal: bool,
         scale: float,
         block: int,
+        documents: torch.Tensor | None,
     ) -> torch.Tensor:
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
@@ -96,6 +103,7 @@ class _FlashAttn(torch.autograd.Function):
         kt = k.to(cdt).transpose(-1, -2)
         vc = v.to(cdt)
 
+        kv_starts = None if documents is None else _block_kv_starts(documents, block)
         out = torch.empty(B, Hkv, G, T, D, dtype=cdt, device=q.device)
         lse = torch.empty(B, Hkv, G, T, 1, dtype=cdt, device=q.device)
         for i0 in range(0, T, block):
@@ -103,19 +111,23 @@ class _FlashAttn(torch.autograd.Function):
             n = i1 - i0
             kv_end = i1 + off if causal else S  # causal: later columns are all masked
             qb = q2[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
-            s = torch.matmul(qb, kt[..., :kv_end])  # (B, Hkv, G·n, kv_end), base-2 scores
-            if causal:
+            kv_start = 0 if kv_starts is None else kv_starts[i0 // block]
+            s = torch.matmul(qb, kt[..., kv_start:kv_end])  # (B, Hkv, G·n, kv), base-2 scores
+            if documents is not None:
+                s.view(B, Hkv, G, n, -1).add_(_document_bias(documents, i0, i1, kv_start, cdt))
+            elif causal:
                 s[..., kv_end - n :] += _causal_bias(n, G, cdt, q.device)
             m = s.amax(dim=-1, keepdim=True)
             p = s.sub_(m).exp2_()  # unnormalised softmax
             denom = p.sum(dim=-1, keepdim=True)
-            ob = torch.matmul(p, vc[:, :, :kv_end]).div_(denom)
+            ob = torch.matmul(p, vc[:, :, kv_start:kv_end]).div_(denom)
             out[:, :, :, i0:i1] = ob.view(B, Hkv, G, n, D)
             # lse = ln Σ_j exp(S_ij) = ln2·(m + log2 Σ_j 2^(S2_ij − m))
             lse[:, :, :, i0:i1] = denom.log2_().add_(m).mul_(_LN2).view(B, Hkv, G, n, 1)
 
         out = out.view(B, H, T, D).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.kv_starts = kv_starts
         ctx.causal = causal
         ctx.scale = scale
         ctx.block = block
@@ -135,7 +147,8 @@ class _FlashAttn(torch.autograd.Function):
             dQ_b = dS·K                          dK += dSᵀ·Q_b
         as ggml's 2023 ``flash_attn_back``; no T×T matrix outlives its block.
         """
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        kv_starts: list[int] | None = ctx.kv_starts
         causal: bool = ctx.causal
         scale: float = ctx.scale
         block: int = ctx.block
@@ -170,28 +183,32 @@ class _FlashAttn(torch.autograd.Function):
             i1 = min(i0 + block, T)
             n = i1 - i0
             kv_end = i1 + off if causal else S
+            kv_start = 0 if kv_starts is None else kv_starts[i0 // block]
             qab = qa[:, :, :, i0:i1].reshape(B, Hkv, G * n, D + 1)
             doab = doa[:, :, :, i0:i1].reshape(B, Hkv, G * n, D + 1)
             # S − lse, with S = Q·Kᵀ·scale (base 2), masked to -inf where causality hides a key.
-            p = torch.matmul(qab, ka_t[..., :kv_end])
-            if causal:
+            p = torch.matmul(qab, ka_t[..., kv_start:kv_end])
+            if documents is not None:
+                p.view(B, Hkv, G, n, -1).add_(_document_bias(documents, i0, i1, kv_start, cdt))
+            elif causal:
                 p[..., kv_end - n :] += _causal_bias(n, G, cdt, dev)
             # P = exp(S − lse): the forward softmax, rebuilt from the saved log-sum-exp.
             p.exp2_()
             # dV += Pᵀ·dO (the G heads sharing a kv head are rows of P, so this sums them).
             if need_v:
-                dv = _accumulate(dv, torch.matmul(p.transpose(-1, -2), doab[..., :D]))
+                dv = _accumulate(dv, torch.matmul(p.transpose(-1, -2), doab[..., :D]), kv_start, S)
             if not (need_q or need_k):
                 continue
             # dP = dO·Vᵀ, and dS = P ⊙ (dP − D)·scale (the scale is applied to dQ, dK below).
-            ds = torch.matmul(doab, va_t[..., :kv_end]).mul_(p)
+            ds = torch.matmul(doab, va_t[..., kv_start:kv_end]).mul_(p)
             # dQ = dS·K
             if need_q:
-                dq[:, :, :, i0:i1] = torch.matmul(ds, kc[:, :, :kv_end]).view(B, Hkv, G, n, D)
+                dq_b = torch.matmul(ds, kc[:, :, kv_start:kv_end])
+                dq[:, :, :, i0:i1] = dq_b.view(B, Hkv, G, n, D)
             # dK += dSᵀ·Q (summed over the G heads sharing the kv head, like dV). qab carries
             # scale·log2(e); the final ln(2) removes the log2(e).
             if need_k:
-                dk = _accumulate(dk, torch.matmul(ds.transpose(-1, -2), qab[..., :D]))
+                dk = _accumulate(dk, torch.matmul(ds.transpose(-1, -2), qab[..., :D]), kv_start, S)
 
         return (
             None if dq is None else dq.mul_(scale).view(B, H, T, D).to(q.dtype),
@@ -200,15 +217,72 @@ class _FlashAttn(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def _accumulate(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
-    """``total[..., :len(part), :] += part``, where the first part covers all of ``total``."""
+def _accumulate(
+    total: torch.Tensor | None, part: torch.Tensor, start: int, length: int
+) -> torch.Tensor:
+    """``total[..., start:start+len(part), :] += part`` over ``length`` kv rows.
+
+    The first part usually covers all of ``total`` and becomes it (no zero fill, no add); a
+    packed last block that skips earlier documents starts from zeros instead.
+    """
     if total is None:
-        return part
-    total[:, :, : part.shape[2]] += part
+        if start == 0 and part.shape[2] == length:
+            return part
+        total = part.new_zeros(*part.shape[:2], length, part.shape[3])
+    total[:, :, start : start + part.shape[2]] += part
     return total
+
+
+def _block_kv_starts(documents: torch.Tensor, block: int) -> list[int]:
+    """First kv column any row of each query block can see: its first document's start.
+
+    Ids are non-decreasing, so a row's document starts at the first index holding its id;
+    the earliest over the block is that of its first row, taken over the batch. One host sync
+    per forward.
+    """
+    firsts = documents[:, ::block].contiguous()
+    return torch.searchsorted(documents.contiguous(), firsts).amin(dim=0).tolist()
+
+
+def _document_bias(
+    documents: torch.Tensor, i0: int, i1: int, kv_start: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive (B, 1, 1, rows, kv) mask of a packed block: -inf unless same document and j <= i.
+
+    Broadcast over the kv heads and the G query heads of the block's rows; B·block·kv
+    elements, never T×T.
+    """
+    rows = documents[:, i0:i1, None]
+    cols = documents[:, None, kv_start:i1]
+    hidden = rows != cols
+    # Causality: key kv_start + c lies after query i0 + r where c - r > i0 - kv_start.
+    hidden |= torch.ones(i1 - i0, i1 - kv_start, dtype=torch.bool, device=documents.device).triu_(
+        1 + i0 - kv_start
+    )
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=documents.device)
+    return bias.masked_fill_(hidden, -math.inf)[:, None, None]
+
+
+def _validate_documents(
+    documents: torch.Tensor, q: torch.Tensor, seq_kv: int, causal: bool
+) -> None:
+    """Packed documents need plain self-attention: causal, queries and keys the same tokens."""
+    B, _, T, _ = q.shape
+    if not causal or seq_kv != T:
+        raise ValueError(
+            f"documents need causal self-attention (seq_kv == seq); got causal={causal}, "
+            f"seq={T}, seq_kv={seq_kv}"
+        )
+    if tuple(documents.shape) != (B, T):
+        raise ValueError(f"documents must be shaped ({B}, {T}); got {tuple(documents.shape)}")
+    if documents.dtype.is_floating_point or documents.dtype == torch.bool:
+        raise ValueError(f"documents must hold integer ids; got {documents.dtype}")
+    if documents.device != q.device:
+        raise ValueError(f"documents are on {documents.device}, q on {q.device}")
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
@@ -254,6 +328,7 @@ def flash_attn(
     causal: bool = True,
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention ``softmax(Q·Kᵀ·scale + mask)·V`` without storing the attention matrix.
 
@@ -269,15 +344,20 @@ def flash_attn(
         scale: score scale; defaults to ``1/sqrt(head_dim)``.
         block_size: query rows per block; only memory and speed depend on it, never the
             result beyond rounding.
+        documents: (batch, seq) integer ids of the packed documents each token belongs to,
+            non-decreasing along seq; query i then sees key j only if ``j <= i`` and both are
+            in the same document. Needs ``causal`` and seq_kv == seq.
 
     Returns:
         (batch, n_heads, seq, head_dim) in q's dtype. bf16/fp16 inputs are computed with
         float32 accumulation.
     """
     _validate(q, k, v, causal)
+    if documents is not None:
+        _validate_documents(documents, q, k.shape[2], causal)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     block = int(block_size)
     if block < 1:
         raise ValueError(f"block_size must be positive; got {block}")
-    return _FlashAttn.apply(q, k, v, causal, float(scale), block)
+    return _FlashAttn.apply(q, k, v, causal, float(scale), block, documents)
