@@ -3,12 +3,15 @@
 from llamatrain.model import Llama, ModelConfig
 
 _API = (
+    "chat",
     "export",
+    "export_adapter",
     "export_gguf",
     "export_hf",
     "fit",
     "generate_text",
     "load",
+    "load_chat",
     "load_gguf",
     "load_tokenizer",
     "perplexity",

@@ -8,6 +8,7 @@ lower modules.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -19,11 +20,12 @@ from typing import Any
 
 import torch
 
-from llamatrain import activation_checkpointing
+from llamatrain import activation_checkpointing, parallel
 from llamatrain.checkpoint import (
     Checkpoint,
     CheckpointManager,
     LoraBase,
+    build_lora_base,
     build_model,
     check_compatible,
     checkpoint_dir,
@@ -35,7 +37,9 @@ from llamatrain.checkpoint import (
 )
 from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, load_config
 from llamatrain.config import validate as validate_config
-from llamatrain.data import build_train_data, resolve_inputs
+from llamatrain.data import ChatTemplate, build_train_data, resolve_inputs
+from llamatrain.data.chat_template import BUILTIN_TEMPLATES
+from llamatrain.data.examples import prompt_ids, resolve_chat_template
 from llamatrain.device import configure_process, resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
 from llamatrain.evaluate import PerplexityResult, perplexity
@@ -44,7 +48,8 @@ from llamatrain.gguf.describe import describe_gguf
 from llamatrain.gguf.file import QUANTIZER_TYPES, verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_model, write_vocab
 from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
-from llamatrain.hf.folder import write_hf_folder
+from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
+from llamatrain.hf.peft import write_peft_adapter
 from llamatrain.lora import ALL_TARGETS, apply_lora, merge_lora
 from llamatrain.model import Llama
 from llamatrain.plot import can_plot, plot_metrics
@@ -62,6 +67,7 @@ from llamatrain.trainer import History, Trainer
 __all__ = [
     "FitResult",
     "PerplexityResult",
+    "chat",
     "describe_gguf",
     "export",
     "export_adapter",
@@ -70,6 +76,7 @@ __all__ = [
     "fit",
     "generate_text",
     "load",
+    "load_chat",
     "load_gguf",
     "load_tokenizer",
     "perplexity",
@@ -174,7 +181,11 @@ def _from_base(cfg: Config, base: LlamaFile) -> tuple[Llama, Tokenizer, dict]:
     run trains on longer windows."""
     context = max(base.config.max_seq_len, cfg.data.n_ctx)
     run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
-    return *_build(base, max_seq_len=context, **run_choices), base.inherited
+    base_dtype = cfg.lora.base_dtype if cfg.lora.rank else "f32"
+    model = build_lora_base(
+        base, base_dtype, _lora_targets(cfg), max_seq_len=context, **run_choices
+    )
+    return model, base.tokenizer, base.inherited
 
 
 def _resumed_model(
@@ -221,8 +232,12 @@ def _adapt(model: Llama, cfg: Config) -> None:
     if lora.rank == 0:
         return
     torch.manual_seed(cfg.train.seed)
-    targets = ALL_TARGETS if lora.targets is None else lora.targets
-    apply_lora(model, lora.rank, lora.alpha, lora.dropout, targets)
+    apply_lora(model, lora.rank, lora.alpha, lora.dropout, _lora_targets(cfg))
+
+
+def _lora_targets(cfg: Config) -> tuple[str, ...]:
+    """The projections ``[lora]`` adapts in every block."""
+    return ALL_TARGETS if cfg.lora.targets is None else tuple(cfg.lora.targets)
 
 
 def _lora_base(cfg: Config, checkpoint: Checkpoint | None) -> LoraBase | None:
@@ -251,11 +266,17 @@ def fit(
     Applies the device's process-wide settings (``llamatrain.device.configure_process``).
     One process at a time trains into a run folder: another's ``fit`` into the same
     ``output.dir`` raises RunInUseError naming this one's PID (``llamatrain.runlock``).
+    Under torchrun (``train.parallel``) every rank calls it: the ranks join for the run and
+    part after it, rank 0 holds the lock and writes; the others' result has no files.
     """
     cfg = _configure(config, overrides, dotted)
-    paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)  # a bad path makes no run folder
-    with run_lock(cfg.output.dir):
-        return _fit_locked(cfg, paths, resume, progress)
+    device = resolve_device(cfg.train.device)
+    with parallel.process_group(cfg.train.parallel, device, cfg.train.dist_timeout_s):
+        with parallel.main_first():  # rank 0 fetches a corpus the others then find in the cache
+            paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)  # a bad path: no folder
+        lock = run_lock(cfg.output.dir) if parallel.is_main() else contextlib.nullcontext()
+        with lock:
+            return _fit_locked(cfg, paths, resume, progress and parallel.is_main())
 
 
 def _fit_locked(
@@ -264,15 +285,23 @@ def _fit_locked(
     """``fit``'s run, while it holds the run folder's lock."""
     configure_process(resolve_device(cfg.train.device), bf16=cfg.train.dtype == "bfloat16")
     checkpoint = None
-    if resume:
-        manager = CheckpointManager(checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints)
-        base = cfg.model.init_from if cfg.lora.rank else None
-        checkpoint = load_checkpoint(manager.resolve(resume), base=base)
-        model, tokenizer = _resumed_model(cfg, checkpoint, paths)
-        inherited = checkpoint.state.inherited
-    else:
-        model, tokenizer, inherited = _fresh_model(cfg, paths)
-    data = build_train_data(cfg, tokenizer, paths=paths, progress=progress)
+    with parallel.main_first():  # tokenizer and token caches are written by rank 0 alone
+        if resume:
+            manager = CheckpointManager(checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints)
+            base = cfg.model.init_from if cfg.lora.rank else None
+            checkpoint = load_checkpoint(manager.resolve(resume), base=base)
+            model, tokenizer = _resumed_model(cfg, checkpoint, paths)
+            inherited = checkpoint.state.inherited
+        else:
+            model, tokenizer, inherited = _fresh_model(cfg, paths)
+        data = build_train_data(
+            cfg,
+            tokenizer,
+            paths=paths,
+            progress=progress,
+            model_template=inherited.get(CHAT_TEMPLATE_KEY),
+        )
+    inherited = _with_chat_template(inherited, data.chat_template)
     _adapt(model, cfg)
     activation_checkpointing.apply(
         model,
@@ -283,8 +312,9 @@ def _fit_locked(
         autocast=torch.bfloat16 if cfg.train.dtype == "bfloat16" else None,
     )
     run_dir = Path(cfg.output.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(config_to_toml(cfg))
+    if parallel.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_to_toml(cfg))
     trainer = Trainer(
         model,
         cfg,
@@ -297,24 +327,36 @@ def _fit_locked(
     if checkpoint is not None:
         trainer.load_state(checkpoint)
     history = trainer.fit()
+    model = parallel.whole_model(trainer.model)
+    if not parallel.is_main():
+        return FitResult(cfg, model, tokenizer, history, run_dir, export_path=None)
     adapter_path = None
     if cfg.lora.rank:
         adapter_path = write_lora_adapter(
-            run_dir / "adapter-f32.gguf", trainer.model, alpha=cfg.lora.alpha, inherited=inherited
+            run_dir / "adapter-f32.gguf", model, alpha=cfg.lora.alpha, inherited=inherited
         )
     export_path = None
     if cfg.output.export:
         export_path = export_gguf(
-            merge_lora(trainer.model) if cfg.lora.rank else trainer.model,
+            merge_lora(model) if cfg.lora.rank else model,
             tokenizer,
             run_dir / f"model-{cfg.output.export_type}.gguf",
             type=cfg.output.export_type,
             inherited=inherited,
         )
     curves = _write_curves(run_dir)
-    return FitResult(
-        cfg, trainer.model, tokenizer, history, run_dir, export_path, curves, adapter_path
-    )
+    return FitResult(cfg, model, tokenizer, history, run_dir, export_path, curves, adapter_path)
+
+
+def _with_chat_template(
+    inherited: Mapping[str, Any], template: ChatTemplate | None
+) -> Mapping[str, Any]:
+    """``inherited`` with the chat template the run's conversations were rendered with (the
+    model's own, or the built-in one ``data.chat_template`` chose in its place): checkpoints and
+    exports then carry it, so llama.cpp chats with the model the way it was trained."""
+    if template is None:
+        return inherited
+    return {**inherited, CHAT_TEMPLATE_KEY: template.source}
 
 
 def _write_curves(run_dir: Path) -> Path | None:
@@ -422,9 +464,13 @@ def export(source: str | Path, path: str | Path, type: str = "f32", format: str 
     return export_gguf(model, tokenizer, path, type=type, inherited=source_file.inherited)
 
 
-def export_adapter(source: str | Path, path: str | Path) -> Path:
-    """Write a LoRA run's adapter (its folder's latest checkpoint, or a LoRA checkpoint) as
-    the adapter GGUF llama.cpp applies with ``--lora`` over the base; the base is not read."""
+def export_adapter(source: str | Path, path: str | Path, format: str = "gguf") -> Path:
+    """Write a LoRA run's adapter (its folder's latest checkpoint, or a LoRA checkpoint): the
+    adapter GGUF llama.cpp applies with ``--lora`` over the base (the base is not read), or
+    with ``format="hf"`` a PEFT adapter folder for the HF export of the base (the base is read,
+    and checked against the sha256 the run recorded, for the layout of its q/k rows)."""
+    if format not in EXPORT_FORMATS:
+        raise ConfigError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
     checkpoint_file = model_file(source)
     if not is_lora_checkpoint(checkpoint_file):
         raise ConfigError(
@@ -432,6 +478,10 @@ def export_adapter(source: str | Path, path: str | Path) -> Path:
             "without --adapter"
         )
     verify_gguf(checkpoint_file)
+    if format == "hf":
+        checkpoint = load_checkpoint(checkpoint_file)
+        adapter = checkpoint.adapter
+        return write_peft_adapter(path, adapter.tensors, checkpoint.config, alpha=adapter.alpha)
     adapter = read_lora_adapter(checkpoint_file)
     return write_lora_adapter(
         path,
@@ -460,15 +510,29 @@ def generate_text(
     ``params`` defaults to llama.cpp's sampler settings (``SamplingParams()``); ``allowed``
     restricts the vocabulary (e.g. to :func:`seen_tokens`).
     """
-    prompt_ids = tokenizer.encode(prompt, bos=True)
-    model.eval()
+    ids = tokenizer.encode(prompt, bos=True)
     stop = frozenset({tokenizer.eos_id})
+    return _continuation(model, tokenizer, ids, stop, max_tokens, params, seed, allowed)
+
+
+def _continuation(
+    model: Llama,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    stop: frozenset[int],
+    max_tokens: int,
+    params: SamplingParams | None,
+    seed: int | None,
+    allowed: torch.Tensor | None = None,
+) -> Iterator[str]:
+    """The text after ``prompt_ids``, decoded as it grows, until a ``stop`` token."""
+    model.eval()
     prompt = torch.tensor([prompt_ids])
     stream = model.generate_stream(prompt, max_tokens, params, seed, stop, allowed=allowed)
     new: list[int] = []
     shown = tokenizer.decode(prompt_ids)
     for token in stream:
-        if token.item() == tokenizer.eos_id:
+        if token.item() in stop:
             break
         new.append(token.item())
         text = tokenizer.decode(prompt_ids + new)
@@ -476,3 +540,70 @@ def generate_text(
             continue  # a multi-byte character is still arriving byte token by byte token
         yield text[len(shown) :]
         shown = text
+
+
+def load_chat(
+    path: str | Path, template: str = "auto", ops: str = "ggml"
+) -> tuple[Llama, Tokenizer, ChatTemplate]:
+    """:func:`load` plus the chat template to talk to the model with: its own
+    (``tokenizer.chat_template``, which a chat run's checkpoints and exports carry), or a
+    built-in one by name (chatml, llama-3, llama-2)."""
+    source = read_model_source(path)
+    model, tokenizer = _build(source, ops=ops)
+    chosen = resolve_chat_template(template, source.inherited.get(CHAT_TEMPLATE_KEY), tokenizer)
+    if chosen is None:
+        raise ConfigError(
+            f"{path} has no chat template (tokenizer.chat_template); choose one of "
+            f"{', '.join(BUILTIN_TEMPLATES)} (--chat-template NAME)"
+        )
+    return model, tokenizer, chosen
+
+
+def chat(
+    model: Llama,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    message: str,
+    *,
+    max_tokens: int = 128,
+    params: SamplingParams | None = None,
+    seed: int | None = None,
+) -> Iterator[str]:
+    """Stream the model's reply to one user ``message``, rendered with ``template`` as its
+    training conversations were, up to the template's end-of-turn marker (or EOS).
+
+    The marker is one control token in a chat model's vocabulary (``<|im_end|>``,
+    ``<|eot_id|>``) and generation stops on it; where the vocabulary spells it in several
+    tokens, the reply is cut where its text appears.
+    """
+    prompt = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+    marker = template.end_of_turn
+    marker_ids = tokenizer.encode(marker, special=True)
+    stop = {tokenizer.eos_id} | ({marker_ids[0]} if len(marker_ids) == 1 else set())
+    pieces = _continuation(
+        model, tokenizer, prompt_ids(tokenizer, prompt), frozenset(stop), max_tokens, params, seed
+    )
+    return _reply(pieces, marker)
+
+
+def _reply(pieces: Iterator[str], marker: str) -> Iterator[str]:
+    """The assistant's words in ``pieces``: without the whitespace the template puts before a
+    reply (llama-2's ``[/INST] ``), up to the first ``marker``; the last ``len(marker) - 1``
+    characters are held back until they cannot be the start of it."""
+    held, started = "", False
+    for piece in pieces:
+        held += piece
+        if not started:
+            held = held.lstrip()
+            started = bool(held)
+        at = held.find(marker)
+        if at >= 0:
+            if held[:at]:
+                yield held[:at]
+            return
+        keep = len(marker) - 1
+        if len(held) > keep:
+            yield held[: len(held) - keep]
+            held = held[len(held) - keep :]
+    if held:
+        yield held

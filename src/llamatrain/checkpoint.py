@@ -30,17 +30,23 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from llamatrain.errors import CheckpointError
+from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.gguf.adapter import LoraAdapter, read_lora_adapter, write_lora_adapter
-from llamatrain.gguf.file import read_gguf_metadata, read_tensors_into, verify_gguf
+from llamatrain.gguf.file import (
+    read_gguf_metadata,
+    read_stored_into,
+    read_tensors_into,
+    verify_gguf,
+)
 from llamatrain.gguf.llama import LlamaFile, read_model, write_model
-from llamatrain.hf.folder import read_hf_folder
+from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, read_hf_folder
 from llamatrain.hf.weights import weight_files
 from llamatrain.lora import (
     apply_lora,
@@ -48,8 +54,11 @@ from llamatrain.lora import (
     lora_modules,
     lora_state_dict,
     merge_lora,
+    store_frozen_targets,
+    stored_type,
 )
 from llamatrain.model import Llama, ModelConfig
+from llamatrain.parallel import any_rank, gathered, is_main, local_tensor, reshard, shard_like
 from llamatrain.tokenizer import Tokenizer
 
 FILE_VERSION = 1
@@ -58,6 +67,10 @@ DIVERGED_FIX = "Lower optim.lr, keep optim.grad_clip on, or check the data"
 """The advice for a run whose loss or weights stopped being finite."""
 BASE_PATH_KEY = "training.lora.base"
 BASE_SHA256_KEY = "training.lora.base_sha256"
+CHAT_TEMPLATE_RUN_KEY = "training.lora.chat_template"
+"""The chat template a LoRA run's conversations were rendered with. An adapter keeps only the
+base's ``general.*`` keys, so a template the run chose (the base had none) is recorded here and
+the run then loads, chats and exports with it."""
 
 
 @dataclass(frozen=True)
@@ -126,15 +139,18 @@ def _trained(model: Llama) -> list[torch.nn.Parameter]:
 
 
 def _adam_tensors(model: Llama, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Flatten AdamW's moments into the 2023 layout (zeros before the first step)."""
+    """Flatten AdamW's moments into the 2023 layout (zeros before the first step); FSDP's
+    shards are gathered (every rank takes part) and only rank 0 gets them."""
     first, second = [], []
     for p in _trained(model):
         state = optimizer.state.get(p, {})
-        first.append(state.get("exp_avg", torch.zeros_like(p)).detach().float().flatten().cpu())
-        second.append(state.get("exp_avg_sq", torch.zeros_like(p)).detach().float().flatten().cpu())
+        first.append(gathered(state.get("exp_avg", torch.zeros_like(p))))
+        second.append(gathered(state.get("exp_avg_sq", torch.zeros_like(p))))
+    if not is_main():
+        return {}
     return {
-        "optimizer.adam.first_moments": torch.cat(first),
-        "optimizer.adam.second_moments": torch.cat(second),
+        "optimizer.adam.first_moments": torch.cat([t.flatten() for t in first]),
+        "optimizer.adam.second_moments": torch.cat([t.flatten() for t in second]),
     }
 
 
@@ -152,8 +168,8 @@ def _restore_adam(model: Llama, optimizer: torch.optim.Optimizer, tensors: dict,
         step_device = p.device if getattr(optimizer, "defaults", {}).get("fused") else "cpu"
         optimizer.state[p] = {
             "step": torch.tensor(float(step), dtype=torch.float32, device=step_device),
-            "exp_avg": first[offset : offset + n].view_as(p).to(p.device, p.dtype).clone(),
-            "exp_avg_sq": second[offset : offset + n].view_as(p).to(p.device, p.dtype).clone(),
+            "exp_avg": shard_like(first[offset : offset + n], p).clone(),
+            "exp_avg_sq": shard_like(second[offset : offset + n], p).clone(),
         }
         offset += n
 
@@ -166,11 +182,18 @@ def save_checkpoint(
     state: TrainingState,
 ) -> Path:
     """Write one resumable GGUF checkpoint atomically: the model, or for a LoRA run
-    (``state.lora_base``) the adapter, with the training state."""
+    (``state.lora_base``) the adapter, with the training state.
+
+    Under torch.distributed every rank calls it: an FSDP model's shards are gathered, and rank
+    0 alone writes the file.
+    """
+    reshard(model)
     extra_kv, extra_tensors = _training_extras(model, optimizer, state)
-    if state.lora_base is not None:
+    if state.lora_base is not None:  # DDP at most (validate): every rank holds the adapters
         return _save_lora_checkpoint(path, model, state, extra_kv, extra_tensors)
-    tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    tensors = {k: gathered(v) for k, v in model.state_dict().items()}
+    if not is_main():
+        return Path(path)
     return write_model(
         path,
         model.cfg,
@@ -191,9 +214,13 @@ def _save_lora_checkpoint(
     extra_kv: dict[str, object],
     extra_tensors: dict[str, torch.Tensor],
 ) -> Path:
-    """The adapter GGUF plus the training state and the base it adapts."""
+    """The adapter GGUF plus the training state and the base it adapts (rank 0 writes)."""
+    if not is_main():
+        return Path(path)
     extra_kv[BASE_PATH_KEY] = state.lora_base.path
     extra_kv[BASE_SHA256_KEY] = state.lora_base.sha256
+    if CHAT_TEMPLATE_KEY in state.inherited:
+        extra_kv[CHAT_TEMPLATE_RUN_KEY] = state.inherited[CHAT_TEMPLATE_KEY]
     _, first = next(lora_modules(model))
     return write_lora_adapter(
         path,
@@ -254,7 +281,9 @@ class Checkpoint:
         """Load the weights into ``model``: all of them, or a LoRA run's adapters (``model``
         is then the base, adapted as the run was)."""
         if self.adapter is None:
-            model.load_state_dict(self.weights)
+            reshard(model)
+            params = model.state_dict()
+            model.load_state_dict({k: shard_like(v, params[k]) for k, v in self.weights.items()})
         else:
             load_lora_state_dict(model, self.weights)
 
@@ -320,7 +349,10 @@ def _load_lora_checkpoint(path: Path, base: str | Path | None) -> Checkpoint:
             f"base, unchanged ({recorded.path})"
         )
     base_file = read_model_source(used.path)
-    state = _training_state(meta, tensors, base_file.config.vocab_size, base_file.inherited)
+    inherited = dict(base_file.inherited)
+    if CHAT_TEMPLATE_RUN_KEY in meta:
+        inherited[CHAT_TEMPLATE_KEY] = meta[CHAT_TEMPLATE_RUN_KEY]
+    state = _training_state(meta, tensors, base_file.config.vocab_size, inherited)
     state.lora_base = used
     return Checkpoint(
         base_file.config, adapter.tensors, base_file.tokenizer, state, meta, tensors, adapter,
@@ -420,12 +452,57 @@ def build_model(source: LlamaFile, **changes: object) -> Llama:
     once, where loading a state dict holds a float copy of every weight beside it.
     """
     model = Llama(dataclasses.replace(source.config, **changes))
-    header_only = any(tensor.is_meta for tensor in source.tensors.values())
-    if header_only and source.contents is not None:
+    if _header_only(source) and source.contents is not None:
         read_tensors_into(source.contents.path, model.state_dict())
     else:
         model.load_state_dict(source.tensors, strict=True)
     return model
+
+
+def build_lora_base(
+    source: LlamaFile, base_dtype: str, targets: Sequence[str], **changes: object
+) -> Llama:
+    """:func:`build_model` for a LoRA run whose frozen ``targets`` are kept as ``base_dtype``
+    (``[lora] base_dtype``): bf16/f16, or ``quantized`` (each as the GGUF stores it).
+
+    The model is laid out on the meta device, the targets are given their narrow storage, and
+    only then is memory allocated and the file read into it (stored bytes as they are, or
+    one float32 tensor at a time for a cast): a float32 copy of the targets never exists, so
+    loading peaks at the model's final size. Anything else stays float32.
+    """
+    if base_dtype == "f32":
+        return build_model(source, **changes)
+    from_gguf = _header_only(source) and source.contents is not None
+    if base_dtype == "quantized" and not from_gguf:
+        raise ConfigError(
+            "lora.base_dtype = 'quantized' keeps a GGUF's blocks, but the base is not a GGUF "
+            "file; point model.init_from at a quantized GGUF or choose bf16 or f16"
+        )
+    cfg = dataclasses.replace(source.config, **changes)
+    file_types = source.contents.tensor_types if from_gguf else {}
+    names = [f"blk.{i}.{target}.weight" for i in range(cfg.n_layers) for target in targets]
+    types = {name: stored_type(base_dtype, file_types.get(name, "F32"), name) for name in names}
+    with torch.device("meta"):
+        model = Llama(cfg)
+        store_frozen_targets(model, types)
+    model.to_empty(device="cpu")
+    if not from_gguf:
+        model.load_state_dict(source.tensors, strict=True)  # copy_ rounds to the storage
+        return model
+    state, path = model.state_dict(), source.contents.path
+    read_tensors_into(path, {name: t for name, t in state.items() if name not in types})
+    as_stored = [name for name in names if types[name] == file_types.get(name)]
+    read_stored_into(path, {name: state[name] for name in as_stored})
+    for name in set(names) - set(as_stored):  # cast: a tensor's float32 copy at a time
+        wide = torch.empty(state[name].shape, dtype=torch.float32)
+        read_tensors_into(path, {name: wide})
+        state[name].copy_(wide)
+    return model
+
+
+def _header_only(source: LlamaFile) -> bool:
+    """Whether ``source`` was read without its tensor data (``read_model(tensor_data=False)``)."""
+    return any(tensor.is_meta for tensor in source.tensors.values())
 
 
 def check_compatible(checkpoint: Checkpoint, model_cfg: ModelConfig, tokenizer: Tokenizer) -> None:
@@ -461,13 +538,17 @@ def _write_failure(err: OSError) -> str:
 
 def _check_finite_weights(model: Llama, step: int, kept: str) -> None:
     """Refuse to save a diverged model: the update after a NaN gradient can leave NaN weights
-    while the loss that step reported was still finite."""
-    for name, weight in model.named_parameters():
-        if not torch.isfinite(weight).all():
-            raise CheckpointError(
-                f"weight {name} is not finite at step {step}, so it is not saved; {kept}. "
-                + DIVERGED_FIX
-            )
+    while the loss that step reported was still finite. Every rank checks its shard and all
+    refuse together, so none waits for a save that is not coming."""
+    bad = next(
+        (n for n, w in model.named_parameters() if not torch.isfinite(local_tensor(w)).all()),
+        None,
+    )
+    if any_rank(bad is not None):
+        raise CheckpointError(
+            f"weight {bad or 'on another rank'} is not finite at step {step}, so it is not "
+            f"saved; {kept}. " + DIVERGED_FIX
+        )
 
 
 class CheckpointManager:
@@ -501,6 +582,8 @@ class CheckpointManager:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             path = save_checkpoint(self.path_for(state.step), model, tokenizer, optimizer, state)
+            if not is_main():
+                return path  # rank 0 writes, points latest.gguf and prunes
             self._point_latest_at(path)
         except OSError as err:
             raise CheckpointError(

@@ -21,9 +21,11 @@ from llamatrain.sampling import SamplingParams
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from llamatrain import api
+    from llamatrain import api, parallel
 
     result = api.fit(args.config, overrides=args.set, resume=args.resume)
+    if not parallel.is_main():
+        return 0  # under torchrun rank 0 reports for all
     if result.history.stopped:
         print(f"stopped early at step {result.history.train[-1]['step']}: {result.history.stopped}")
     print("\n".join(result.history.report.lines()))
@@ -45,8 +47,18 @@ def cmd_fit(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from llamatrain import api
 
-    model, tokenizer = api.load(args.checkpoint)
     params = SamplingParams(**{f.name: getattr(args, f.name) for f in fields(SamplingParams)})
+    if args.chat is not None:
+        model, tokenizer, template = api.load_chat(args.checkpoint, args.chat_template)
+        reply = api.chat(
+            model, tokenizer, template, args.chat, max_tokens=args.max_tokens, params=params,
+            seed=args.seed,
+        )  # fmt: skip
+        for piece in reply:
+            print(piece, end="", flush=True)
+        print()
+        return 0
+    model, tokenizer = api.load(args.checkpoint)
     allowed = api.seen_tokens(args.checkpoint) if args.seen_tokens_only else None
     stream = api.generate_text(
         model,
@@ -81,12 +93,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from llamatrain import api
 
     if args.adapter:
-        if args.type != "f32" or args.format != "gguf":
-            raise ConfigError(
-                "--adapter writes llama.cpp's f32 adapter GGUF; drop --type and --format"
-            )
-        path = api.export_adapter(args.checkpoint, args.output)
-        print(f"wrote {path} ({path.stat().st_size:,} bytes, LoRA adapter, f32)")
+        if args.type != "f32":
+            raise ConfigError("--adapter writes the adapter in float32; drop --type")
+        path = api.export_adapter(args.checkpoint, args.output, format=args.format)
+        if args.format == "hf":
+            print(f"wrote {path}/ (PEFT adapter folder, float32)")
+        else:
+            print(f"wrote {path} ({path.stat().st_size:,} bytes, LoRA adapter, f32)")
         return 0
     path = api.export(args.checkpoint, args.output, type=args.type, format=args.format)
     if args.format == "hf":
@@ -148,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="sample text from a checkpoint or GGUF model")
     gen.add_argument("checkpoint")
     gen.add_argument("--prompt", default="")
+    gen.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="reply to one user message, rendered with the model's chat template, up to the "
+        "end of the assistant's turn (instead of continuing --prompt)",
+    )
+    gen.add_argument(
+        "--chat-template",
+        default="auto",
+        metavar="NAME",
+        help="for --chat: auto (the model's own, default), chatml, llama-3 or llama-2",
+    )
     gen.add_argument("--max-tokens", type=int, default=128)
     for f in fields(SamplingParams):  # llama.cpp's flag names, SamplingParams' defaults
         flag = "--" + f.name.replace("_", "-")
@@ -188,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--adapter",
         action="store_true",
-        help="write a LoRA run's adapter (llama.cpp's --lora file, f32) instead of the model "
-        "with the adapter merged in",
+        help="write a LoRA run's adapter instead of the model with the adapter merged in: "
+        "llama.cpp's --lora file (f32), or with --format hf a PEFT adapter folder",
     )
     ex.set_defaults(func=cmd_export)
 

@@ -18,29 +18,35 @@ import torch
 
 from llamatrain.data import check_text_file, read_text
 from llamatrain.errors import DataError
-from llamatrain.model import Llama
+from llamatrain.model import IGNORE_INDEX, Llama
 from llamatrain.tokenizer import Tokenizer
 
 
 @torch.no_grad()
 def validation_metrics(
     model: Llama,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[tuple[torch.Tensor, ...]],
     device: torch.device,
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> dict[str, float]:
-    """Mean loss, perplexity and next-token accuracy over ``batches``, weighted by tokens."""
+    """Mean loss, perplexity and next-token accuracy over the scored targets of ``batches``
+    (``(inputs, targets)`` or ``(inputs, targets, documents)``; targets -100 are not scored),
+    each batch weighted by its scored count."""
     was_training = model.training
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     try:
-        for inputs, targets in batches:
+        for inputs, targets, *rest in batches:
             inputs, targets = inputs.to(device), targets.to(device)
+            documents = rest[0] if rest else None
+            packed = {} if documents is None else {"documents": documents.to(device)}
             with autocast or contextlib.nullcontext():
-                logits, loss = model(inputs, targets)
-            loss_sum += loss.item() * targets.numel()
-            correct += (logits.argmax(-1) == targets).sum().item()
-            count += targets.numel()
+                logits, loss = model(inputs, targets, **packed)
+            scored = targets != IGNORE_INDEX
+            n_scored = int(scored.sum())
+            loss_sum += loss.item() * n_scored
+            correct += ((logits.argmax(-1) == targets) & scored).sum().item()
+            count += n_scored
     finally:
         model.train(was_training)
     val_loss = loss_sum / max(count, 1)

@@ -14,6 +14,12 @@ kaiming-uniform with a = sqrt(5), as ``nn.Linear`` does; B zero), so a freshly a
 computes exactly what the base computes. Everything else in the model is frozen too: a LoRA
 run trains the adapters alone.
 
+The frozen base may be kept narrower than float32 (``[lora] base_dtype``):
+:func:`store_frozen_targets` puts a :class:`FrozenLinear` — bf16/f16 floats, or the GGUF
+file's own blocks (QLoRA) — in place of each target before the weights are read, and
+:class:`LoraLinear` adapts it as it adapts a ``Linear``; the matmul widens it a chunk of rows
+at a time (``ops.lora``). Adapters stay float32.
+
 :func:`merge_lora` folds the adapters into a plain ``Llama`` (W + s·B·A, what llama.cpp's
 ``llama-export-lora`` writes); :func:`lora_state_dict` and :func:`load_lora_state_dict` move
 the adapter tensors alone.
@@ -29,18 +35,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from llamatrain import ops
-from llamatrain.errors import ConfigError
+from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.adapter import ALL_TARGETS, LORA_SUFFIXES
 from llamatrain.model import Linear, Llama
+from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
+from llamatrain.ops.lora import dense_weight
 
 __all__ = [
     "ALL_TARGETS",
+    "BASE_DTYPES",
+    "FrozenLinear",
     "LoraLinear",
     "apply_lora",
     "load_lora_state_dict",
     "lora_modules",
     "lora_state_dict",
     "merge_lora",
+    "store_frozen_targets",
+    "stored_type",
     "trainable_parameter_count",
 ]
 
@@ -50,21 +62,91 @@ _LORA_OPS: dict[str, Callable[..., torch.Tensor]] = {
 }
 """The adapted matmul of each op set (``ModelConfig.ops``)."""
 
+_FLOAT_TYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+}
+"""ggml float types, kept as torch floats (their bytes as they are) rather than as blocks."""
+
+BASE_DTYPES: dict[str, str | None] = {"f32": "F32", "bf16": "BF16", "f16": "F16", "quantized": None}
+"""``[lora] base_dtype`` -> the ggml type the frozen targets are kept in (None: the file's)."""
+
+
+def stored_type(base_dtype: str, file_type: str, name: str) -> str:
+    """The ggml type a frozen target ``name`` is kept in: ``base_dtype``'s, or for
+    ``quantized`` the file's own if ``ops.dequantize`` reads it (GGUFError otherwise)."""
+    wanted = BASE_DTYPES[base_dtype]
+    if wanted is not None:
+        return wanted
+    if file_type not in DEQUANTIZABLE:
+        readable = ", ".join(sorted(DEQUANTIZABLE))
+        raise GGUFError(
+            f"lora.base_dtype = 'quantized' cannot keep {name}, stored as {file_type}; "
+            f"requantize the base with llama-quantize to one of {readable} (e.g. Q4_K_M)"
+        )
+    return file_type
+
+
+class FrozenLinear(nn.Module):
+    """A frozen projection kept as ``stored`` (a ggml type name): a float buffer for F32,
+    BF16 and F16, uint8 blocks (out, row_bytes) for a quantized type. Buffers, since no
+    optimizer may touch them and a quantized one cannot hold a gradient; an uninitialised
+    shell meant to be filled from a file (``checkpoint.build_lora_base``)."""
+
+    def __init__(self, base: Linear, stored: str) -> None:
+        super().__init__()
+        n_out, n_in = base.weight.shape
+        self.qtype = None if stored in _FLOAT_TYPES else stored
+        like = {"device": base.weight.device}
+        if self.qtype is None:
+            weight = torch.empty(n_out, n_in, dtype=_FLOAT_TYPES[stored], **like)
+        else:
+            shape = (n_out, row_bytes(self.qtype, n_in))
+            weight = torch.empty(shape, dtype=torch.uint8, **like)
+        self.register_buffer("weight", weight)
+        self.bias = None if base.bias is None else base.bias.requires_grad_(False)
+        self.in_features = n_in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dense_weight(self.weight, self.qtype, self.in_features, x.dtype)
+        return F.linear(x, weight, self.bias)
+
+
+def store_frozen_targets(model: Llama, types: Mapping[str, str]) -> None:
+    """Replace each projection named in ``types`` (``{"blk.0.attn_q.weight": "Q4_K", …}``)
+    with an empty :class:`FrozenLinear` of that type, to read the base's weights into."""
+    for name, stored in types.items():
+        parent_name, target = name.removesuffix(".weight").rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, target, FrozenLinear(getattr(parent, target), stored))
+
 
 class LoraLinear(nn.Module):
     """A frozen projection plus a trainable low-rank update: y = x·Wᵀ + s·B·A·x' (+ bias).
 
-    ``weight`` and ``bias`` are the base ``Linear``'s own parameters (not copies), so
-    optimizers, state dicts and exports see the same tensors under the same names. x' is x
-    after dropout on the adapter path, while training (PEFT's placement).
+    ``weight`` and ``bias`` are the base's own tensors (not copies), so optimizers, state
+    dicts and exports see the same tensors under the same names: a ``Linear``'s parameters,
+    or a :class:`FrozenLinear`'s buffer (bf16/f16, or blocks of ``qtype``). x' is x after
+    dropout on the adapter path, while training (PEFT's placement).
     """
 
-    def __init__(self, base: Linear, rank: int, alpha: float, dropout: float, op_set: str) -> None:
+    def __init__(
+        self, base: Linear | FrozenLinear, rank: int, alpha: float, dropout: float, op_set: str
+    ) -> None:
         super().__init__()
-        self.weight = base.weight.requires_grad_(False)
+        self.qtype = getattr(base, "qtype", None)
+        if isinstance(base.weight, nn.Parameter):
+            self.weight = base.weight.requires_grad_(False)
+            n_out, n_in = self.weight.shape
+        else:
+            self.register_buffer("weight", base.weight)
+            n_out, n_in = self.weight.shape[0], base.in_features
         self.bias = None if base.bias is None else base.bias.requires_grad_(False)
-        n_out, n_in = self.weight.shape
-        like = {"device": self.weight.device, "dtype": self.weight.dtype}
+        # adapters of a Linear's dtype (as before any storage choice); float32 beside a
+        # narrower frozen base
+        dtype = self.weight.dtype if isinstance(base, Linear) else torch.float32
+        like = {"device": self.weight.device, "dtype": dtype}
         self.lora_a = nn.Parameter(torch.empty(rank, n_in, **like))
         self.lora_b = nn.Parameter(torch.zeros(n_out, rank, **like))
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
@@ -74,20 +156,25 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropped = F.dropout(x, self.dropout, self.training) if self.dropout else None
-        y = self.op(x, self.weight, self.lora_a, self.lora_b, self.scale, dropped)
+        stored = {} if self.qtype is None else {"qtype": self.qtype}
+        y = self.op(x, self.weight, self.lora_a, self.lora_b, self.scale, dropped, **stored)
         return y if self.bias is None else y + self.bias
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + s·B·A in W's dtype (summed in float32 at least, so a bf16 W rounds once)."""
-        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        """W + s·B·A in the adapters' dtype, summed in float32 at least (one rounding): a
+        Linear's own dtype; float32 over a bf16/f16/quantized base, which is widened, so
+        the merged model is a plain float32 one."""
+        dtype = torch.promote_types(self.lora_a.dtype, torch.float32)
         delta = self.lora_b.to(dtype) @ self.lora_a.to(dtype)
-        return (self.weight.to(dtype) + self.scale * delta).to(self.weight.dtype)
+        base = dense_weight(self.weight, self.qtype, self.lora_a.shape[1], dtype)
+        return (base + self.scale * delta).to(self.lora_a.dtype)
 
     def extra_repr(self) -> str:
-        n_out, n_in = self.weight.shape
+        n_out, n_in = self.lora_b.shape[0], self.lora_a.shape[1]
         settings = f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}"
-        return f"in={n_in}, out={n_out}, {settings}"
+        stored = "" if self.qtype is None else f", base={self.qtype}"
+        return f"in={n_in}, out={n_out}, {settings}{stored}"
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
@@ -117,7 +204,7 @@ def apply_lora(
         )
     blocks = list(model.blk)
     for target in targets:
-        n_out, n_in = getattr(blocks[0], target).weight.shape
+        n_out, n_in = getattr(blocks[0], target).weight.shape[0], _in_features(blocks[0], target)
         if rank > min(n_in, n_out):
             raise ConfigError(
                 f"lora rank {rank} exceeds {target}'s smaller side min({n_in}, {n_out}) = "
@@ -129,6 +216,11 @@ def apply_lora(
             adapted = LoraLinear(getattr(block, target), rank, alpha, dropout, model.cfg.ops)
             setattr(block, target, adapted)
     return model
+
+
+def _in_features(block: nn.Module, target: str) -> int:
+    base = getattr(block, target)
+    return base.in_features if isinstance(base, FrozenLinear) else base.weight.shape[1]
 
 
 def _check_settings(rank: int, alpha: float, dropout: float, targets: tuple[str, ...]) -> None:

@@ -6,8 +6,11 @@ exactly as the CLI does. Building it changes nothing outside it: the run folder 
 ``fit`` or ``save`` run, and process-wide settings are the caller's
 (``llamatrain.device.configure_process``). One optimizer step consumes ``n_batch`` tokens
 computed ``n_ubatch`` at a time (llama.cpp finetune's semantics): each micro-batch's mean loss is
-weighted by its share of the batch's sequences and the gradients accumulated, so the update
-equals the full batch's up to float rounding whatever ``n_ubatch`` is.
+weighted by its share of the batch's scored targets (those not -100; every one for text data, so
+its share of sequences) and the gradients accumulated, so the step's loss is the mean over the
+batch's scored tokens and the update equals the full batch's up to float rounding whatever
+``n_ubatch`` is. A batch is ``(inputs, targets)``, or ``(inputs, targets, documents)`` for
+packed examples (``documents`` None when each row holds one), all split alike by rows.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, NoReturn
 import torch
 from tqdm.auto import tqdm
 
+from llamatrain import parallel
 from llamatrain.activation_checkpointing import segment_of
 from llamatrain.checkpoint import (
     DIVERGED_FIX,
@@ -40,7 +44,7 @@ from llamatrain.device import resolve_device
 from llamatrain.errors import TrainingError
 from llamatrain.evaluate import validation_metrics
 from llamatrain.interrupt import StopRequest
-from llamatrain.model import Llama
+from llamatrain.model import IGNORE_INDEX, Llama
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
 from llamatrain.report import RunReport, measure
@@ -68,6 +72,10 @@ class Trainer:
     checkpoint keeps, so the run's export still says what the base said. ``lora_base``: the
     frozen base of a LoRA run (``model`` adapted by ``llamatrain.lora.apply_lora``), whose
     checkpoints then hold the adapters and name the base.
+
+    Under torchrun (``train.parallel``) every rank builds its own Trainer over the same global
+    batches; ``llamatrain.parallel`` wraps the model and gives each rank its share of every
+    batch, and only rank 0 prints, logs and writes.
     """
 
     def __init__(
@@ -82,9 +90,13 @@ class Trainer:
         lora_base: LoraBase | None = None,
     ) -> None:
         cfg = validate(cfg)  # fills the derived defaults a hand-built Config leaves unset
-        self.cfg, self.data, self.tokenizer, self.progress = cfg, data, tokenizer, progress
+        self.cfg, self.data, self.tokenizer = cfg, data, tokenizer
+        self.main = parallel.is_main()  # the rank that prints, logs and writes
+        self.progress = progress and self.main
         self.device = resolve_device(cfg.train.device)
         self.model = model.to(self.device)
+        bf16 = cfg.train.dtype == "bfloat16" and self.device.type == "cuda"
+        self.parallel = parallel.apply(self.model, cfg.train.parallel, mixed_precision=bf16)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(
             config=config_to_dict(cfg), inherited=dict(inherited or {}), lora_base=lora_base
@@ -102,9 +114,8 @@ class Trainer:
         self.metrics_path = Path(cfg.output.dir) / METRICS_FILE
         # Static shapes: training batches all have one shape, and dynamic-shape tracing of the
         # ggml ops' blockwise loops is slower to compile and less robust.
-        self.loss_fn = (
-            torch.compile(self.model.loss, dynamic=False) if cfg.train.compile else self.model.loss
-        )
+        loss = self.parallel.loss
+        self.loss_fn = torch.compile(loss, dynamic=False) if cfg.train.compile else loss
 
     def load_state(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint``: weights, optimizer state, RNG, counters, data cursor."""
@@ -123,7 +134,7 @@ class Trainer:
         """Keep metrics.jsonl to this run's history: empty for a fresh start, and only the
         lines up to the checkpoint's step for a resume (later lines are about to be redone)."""
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.metrics_path.exists():
+        if not self.main or not self.metrics_path.exists():
             return
         kept = [r for r in read_records(self.metrics_path) if r["step"] <= self.state.step]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -135,21 +146,38 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None
+    ) -> torch.Tensor:
+        packed = {} if documents is None else {"documents": documents.to(self.device)}
         with self._autocast():
-            loss = self.loss_fn(inputs.to(self.device), targets.to(self.device))
+            loss = self.loss_fn(inputs.to(self.device), targets.to(self.device), **packed)
         return loss.float()
 
-    def _accumulate_gradients(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward/backward over the micro-batches of one step; returns the batch loss."""
+    def _accumulate_gradients(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> float:
+        """Forward/backward over the micro-batches of one step; returns the batch loss.
+
+        Under torchrun this rank computes its equal share of the batch's rows; the ranks'
+        gradients are averaged in the last micro-step's backward, as is the loss after it, so
+        each rank weighs its micro-batches' scored shares of the whole batch ``ranks``-fold.
+        """
         self.optimizer.zero_grad(set_to_none=True)
+        batch_rows, batch_scored = len(targets), scored_count(targets)
+        inputs, targets = self.parallel.rows(inputs), self.parallel.rows(targets)
+        ranks = batch_rows // len(targets)
         total = 0.0
-        chunks = zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True)
-        for x, y in chunks:
-            loss = self._loss(x, y) * (len(x) / len(inputs))
-            loss.backward()
+        x_parts, y_parts = inputs.split(self.micro_batch), targets.split(self.micro_batch)
+        d_parts = [None] * len(x_parts)
+        if documents is not None:
+            d_parts = self.parallel.rows(documents).split(self.micro_batch)
+        for i, (x, y, d) in enumerate(zip(x_parts, y_parts, d_parts, strict=True)):
+            with self.parallel.gradient_sync(i == len(x_parts) - 1):
+                loss = self._loss(x, y, d) * (scored_count(y) * ranks / batch_scored)
+                loss.backward()
             total += loss.item()
-        return total
+        return parallel.average(total)
 
     def _clip(self) -> None:
         """Clip the global gradient norm; remember the norm before clipping when it is known
@@ -157,14 +185,17 @@ class Trainer:
         o = self.cfg.optim
         if o.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
-            self.grad_norm = norm.item()
+            self.grad_norm = parallel.full_tensor(norm).item()
         elif o.adam_epsf > 0:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+            norms = [parallel.full_tensor(torch.linalg.vector_norm(g.float())) for g in grads]
+            norms = torch.stack(norms)
             self.grad_norm = torch.linalg.vector_norm(norms).item()
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on one batch; returns its loss."""
+    def train_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> float:
+        """One optimizer step on one batch; returns its loss (the mean over scored tokens)."""
         set_lr(self.optimizer, lr_at(self.state.step, self.cfg.optim))
         if isinstance(self.optimizer, torch.optim.LBFGS):
             # Each step minimises its own batch, as the 2023 trainer's L-BFGS calls did:
@@ -173,14 +204,14 @@ class Trainer:
             loss_box: list[float] = []
 
             def closure() -> torch.Tensor:
-                loss_box.append(self._accumulate_gradients(inputs, targets))
+                loss_box.append(self._accumulate_gradients(inputs, targets, documents))
                 self._clip()
                 return torch.tensor(loss_box[-1])
 
             self.optimizer.step(closure)
             loss = loss_box[0]
         else:
-            loss = self._accumulate_gradients(inputs, targets)
+            loss = self._accumulate_gradients(inputs, targets, documents)
             self._check_finite(loss)
             self._clip()
             self.optimizer.step()
@@ -215,18 +246,25 @@ class Trainer:
     # ---- bookkeeping --------------------------------------------------------------------
 
     def _log(self, record: dict) -> None:
+        if not self.main:
+            return
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     def save(self) -> Path:
-        """Write a checkpoint of the run as it stands (model, optimizer, counters, cursor)."""
+        """Write a checkpoint of the run as it stands (model, optimizer, counters, cursor);
+        under torchrun every rank calls it and rank 0 writes."""
         self.state.convergence = self.convergence.state_dict()
         self.state.data_state = self.data.sampler.state_dict()
         self.state.epochs = self.data.sampler.epoch
         return self.checkpoints.save(self.model, self.tokenizer, self.optimizer, self.state)
 
     def _evaluate_and_sample(self, bar: tqdm) -> str | None:
-        """Evaluate (and sample), log it; the convergence test's reason to stop, if any."""
+        """Evaluate (and sample), log it; the convergence test's reason to stop, if any.
+
+        Every rank evaluates the same batches (FSDP needs them all in each forward), so each
+        reaches the convergence test's verdict; rank 0 prints and logs.
+        """
         if self.data.val is None:
             return None  # data.val_fraction = 0: nothing held out to evaluate on
         record = self.evaluate()
@@ -240,8 +278,12 @@ class Trainer:
             lines += [f"---- sample at step {record['step']} ----", record["sample"], "-" * 32]
         self.history.eval.append(record)
         self._log(record)
-        bar.write("\n".join(lines))
+        self._print(bar, "\n".join(lines))
         return self.convergence.after_evaluation(self.state.step, record["val_loss"])
+
+    def _print(self, bar: tqdm, text: str) -> None:
+        if self.main:
+            bar.write(text)
 
     def _every(self, period: int) -> bool:
         return period > 0 and self.state.step % period == 0
@@ -251,14 +293,14 @@ class Trainer:
     def _step(self, bar: tqdm) -> float:
         """One optimizer step on the next batch, counted, timed and logged; returns its loss."""
         t = self.cfg.train
-        inputs, targets = self.data.sampler.next_batch()
+        inputs, targets, *documents = self.data.sampler.next_batch()
         started = time.perf_counter()
-        loss = self.train_step(inputs, targets)
+        loss = self.train_step(inputs, targets, *documents)
         elapsed = time.perf_counter() - started
         self.step_seconds.append(elapsed)
         self.state.step += 1
         self.state.samples += inputs.shape[0]
-        self.state.tokens += inputs.numel()
+        self.state.tokens += scored_count(targets)
         record = {
             "step": self.state.step,
             "loss": loss,
@@ -283,7 +325,7 @@ class Trainer:
         while self.state.step < t.steps:
             loss = self._step(bar)
             reason = self.convergence.after_step(self.state.step, loss, self.grad_norm)
-            if self.stop:
+            if self._stop_requested():
                 return  # fit saves this step and reports the signal
             if self._every(t.eval_every):
                 reason = self._evaluate_and_sample(bar) or reason
@@ -293,10 +335,17 @@ class Trainer:
             if self._every(t.save_every) and self.state.step < t.steps:
                 self.save()
 
+    def _stop_requested(self) -> bool:
+        """Whether a signal asked the run to stop, on any rank: all ranks stop after the same
+        step, so none is left waiting for the others in a collective."""
+        if parallel.any_rank(bool(self.stop)) and not self.stop:
+            self.stop.signal_name = "a signal to another rank"
+        return bool(self.stop)
+
     def _stop_early(self, reason: str, bar: tqdm) -> None:
         self.history.stopped = reason
         self._log({"step": self.state.step, "stopped": reason})
-        bar.write(f"step {self.state.step}: converged, stopping early: {reason}")
+        self._print(bar, f"step {self.state.step}: converged, stopping early: {reason}")
 
     def _report(self) -> RunReport:
         """Time and memory of this ``fit``'s steps, kept in the history and metrics.jsonl."""
@@ -348,3 +397,9 @@ class Trainer:
             self.save()
         self._report()
         return self.history
+
+
+def scored_count(targets: torch.Tensor) -> int:
+    """Targets the loss scores (not -100): every one of text data, the trained ones of
+    instruction and chat data."""
+    return int((targets != IGNORE_INDEX).sum())

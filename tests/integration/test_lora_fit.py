@@ -182,11 +182,38 @@ def test_cli_exports_the_adapter_or_the_merged_model_of_a_lora_run(lora_run, tmp
     assert "perplexity:" in capsys.readouterr().out
 
 
+def test_cli_exports_a_lora_run_as_a_peft_adapter_that_peft_runs(lora_run, base, tmp_path):
+    """`export RUN --adapter --format hf`: PEFT loads the folder onto the HF export of the base
+    and computes the run's logits (float32 both; 1e-5 as tests/integration/test_peft.py)."""
+    from peft import PeftModel  # test dependencies
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llamatrain.hf.config import hf_config
+    from llamatrain.hf.weights import hf_state_dict
+
+    folder = tmp_path / "peft"
+    args = ["export", str(lora_run.run_dir), "--adapter", "--format", "hf", "-o", str(folder)]
+    assert main(args) == 0
+    # the base in transformers (the run's SPM vocabulary has no tokenizer.json form, which
+    # export --format hf would write too; the weights and config.json are the same code's)
+    model, tokenizer = api.load(base)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config(model.cfg, tokenizer, None)))
+    hf.load_state_dict(hf_state_dict(model.cfg, model.state_dict()))
+    peft_model = PeftModel.from_pretrained(hf, folder).eval()
+    ids = prompt_ids(lora_run)
+    with torch.no_grad():
+        theirs = peft_model(input_ids=torch.tensor([ids])).logits[0].double().numpy()
+    ours = our_logits(merge_lora(lora_run.model), ids)
+    assert np.abs(ours - our_logits(model, ids)).max() > 1e-3  # the adapter matters
+    assert np.abs(theirs - ours).max() < 1e-5
+
+
 @pytest.mark.parametrize(
     "source, extra, message",
     [
         ("base", [], "holds no LoRA adapter"),
-        ("run", ["--type", "q8_0"], "drop --type and --format"),
+        ("run", ["--type", "q8_0"], "drop --type"),
+        ("run", ["--format", "onnx"], "unknown export format"),
     ],
 )
 def test_export_adapter_errors_are_one_line(

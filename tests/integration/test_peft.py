@@ -60,7 +60,9 @@ def peft_logits(base_folder: Path, adapter_folder: Path, ids: torch.Tensor) -> t
 def test_peft_loads_our_adapter_onto_our_hf_export(tokenizer: Tokenizer, tmp_path: Path) -> None:
     base, adapted = base_and_adapted(tokenizer)
     base_folder = api.export_hf(base, tokenizer, tmp_path / "base")
-    adapter = write_peft_adapter(tmp_path / "adapter", adapted, alpha=ALPHA)
+    adapter = write_peft_adapter(
+        tmp_path / "adapter", adapted.state_dict(), adapted.cfg, alpha=ALPHA
+    )
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
     assert config["target_modules"] == sorted(
@@ -86,14 +88,14 @@ def test_peft_loads_our_adapter_onto_our_hf_export(tokenizer: Tokenizer, tmp_pat
 def test_refusals(tokenizer: Tokenizer, tmp_path: Path) -> None:
     base, adapted = base_and_adapted(tokenizer)
     with pytest.raises(ConfigError, match="no LoRA adapters to write"):
-        write_peft_adapter(tmp_path / "a", base, alpha=ALPHA)
+        write_peft_adapter(tmp_path / "a", base.state_dict(), base.cfg, alpha=ALPHA)
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "notes.txt").write_text("someone's")
     with pytest.raises(CheckpointError, match="not an empty folder"):
-        write_peft_adapter(occupied, adapted, alpha=ALPHA)
+        write_peft_adapter(occupied, adapted.state_dict(), adapted.cfg, alpha=ALPHA)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["occupied"]  # nothing left behind
     empty = tmp_path / "empty"
     empty.mkdir()
-    written = write_peft_adapter(empty, adapted, alpha=ALPHA)
+    written = write_peft_adapter(empty, adapted.state_dict(), adapted.cfg, alpha=ALPHA)
     assert sorted(p.name for p in written.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]

@@ -10,19 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from llamatrain import activation_checkpointing as ac
-from llamatrain.errors import ConfigError
+from llamatrain.checkpoint import build_lora_base
+from llamatrain.errors import ConfigError, GGUFError
+from llamatrain.gguf.llama import LlamaFile
 from llamatrain.lora import (
     ALL_TARGETS,
     LoraLinear,
     apply_lora,
     load_lora_state_dict,
+    lora_modules,
     lora_state_dict,
     merge_lora,
+    store_frozen_targets,
+    stored_type,
     trainable_parameter_count,
 )
 from llamatrain.model import Llama, ModelConfig, tensor_shapes
@@ -213,3 +221,95 @@ def test_applying_twice_is_refused() -> None:
     model = apply_lora(make_model(), rank=4, alpha=8.0)
     with pytest.raises(ConfigError, match="has LoRA adapters already"):
         apply_lora(model, rank=4, alpha=8.0, targets=("attn_q",))
+
+
+# ---- a frozen base kept narrower than float32 (``[lora] base_dtype``) -----------------------
+
+QUANT_SHAPES = dict(dim=64, ffn_dim=96)  # rows of whole 32-value Q8_0 blocks
+
+
+def with_frozen_targets(model: Llama, storage: Callable[[torch.Tensor], torch.Tensor], qtype: str):
+    """A copy of ``model`` whose targets are FrozenLinears of ``qtype`` holding
+    ``storage(W)``: everything else is ``model``'s own weights."""
+    copy = Llama(model.cfg)
+    copy.load_state_dict(model.state_dict())
+    names = [f"blk.{i}.{t}.weight" for i in range(model.cfg.n_layers) for t in ALL_TARGETS]
+    store_frozen_targets(copy, dict.fromkeys(names, qtype))
+    state, source = copy.state_dict(), model.state_dict()
+    for name in names:
+        state[name].copy_(storage(source[name]))
+    return copy
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(gguf_quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0))
+
+
+def q8_0_values(blocks: torch.Tensor) -> torch.Tensor:
+    """gguf-py's dequantization: the reference, independent of ``ops.dequantize``."""
+    return torch.from_numpy(gguf_quants.dequantize(blocks.numpy(), GGMLQuantizationType.Q8_0))
+
+
+STORAGES: dict[str, tuple[Callable, Callable]] = {
+    "Q8_0": (q8_0, q8_0_values),
+    "BF16": (lambda w: w.to(torch.bfloat16), lambda w: w.float()),
+}
+"""ggml type -> (W as stored, the stored W's values as float32)."""
+
+
+def adapted_alike(model: Llama) -> Llama:
+    torch.manual_seed(5)
+    apply_lora(model, 4, 8.0)
+    with torch.no_grad():
+        for name, tensor in lora_state_dict(model).items():
+            if name.endswith("lora_b"):
+                tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(6)))
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "BF16"])
+def test_a_frozen_narrow_base_is_the_float32_model_on_its_stored_values(qtype: str) -> None:
+    """Targets held as Q8_0 blocks (or bf16) compute, train and merge as the float32 model
+    whose targets are those blocks dequantized by gguf-py (or the bf16 values widened): same
+    names, same trainable tensors, loss and adapter gradients within float32 rounding (1e-6 of
+    the largest value: only the chunked matmuls' summation order differs)."""
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(**{**SMALL, **QUANT_SHAPES}))
+    store, values = STORAGES[qtype]
+    narrow = adapted_alike(with_frozen_targets(model, store, qtype))
+    frozen = {f"{name}.weight" for name, _ in lora_modules(narrow)}
+    reference = Llama(model.cfg)
+    reference.load_state_dict(
+        {n: values(t) if n in frozen else t for n, t in narrow.state_dict().items()
+         if not n.endswith(("lora_a", "lora_b"))}
+    )  # fmt: skip
+    reference = adapted_alike(reference)
+    assert narrow.state_dict().keys() == reference.state_dict().keys()
+    assert all(narrow.get_buffer(name).dtype != torch.float32 for name in frozen)
+    assert trainable_parameter_count(narrow) == trainable_parameter_count(reference)
+    loss, grads = loss_and_grads(narrow)
+    expected_loss, expected = loss_and_grads(reference)
+    assert grads.keys() == expected.keys()
+    assert torch.allclose(loss, expected_loss, rtol=1e-6)
+    for name, grad in grads.items():
+        assert (grad - expected[name]).abs().max() <= 1e-6 * expected[name].abs().max(), name
+    merged, merged_reference = merge_lora(narrow).state_dict(), merge_lora(reference).state_dict()
+    for name, tensor in merged_reference.items():
+        assert merged[name].dtype == torch.float32 and torch.allclose(merged[name], tensor), name
+
+
+def test_quantized_keeps_only_types_it_can_read_and_needs_a_gguf_base() -> None:
+    with pytest.raises(GGUFError, match=r"IQ4_XS; requantize .* Q4_K_M") as err:
+        stored_type("quantized", "IQ4_XS", "blk.0.attn_q.weight")
+    assert "\n" not in str(err.value)
+    assert (
+        stored_type("quantized", "F16", "x") == "F16" and stored_type("bf16", "Q4_0", "x") == "BF16"
+    )
+    model = make_model().float()
+    not_a_gguf = LlamaFile(model.cfg, model.state_dict(), None, {})  # e.g. an HF folder
+    with pytest.raises(ConfigError, match="needs a GGUF|not a GGUF"):
+        build_lora_base(not_a_gguf, "quantized", ALL_TARGETS)
+    bf16 = build_lora_base(not_a_gguf, "bf16", ["attn_q"])
+    assert bf16.blk[0].attn_q.weight.dtype == torch.bfloat16
+    assert torch.equal(bf16.blk[0].attn_q.weight, model.blk[0].attn_q.weight.bfloat16())
+    assert torch.equal(bf16.blk[0].ffn_up.weight, model.blk[0].ffn_up.weight)  # not a target

@@ -8,7 +8,10 @@
   mask, so the outputs and gradients match;
 * the point of the op: with W frozen no (out, in) tensor is ever made (W + s·B·A is never
   materialised, nor W's gradient); under bf16 autocast the backward runs in bf16 like the
-  forward.
+  forward;
+* a base kept narrower (QLoRA): float64 gradcheck with W widened in row chunks; Q8_0/Q4_0
+  blocks from gguf-py's quantizer give what the float32 op gives on gguf-py's dequantized W;
+  a bf16/f16 W what it gives on the rounded W; a quantized W is never widened whole.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.autograd import gradcheck
@@ -207,3 +212,95 @@ def test_no_grad_mode_and_inputs_without_grad() -> None:
     assert not lora_linear(x, *frozen, 1.0).requires_grad
     expected = F.linear(x, w) + F.linear(F.linear(x, a), b)
     torch.testing.assert_close(lora_linear(x, *frozen, 1.0), expected.detach())
+
+
+# ---- a frozen base kept narrower than float32 (bf16/f16, GGUF blocks: QLoRA) ----------------
+
+
+def test_gradcheck_with_the_base_in_row_chunks() -> None:
+    """dx, dA, dB in float64 with W's rows taken 3 at a time (W has 10): the chunked
+    forward (columns of y) and the chunked dx (a sum over chunks) are the same function."""
+    weight, lora_a, lora_b = operands(8, 10, 2)
+    x = randn(2, 3, 8, seed=0)
+
+    def chunked(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return lora_linear(x, weight, a, b, 0.5, chunk_rows=3)
+
+    assert gradcheck(chunked, (x, lora_a, lora_b))
+
+
+def quantized_base(qtype: str, n_out: int, n_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W's blocks as gguf-py's quantizer writes them (uint8 (out, row_bytes)) and gguf-py's
+    own dequantization of them (float32): the reference the op is held to."""
+    weights = randn(n_out, n_in, seed=11, dtype=torch.float32, grad=False).numpy()
+    kind = GGMLQuantizationType[qtype]
+    blocks = gguf_quants.quantize(weights, kind)
+    return torch.from_numpy(blocks), torch.from_numpy(gguf_quants.dequantize(blocks, kind))
+
+
+def grads_of(op, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, **kwargs):
+    x, lora_a, lora_b = (t.detach().requires_grad_() for t in (x, lora_a, lora_b))
+    y = op(x, kwargs.pop("weight"), lora_a, lora_b, 0.5, **kwargs)
+    y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+    return y.detach(), x.grad, lora_a.grad, lora_b.grad
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("ops", OPS)
+def test_quantized_base_is_the_op_on_its_dequantized_weight(qtype: str, ops: str) -> None:
+    """Blocks in, chunks of 5 rows widened at a time: y, dx, dA, dB equal the float32 op on
+    gguf-py's dequantized W within float32 rounding (SCALE_TOL; the chunked sums group
+    the same products as the whole matmul, so only summation order differs)."""
+    blocks, dense = quantized_base(qtype, 24, 64)
+    _, lora_a, lora_b = operands(64, 24, 4, dtype=torch.float32)
+    x = randn(3, 64, seed=0, dtype=torch.float32)
+    chunking = {"chunk_rows": 5} if ops == "ggml" else {}
+    got = grads_of(OPS[ops], x, lora_a, lora_b, weight=blocks, qtype=qtype, **chunking)
+    want = grads_of(lora_linear, x, lora_a, lora_b, weight=dense)
+    for actual, expected in zip(got, want, strict=True):
+        assert_close_to_scale(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_base_is_the_op_on_its_rounded_weight(dtype: torch.dtype) -> None:
+    """A bf16/f16 W with float32 x (widened by chunks, default size) == the float32 op on
+    W rounded to that type and widened back: the storage rounds W, nothing else."""
+    weight, lora_a, lora_b = operands(32, 16, 4, dtype=torch.float32)
+    x = randn(2, 5, 32, seed=0, dtype=torch.float32)
+    stored = weight.detach().to(dtype)
+    got = grads_of(lora_linear, x, lora_a, lora_b, weight=stored)
+    want = grads_of(lora_linear, x, lora_a, lora_b, weight=stored.float())
+    for actual, expected in zip(got, want, strict=True):
+        assert_close_to_scale(actual, expected)
+
+
+def test_no_float_copy_of_a_quantized_base_is_whole() -> None:
+    """With chunks of 4 rows of a 16-row Q8_0 W, no float tensor the size of W (out, in) is
+    made, forward or backward: only chunks are widened."""
+    blocks, _ = quantized_base("Q8_0", 16, 64)
+    _, lora_a, lora_b = operands(64, 16, 2, dtype=torch.float32)
+    x = randn(3, 64, seed=0, dtype=torch.float32)
+    with _CreatedShapes() as created:
+        lora_linear(x, blocks, lora_a, lora_b, 1.0, qtype="Q8_0", chunk_rows=4).sum().backward()
+    assert (16, 64) not in created.shapes and (4, 64) in created.shapes
+    with _CreatedShapes() as created:  # the probe sees one when there is one (the reference)
+        torch_lora_linear(x, blocks, lora_a, lora_b, 1.0, qtype="Q8_0").sum().backward()
+    assert (16, 64) in created.shapes
+
+
+def test_quantized_base_under_bf16_autocast() -> None:
+    """Training with ``train.dtype = bfloat16`` over Q4_0 blocks in chunks of 5 rows: output
+    bf16, gradients float32, within bf16 rounding of the float32 op on the dequantized W
+    (2e-2 of the largest value, as for a float32 base above)."""
+    blocks, dense = quantized_base("Q4_0", 24, 64)
+    _, a, b = operands(64, 24, 4, dtype=torch.float32)
+    x = randn(3, 64, seed=0, dtype=torch.float32)
+    up = randn(3, 24, seed=5, dtype=torch.float32, grad=False)
+    ref = lora_linear(x, dense, a, b, 0.5)
+    grads_ref = torch.autograd.grad(ref, (x, a, b), up)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lora_linear(x, blocks, a, b, 0.5, qtype="Q4_0", chunk_rows=5)
+    grads = torch.autograd.grad(out, (x, a, b), up.to(out.dtype))
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads)
+    for value, reference in zip((out, *grads), (ref, *grads_ref), strict=True):
+        assert_close_to_scale(value, reference, tol=2e-2)

@@ -89,6 +89,37 @@ class DataSection:
         "where the downloaded corpus and tokenized data are kept (relative to the "
         "working directory unless absolute)",
     )
+    format: str = setting(
+        "text",
+        "'text' = plain text files, one token stream; 'jsonl' = one example a line: "
+        '{"text"}, {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]}',
+        choices=("text", "jsonl"),
+    )
+    chat_template: str = setting(
+        "auto",
+        "jsonl: how conversations are rendered: 'auto' = the model's own template "
+        "(tokenizer.chat_template); a built-in ('chatml', 'llama-3', 'llama-2') for a model "
+        "without one, which its checkpoints and exports then carry",
+        choices=("auto", "chatml", "llama-3", "llama-2"),
+    )
+    train_on: str = setting(
+        "completion",
+        "jsonl: the tokens the loss scores: 'completion' = assistant turns (with their "
+        "end-of-turn token), completions (with EOS) and whole text lines; 'all' = every token",
+        choices=("completion", "all"),
+    )
+    packing: bool = setting(
+        True,
+        "jsonl: lay several whole examples into each n_ctx+1 window, each attending only to "
+        "itself with positions from 0; false = one example per window, padded. An example "
+        "longer than n_ctx+1 tokens is cut to it (the count is reported)",
+    )
+    on_bad_line: str = setting(
+        "error",
+        "jsonl: a line that is not a valid example: 'error' = stop, naming file:line; "
+        "'skip' = leave it out and report how many were skipped",
+        choices=("error", "skip"),
+    )
 
 
 @dataclass
@@ -178,6 +209,19 @@ class TrainSection:
         False,
         "torch.compile the training loss (static shapes; compiles for 0.5-2 min on 2 CPU cores)",
     )
+    parallel: str = setting(
+        "none",
+        "training on several processes started by torchrun: 'ddp' = each rank holds the whole "
+        "model, 'fsdp' = each holds 1/N of weights, gradients and optimizer state; n_batch stays "
+        "the global batch",
+        choices=("none", "ddp", "fsdp"),
+    )
+    dist_timeout_s: float = setting(
+        600.0,
+        "seconds a rank waits in a collective for the others before failing the run (a rank "
+        "that died or hangs)",
+        gt=0,
+    )
     sample_prompt: str = setting("Romeo.\n", "prompt of the samples printed at each evaluation")
     sample_tokens: int = setting(64, "tokens generated per sample (0 = no sample)", ge=0)
     sample_temperature: float = setting(0.8, "sampling temperature (0 = greedy)", ge=0)
@@ -221,6 +265,14 @@ class LoraSection:
         None,
         "the projections of every block to adapt, by llama.cpp's names; unset = all of "
         + ", ".join(ALL_TARGETS),
+    )
+    base_dtype: str = setting(
+        "f32",
+        "how the frozen base's adapted projections are kept: f32, bf16 or f16 floats, or "
+        "quantized = the base GGUF's own blocks (Q8_0, Q4_0, K-quants…; QLoRA), widened a "
+        "chunk of rows at a time inside the matmul (needs a GGUF base); the rest of the model "
+        "stays f32. The adapters do not depend on it: a run may resume with another",
+        choices=("f32", "bf16", "f16", "quantized"),
     )
 
 

@@ -77,6 +77,22 @@ def _validate_lora(cfg: Config) -> None:
         )
 
 
+def _validate_parallel(cfg: Config) -> None:
+    """What sharded or replicated training does not run: L-BFGS (its line search needs every
+    weight in one place) and LoRA under FSDP (adapters are trained under DDP)."""
+    mode = cfg.train.parallel
+    if mode != "none" and cfg.optim.name == "lbfgs":
+        raise ConfigError(
+            f"train.parallel = {mode!r} {_set_in(cfg, 'train.parallel', 'optim.name')} trains "
+            "with AdamW only; set optim.name = 'adamw' or train.parallel = 'none'"
+        )
+    if mode == "fsdp" and cfg.lora.rank > 0:
+        raise ConfigError(
+            f"train.parallel = 'fsdp' {_set_in(cfg, 'train.parallel', 'lora.rank')} does not "
+            "shard LoRA runs (their adapters are small); use train.parallel = 'ddp'"
+        )
+
+
 def validate(cfg: Config) -> Config:
     """Check every value and the rules that tie fields together; fill derived defaults.
 
@@ -88,6 +104,7 @@ def validate(cfg: Config) -> Config:
             check_rules(getattr(cfg, sec_name), sec_name, lambda key: f" in {cfg.origin(key)}")
     _validate_model(cfg)
     _validate_lora(cfg)
+    _validate_parallel(cfg)
     require_quantizer(cfg.output.export_type)
 
     d, o, t = cfg.data, cfg.optim, cfg.train

@@ -7,12 +7,17 @@ Each step lives in its own module:
 - :mod:`~llamatrain.data.cache` tokenizes the files once into a memory-mapped stream.
 - :mod:`~llamatrain.data.windows` cuts the stream into training and validation windows and
   draws shuffled, resumable batches.
+- ``data.format = "jsonl"`` instead reads instruction and chat examples
+  (:mod:`~llamatrain.data.jsonl`), renders conversations with a chat template
+  (:mod:`~llamatrain.data.chat_template`) and lays the tokens into rows whose targets score
+  only what is trained (:mod:`~llamatrain.data.examples`); the same sampler draws them.
 
 :func:`build_train_data` wires them together the way ``cfg.data`` says.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,18 @@ import numpy as np
 import torch
 
 from llamatrain.data.cache import load_tokens
+from llamatrain.data.chat_template import ChatTemplate
+from llamatrain.data.examples import (
+    ExampleRows,
+    LineEncoder,
+    pack_rows,
+    pad_rows,
+    read_examples,
+    resolve_chat_template,
+    split_examples,
+    truncate,
+)
+from llamatrain.data.jsonl import BadLines
 from llamatrain.data.sources import (
     SHAKESPEARE,
     SONNETS,
@@ -47,6 +64,8 @@ __all__ = [
     "SONNETS",
     "SONNETS_PATH",
     "BatchSampler",
+    "ChatTemplate",
+    "ExampleRows",
     "TokenWindows",
     "TrainData",
     "build_train_data",
@@ -65,17 +84,21 @@ _SEEN_SLICE = 1 << 22
 
 @dataclass
 class TrainData:
-    """The data side of a run: files, token stream, windows and the batch sampler."""
+    """The data side of a run: files, token stream, windows and the batch sampler; for JSONL
+    data, rows of examples in place of the stream and its windows."""
 
     paths: list[Path]
-    tokens: np.ndarray
-    train: TokenWindows
-    val: TokenWindows | None
+    tokens: np.ndarray | None
+    """The token stream of text data; None for JSONL (the rows hold the tokens)."""
+    train: TokenWindows | ExampleRows
+    val: TokenWindows | ExampleRows | None
     sampler: BatchSampler
     n_seq: int
     """Windows per batch: ``train.n_batch // data.n_ctx``."""
+    chat_template: ChatTemplate | None = None
+    """The template conversations were rendered with (JSONL data), for the run to keep."""
 
-    def val_batches(self, max_batches: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(self, max_batches: int = 0) -> Iterator[tuple[torch.Tensor, ...]]:
         """The first ``max_batches`` (0 = all) validation batches; see :func:`val_batches`."""
         return val_batches(self.val, self.n_seq, max_batches)
 
@@ -86,6 +109,8 @@ class TrainData:
         Counted in slices of the memory-mapped stream, in one pass and without sorting, so a
         corpus of billions of tokens costs a linear scan and a few MB, not a sorted copy.
         """
+        if self.tokens is None:  # JSONL: the rows hold the tokens
+            return self.train.seen_tokens(vocab_size)
         last = int(self.train.start_positions(np.array([len(self.train) - 1]))[0])
         end = last + self.train.span
         counts = np.zeros(vocab_size, dtype=np.int64)
@@ -104,15 +129,19 @@ def build_train_data(
     *,
     paths: Iterable[Path] | None = None,
     progress: bool | None = None,
+    model_template: str | None = None,
 ) -> TrainData:
     """Resolve, tokenize (cached), window and batch the data that ``cfg`` describes.
 
     Pass ``paths`` when they were already resolved (e.g. to train the tokenizer first).
     With ``data.bos_prefix`` every window starts with BOS, so documents in the stream do not;
-    without it, each document does (see :mod:`~llamatrain.data.cache`).
+    without it, each document does (see :mod:`~llamatrain.data.cache`). ``model_template``:
+    the model's own chat template (``tokenizer.chat_template``), for JSONL conversations.
     """
     d = cfg.data
     paths = list(paths) if paths is not None else resolve_inputs(d.path, d.cache_dir)
+    if d.format == "jsonl":
+        return _jsonl_data(cfg, tokenizer, paths, model_template)
     tokens = load_tokens(
         paths, tokenizer, d.cache_dir, doc_bos=not d.bos_prefix, doc_eos=True, progress=progress
     )
@@ -127,3 +156,40 @@ def build_train_data(
     )
     n_seq = cfg.train.n_batch // d.n_ctx
     return TrainData(paths, tokens, train, val, BatchSampler(train, n_seq, cfg.train.seed), n_seq)
+
+
+def _jsonl_data(
+    cfg: Config, tokenizer: Tokenizer, paths: list[Path], model_template: str | None
+) -> TrainData:
+    """Examples read, encoded, cut to a row, split and laid into rows as ``cfg.data`` says;
+    skipped lines and cut examples are reported as one warning each."""
+    d = cfg.data
+    template = resolve_chat_template(d.chat_template, model_template, tokenizer)
+    bad = BadLines(d.on_bad_line)
+    examples = read_examples(paths, LineEncoder(tokenizer, template, train_on=d.train_on), bad)
+    span = d.n_ctx + 1
+    examples, cut, emptied = truncate(examples, span)
+    notes = bad.summaries() + _truncation_notes(cut, emptied, span)
+    inexact = sum(ex.inexact for ex in examples)
+    if inexact:
+        notes.append(
+            f"{inexact} trained/untrained boundaries fell inside a token; each such token was "
+            "counted with the text after it"
+        )
+    for note in notes:
+        warnings.warn(note, stacklevel=3)
+    train_examples, val_examples = split_examples(examples, d.val_fraction)
+    rows = pack_rows if d.packing else pad_rows
+    train = rows(train_examples, span, tokenizer.eos_id)
+    val = rows(val_examples, span, tokenizer.eos_id) if val_examples else None
+    n_seq = cfg.train.n_batch // d.n_ctx
+    sampler = BatchSampler(train, n_seq, cfg.train.seed)
+    return TrainData(paths, None, train, val, sampler, n_seq, chat_template=template)
+
+
+def _truncation_notes(cut: int, emptied: int, span: int) -> list[str]:
+    """The one line that reports examples cut to a row, if any were."""
+    if not cut:
+        return []
+    lost = f"; {emptied} of them lost every trained token and were left out" if emptied else ""
+    return [f"{cut} examples were longer than data.n_ctx + 1 = {span} tokens, cut to it{lost}"]

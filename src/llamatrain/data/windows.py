@@ -19,7 +19,7 @@ the uninterrupted run would have.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -29,7 +29,25 @@ from llamatrain.errors import DataError
 if TYPE_CHECKING:
     from llamatrain.tokenizer import Tokenizer
 
-__all__ = ["BatchSampler", "TokenWindows", "line_end_ids", "split_windows", "val_batches"]
+__all__ = [
+    "BatchSampler",
+    "Rows",
+    "TokenWindows",
+    "line_end_ids",
+    "split_windows",
+    "val_batches",
+]
+
+
+class Rows(Protocol):
+    """What the sampler draws batches from: :class:`TokenWindows`, or the rows of JSONL
+    examples (``llamatrain.data.examples.ExampleRows``, whose batches add ``documents``)."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor | None, ...]:
+        """``(inputs, targets, ...)`` of the rows ``indices``."""
+        ...
 
 
 class TokenWindows:
@@ -169,7 +187,7 @@ class BatchSampler:
     and restoring them reproduces the remaining batches exactly.
     """
 
-    def __init__(self, windows: TokenWindows, n_seq: int, seed: int = 0) -> None:
+    def __init__(self, windows: Rows, n_seq: int, seed: int = 0) -> None:
         if len(windows) == 0:
             raise DataError("no training windows: the corpus is too short for data.n_ctx")
         if n_seq < 1:
@@ -196,8 +214,9 @@ class BatchSampler:
         self.samples += self.n_seq
         return np.concatenate(parts)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)`` LongTensors of shape ``(n_seq, n_ctx)``."""
+    def next_batch(self) -> tuple[torch.Tensor | None, ...]:
+        """``(inputs, targets)`` LongTensors of shape ``(n_seq, n_ctx)`` (and ``documents``
+        for JSONL rows)."""
         return self.windows.batch(self.next_indices())
 
     def state_dict(self) -> dict[str, int]:
@@ -240,12 +259,12 @@ class BatchSampler:
 
 
 def val_batches(
-    windows: TokenWindows | None, n_seq: int, max_batches: int = 0
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    windows: Rows | None, n_seq: int, max_batches: int = 0
+) -> Iterator[tuple[torch.Tensor | None, ...]]:
     """The first ``max_batches`` (0 = all) validation batches, always the same ones, in order.
 
-    The last batch may hold fewer than ``n_seq`` windows: weight batch losses by
-    ``targets.numel()`` when averaging.
+    The last batch may hold fewer than ``n_seq`` windows: weight batch losses by their scored
+    targets (``targets != -100``; all of them for text) when averaging.
     """
     if windows is None:
         return

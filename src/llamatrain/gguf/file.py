@@ -57,6 +57,7 @@ __all__ = [
     "general_file_type",
     "read_gguf",
     "read_gguf_metadata",
+    "read_stored_into",
     "read_tensors_into",
     "replace_durably",
     "temporary_path",
@@ -707,6 +708,25 @@ def read_tensors_into(path: str | os.PathLike[str], targets: Mapping[str, torch.
             "these tensors belong to"
         )
     _read_all_into(p, [infos[name] for name in targets], targets)
+
+
+def read_stored_into(path: str | os.PathLike[str], targets: Mapping[str, torch.Tensor]) -> None:
+    """Copy the named tensors' stored bytes, as they are, into ``targets`` of the same byte
+    size (a quantized tensor's blocks as uint8 (rows, row_bytes), an F16 one as float16…):
+    a frozen base kept in the file's own type (QLoRA) is read without a float copy."""
+    p = Path(path)
+    infos = {info.name: info for info in _parse(p)[1]}
+    with open(p, "rb") as f:
+        for name, target in targets.items():
+            info = infos.get(name)
+            if info is None or target.nbytes != info.n_bytes or not target.is_contiguous():
+                raise GGUFError(
+                    f"{p} has no tensor {name} of {target.nbytes} stored bytes; pass the model "
+                    "file these tensors belong to"
+                )
+            f.seek(info.offset)
+            if f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) != info.n_bytes:
+                raise GGUFError(f"{p} is truncated: tensor {name} ends past the end of the file")
 
 
 def _read_all_into(

@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from llamatrain.errors import CheckpointError
 from llamatrain.gguf.adapter import adapter_rank, adapter_tensors, check_alpha
 from llamatrain.hf.folder import _fsync
 from llamatrain.hf.weights import _rope_heads, hf_tensor_name, to_rotate_half
-from llamatrain.model import Llama, ModelConfig
+from llamatrain.model import ModelConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "write_peft_adapter"]
 
@@ -46,17 +47,19 @@ _PEFT_FACTOR = {"lora_a": "lora_A", "lora_b": "lora_B"}
 
 def write_peft_adapter(
     directory: str | os.PathLike[str],
-    model: Llama,
+    state: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
     *,
     alpha: float,
     base_model_name_or_path: str | None = None,
 ) -> Path:
-    """Write ``model``'s LoRA adapters as a PEFT adapter folder (float32), for the HF export of
-    its base. ``alpha`` must be the one the adapters were applied with;
-    ``base_model_name_or_path`` is recorded for PEFT to find the base (None: the user passes
-    the base model to ``PeftModel.from_pretrained``)."""
+    """Write the LoRA tensors of ``state`` (an adapted model's state dict, or a LoRA run's
+    adapter tensors, named as the model names them) as a PEFT adapter folder (float32) for the
+    HF export of the base described by ``cfg``. ``alpha`` must be the one the adapters were
+    applied with; ``base_model_name_or_path`` is recorded for PEFT to find the base (None: the
+    user passes the base model to ``PeftModel.from_pretrained``)."""
     target = Path(directory)
-    adapter = adapter_tensors(model.state_dict(), target)
+    adapter = adapter_tensors(state, target)
     rank = adapter_rank(adapter, str(target))
     check_alpha(alpha, target)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -64,9 +67,9 @@ def write_peft_adapter(
             f"{target} exists and is not an empty folder; write the PEFT adapter into a new "
             "or empty folder"
         )
-    state = {_peft_name(name): _hf_rows(name, t, model.cfg) for name, t in adapter.items()}
+    rows = {_peft_name(name): _hf_rows(name, t, cfg) for name, t in adapter.items()}
     config = _adapter_config(rank, alpha, adapter, base_model_name_or_path)
-    _write_folder(target, state, config)
+    _write_folder(target, rows, config)
     return target
 
 

@@ -21,33 +21,115 @@ forward (r columns, a small fraction of x)::
                                  the dropout to x)
     dW  = Gᵀ·x                  (only if asked: the base is normally frozen)
 
+The frozen base W comes as float32 (a trainable-shaped parameter, frozen), as a narrower
+float (bf16/f16), or as its GGUF blocks (uint8 (out, row_bytes) plus the ggml type: QLoRA).
+A float W of the compute dtype is used as it is. Any other is never widened whole: ``x·Wᵀ``
+and ``G·W`` run a chunk of W's rows at a time (:data:`CHUNK_BYTES` of float32), each chunk
+dequantized or cast to x's (G's) dtype, multiplied, and dropped::
+
+    y[:, rows] = x·W[rows]ᵀ         dx = Σ_chunks G[:, rows]·W[rows]
+
+so a base held at a quarter of float32's size (or less) stays that size through the step.
+
 ``torch_lora_linear`` is the same layer in plain PyTorch (PEFT's formula, autograd's
-backward) for the ``torch`` op set; each checks the other.
+backward) for the ``torch`` op set; each checks the other. It dequantizes W whole: it is
+the reference, not the memory-lean path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from llamatrain.ops.dequantize import dequantize, row_bytes
 from llamatrain.ops.dtypes import autocast_dtype, autocast_like
 
-__all__ = ["lora_linear", "torch_lora_linear"]
+__all__ = ["CHUNK_BYTES", "dense_weight", "lora_linear", "torch_lora_linear"]
+
+CHUNK_BYTES = 1 << 24
+"""Float32 bytes of the base rows widened at a time (16 MiB). Large enough that each chunk's
+matmul is still a big GEMM (4096 rows of a 1024-wide W, 1024 of a 4096-wide one), small
+enough that the widened copy is noise beside the model: widening W whole would add 2x a
+bf16 base's size and 7x a Q4_0 one's, the memory QLoRA exists to save."""
+
+
+def dense_weight(
+    weight: torch.Tensor, qtype: str | None, n_in: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A base weight as (out, n_in) ``dtype`` floats: ``qtype`` blocks dequantized, a float
+    tensor cast (no copy if it is ``dtype`` already). Whole: for references and merges."""
+    if qtype is None:
+        return weight.to(dtype)
+    return dequantize(weight, qtype, n_in, dtype=dtype)
 
 
 def _check_shapes(
-    x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qtype: str | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
 ) -> None:
-    n_out, n_in = weight.shape
-    rank = lora_a.shape[0]
-    if x.shape[-1] != n_in or lora_a.shape != (rank, n_in) or lora_b.shape != (n_out, rank):
+    n_out = weight.shape[0]
+    rank, n_in = lora_a.shape
+    stored_in = n_in if qtype is None else row_bytes(qtype, n_in)
+    if x.shape[-1] != n_in or weight.shape != (n_out, stored_in) or lora_b.shape != (n_out, rank):
         raise ValueError(
-            f"lora_linear: need x (..., in), weight (out, in), lora_a (r, in) and lora_b "
-            f"(out, r), got {tuple(x.shape)}, {tuple(weight.shape)}, {tuple(lora_a.shape)} "
-            f"and {tuple(lora_b.shape)}"
+            f"lora_linear: need x (..., in), weight (out, in) or its {qtype} blocks, lora_a "
+            f"(r, in) and lora_b (out, r), got {tuple(x.shape)}, {tuple(weight.shape)}, "
+            f"{tuple(lora_a.shape)} and {tuple(lora_b.shape)}"
         )
+
+
+def _row_chunks(
+    weight: torch.Tensor, qtype: str | None, n_in: int, dtype: torch.dtype, chunk_rows: int | None
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(rows, W[rows] as ``dtype``) a chunk at a time; see :data:`CHUNK_BYTES`."""
+    step = chunk_rows or max(1, CHUNK_BYTES // (4 * n_in))
+    for start in range(0, weight.shape[0], step):
+        rows = slice(start, start + step)
+        yield rows, dense_weight(weight[rows], qtype, n_in, dtype)
+
+
+def _whole(
+    weight: torch.Tensor, qtype: str | None, x: torch.Tensor, chunk_rows: int | None
+) -> bool:
+    """Whether W is used as it is: a float W of x's dtype (float32 as a rule), unless the
+    caller asked for chunks."""
+    return qtype is None and weight.dtype == x.dtype and chunk_rows is None
+
+
+def _base_forward(
+    rows: torch.Tensor, weight: torch.Tensor, qtype: str | None, n_in: int, chunk_rows: int | None
+) -> torch.Tensor:
+    """x·Wᵀ: whole for a W of x's dtype, else a chunk of W's rows (y's columns) at a time."""
+    if _whole(weight, qtype, rows, chunk_rows):
+        return torch.mm(rows, weight.t())
+    y = None
+    for cols, chunk in _row_chunks(weight, qtype, n_in, rows.dtype, chunk_rows):
+        part = torch.mm(rows, chunk.t())
+        if y is None:  # the matmul's dtype (autocast's, if on) decides y's
+            y = part.new_empty(rows.shape[0], weight.shape[0])
+        y[:, cols] = part
+    return y
+
+
+def _base_backward(
+    g: torch.Tensor, weight: torch.Tensor, qtype: str | None, n_in: int, chunk_rows: int | None
+) -> torch.Tensor:
+    """G·W: whole for a W of G's dtype, else summed over the same row chunks as the forward
+    (in float32 at least, so a bf16 backward rounds the sum once, not once per chunk)."""
+    if _whole(weight, qtype, g, chunk_rows):
+        return torch.mm(g, weight)
+    total = torch.promote_types(g.dtype, torch.float32)
+    dx = None
+    for rows, chunk in _row_chunks(weight, qtype, n_in, g.dtype, chunk_rows):
+        part = torch.mm(g[:, rows], chunk)
+        dx = part.to(total) if dx is None else dx.add_(part)
+    return dx
 
 
 class _LoraLinear(torch.autograd.Function):
@@ -60,25 +142,29 @@ class _LoraLinear(torch.autograd.Function):
         lora_b: torch.Tensor,
         scale: float,
         adapter_input: torch.Tensor | None,
+        qtype: str | None,
+        chunk_rows: int | None,
     ) -> torch.Tensor:
-        _check_shapes(x, weight, lora_a, lora_b)
+        _check_shapes(x, weight, qtype, lora_a, lora_b)
         shared = adapter_input is None
         rows = x.reshape(-1, x.shape[-1])
         adapter_rows = rows if shared else adapter_input.reshape(rows.shape)
         u = torch.mm(adapter_rows, lora_a.t())
-        y = torch.addmm(torch.mm(rows, weight.t()), u, lora_b.t(), alpha=scale)
+        base = _base_forward(rows, weight, qtype, x.shape[-1], chunk_rows)
+        y = torch.addmm(base, u, lora_b.t(), alpha=scale)
         # x itself only for a trainable W's gradient: a frozen base needs just x' (which is
         # x unless dropout made a new tensor) and U.
         kept_rows = rows if ctx.needs_input_grad[1] else None
         ctx.save_for_backward(kept_rows, adapter_rows, weight, lora_a, lora_b, u)
         ctx.scale, ctx.shared, ctx.x_shape, ctx.x_dtype = scale, shared, x.shape, x.dtype
+        ctx.qtype, ctx.chunk_rows = qtype, chunk_rows
         ctx.autocast = autocast_dtype(x.device.type)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, adapter_rows, weight, lora_a, lora_b, u = ctx.saved_tensors
-        need_x, need_w, need_a, need_b, _, need_adapter_input = ctx.needs_input_grad
+        need_x, need_w, need_a, need_b, _, need_adapter_input, _, _ = ctx.needs_input_grad
         g = grad.reshape(-1, weight.shape[0])
         dx = dw = da = db = d_adapter_input = None
         with autocast_like(adapter_rows.device.type, ctx.autocast):
@@ -88,7 +174,7 @@ class _LoraLinear(torch.autograd.Function):
             if need_a:
                 da = torch.mm(gb.t(), adapter_rows).to(lora_a.dtype)
             if need_x:
-                dx = torch.mm(g, weight)
+                dx = _base_backward(g, weight, ctx.qtype, lora_a.shape[1], ctx.chunk_rows)
                 if ctx.shared:
                     dx = torch.addmm(dx, gb, lora_a)
                 dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
@@ -96,7 +182,7 @@ class _LoraLinear(torch.autograd.Function):
                 d_adapter_input = torch.mm(gb, lora_a).reshape(ctx.x_shape).to(ctx.x_dtype)
             if need_w:
                 dw = torch.mm(g.t(), rows).to(weight.dtype)
-        return dx, dw, da, db, None, d_adapter_input
+        return dx, dw, da, db, None, d_adapter_input, None, None
 
 
 def lora_linear(
@@ -106,13 +192,20 @@ def lora_linear(
     lora_b: torch.Tensor,
     scale: float,
     adapter_input: torch.Tensor | None = None,
+    *,
+    qtype: str | None = None,
+    chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """``x·Wᵀ + scale·((x'·Aᵀ)·Bᵀ)`` for ``x`` (..., in), W (out, in), A (r, in), B (out, r).
 
-    ``adapter_input`` is x' (x after dropout, same shape as x); None means x itself. The
-    backward is the one written out in the module docstring: no (out, in) matrix beyond W.
+    ``adapter_input`` is x' (x after dropout, same shape as x); None means x itself. W is
+    floats, or with ``qtype`` (a ggml type name, ``ops.DEQUANTIZABLE``) its uint8 blocks
+    (out, row_bytes). ``chunk_rows`` forces W's rows to be widened that many at a time
+    (tests); None means whole for a W of x's dtype, :data:`CHUNK_BYTES` chunks otherwise.
+    The backward is the one written out in the module docstring: no (out, in) float matrix
+    beyond a float W.
     """
-    return _LoraLinear.apply(x, weight, lora_a, lora_b, scale, adapter_input)
+    return _LoraLinear.apply(x, weight, lora_a, lora_b, scale, adapter_input, qtype, chunk_rows)
 
 
 def torch_lora_linear(
@@ -122,8 +215,12 @@ def torch_lora_linear(
     lora_b: torch.Tensor,
     scale: float,
     adapter_input: torch.Tensor | None = None,
+    *,
+    qtype: str | None = None,
 ) -> torch.Tensor:
     """:func:`lora_linear` composed of ``F.linear`` calls (PEFT's formula), for the torch op
-    set: autograd derives its backward."""
+    set: autograd derives its backward. A base of another storage is widened whole to x's
+    dtype first."""
     adapter_rows = x if adapter_input is None else adapter_input
-    return F.linear(x, weight) + scale * F.linear(F.linear(adapter_rows, lora_a), lora_b)
+    base = dense_weight(weight, qtype, lora_a.shape[1], x.dtype)
+    return F.linear(x, base) + scale * F.linear(F.linear(adapter_rows, lora_a), lora_b)

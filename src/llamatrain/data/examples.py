@@ -1,0 +1,302 @@
+"""JSONL examples → token ids with a trained mask → packed or padded training rows.
+
+Tokenization follows llama.cpp's prompt path: a conversation is rendered with its chat template
+and the whole text tokenized at once with control tokens parsed (``<|im_start|>`` becomes its
+id); BOS is put first when the tokenizer adds BOS and the text does not already start with it
+(llama-3's template writes ``<|begin_of_text|>`` itself). ``{"text"}`` and ``{"prompt",
+"completion"}`` lines are raw text, tokenized like the text corpus (control tokens not parsed),
+and end with EOS. Which tokens are trained follows from token boundaries: the tokens of
+``text[:c]`` at each boundary ``c`` between trained and untrained text are a prefix of the
+whole text's tokens; where a token straddles ``c`` they are not, the token goes to the later
+piece, and :attr:`Example.inexact` counts it. A token is *scored* (a training target) when it is
+trained and is not its example's first token.
+
+Rows are ``n_ctx + 1`` tokens (inputs ``row[:-1]``, targets ``row[1:]``, -100 where not
+scored). Packed, several whole examples share a row, in order, each its own document (its
+attention and rope positions start afresh, see ``Llama.forward(documents=...)``); unpacked,
+each example has a row of its own. Either way the rest of a row is padding, never scored. An
+example longer than a row is cut to it. Chats tokenize quickly, so nothing is cached: the files
+are re-read and re-tokenized at every start (and a resume checks the row count is unchanged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from llamatrain.data.chat_template import ChatTemplate, Segment, chat_template_for
+from llamatrain.data.jsonl import (
+    BadLines,
+    ChatLine,
+    CompletionLine,
+    JsonlLine,
+    TextLine,
+    numbered_lines,
+    parse_line,
+)
+from llamatrain.errors import ConfigError, DataError
+from llamatrain.model import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from llamatrain.tokenizer import Tokenizer
+
+__all__ = [
+    "Example",
+    "ExampleRows",
+    "LineEncoder",
+    "pack_rows",
+    "needs_bos",
+    "pad_rows",
+    "prompt_ids",
+    "read_examples",
+    "resolve_chat_template",
+    "split_examples",
+    "trained_tokens",
+    "truncate",
+]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One line's tokens and which of them are training targets."""
+
+    ids: np.ndarray
+    """int64 token ids."""
+    scored: np.ndarray
+    """bool, one per id: a target of the loss (trained, and not the first token)."""
+    inexact: int = 0
+    """Trained/untrained boundaries a token straddled (see the module docstring)."""
+
+
+def resolve_chat_template(
+    choice: str, model_template: str | None, tokenizer: Tokenizer
+) -> ChatTemplate | None:
+    """The template conversations are rendered with: the model's own (``"auto"``) or a builtin
+    chosen by name; None for ``"auto"`` when the model has none (an error only once a line
+    holds a conversation, so text-only JSONL needs no template)."""
+    if choice == "auto" and model_template is None:
+        return None
+    return chat_template_for(
+        choice,
+        model_template,
+        bos_token=_token_text(tokenizer, tokenizer.bos_id),
+        eos_token=_token_text(tokenizer, tokenizer.eos_id),
+    )
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """A special token as a template writes it (``<s>``, ``<|begin_of_text|>``): its piece in
+    the vocabulary, which ``decode`` leaves out for control tokens."""
+    pieces = getattr(tokenizer, "pieces", None) or tokenizer.tokens  # SPM or byte-level BPE
+    return pieces[token_id]
+
+
+class LineEncoder:
+    """Turns checked JSONL lines into :class:`Example` s as ``data.train_on`` says:
+    ``"completion"`` trains assistant turns (with their end-of-turn marker), completions (with
+    EOS) and whole ``{"text"}`` lines; ``"all"`` trains every token."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, template: ChatTemplate | None, *, train_on: str
+    ) -> None:
+        self.tokenizer, self.template, self.train_all = tokenizer, template, train_on == "all"
+
+    def encode(self, line: JsonlLine) -> Example:
+        """The tokens of one line; DataError (from the template) for a conversation it cannot
+        render."""
+        if isinstance(line, ChatLine):
+            return self._example(self._chat_template().segments(line.messages), special=True)
+        if isinstance(line, CompletionLine):
+            segments = [Segment(line.prompt, False), Segment(line.completion, True)]
+        else:
+            assert isinstance(line, TextLine)
+            segments = [Segment(line.text, True)]
+        return self._example(segments, special=False, eos=True)
+
+    def _chat_template(self) -> ChatTemplate:
+        if self.template is None:
+            raise ConfigError(
+                "data.chat_template = 'auto' but the model has no chat template "
+                "(tokenizer.chat_template) to render the conversations with; set "
+                "data.chat_template to one of chatml, llama-3, llama-2"
+            )
+        return self.template
+
+    def _example(self, segments: Sequence[Segment], *, special: bool, eos: bool = False) -> Example:
+        ids, trained, inexact = trained_tokens(self.tokenizer, segments, special=special)
+        tok = self.tokenizer
+        if needs_bos(tok, ids):
+            ids, trained = [tok.bos_id, *ids], [False, *trained]
+        if eos:  # the end of a text or completion is learned, so generation stops there
+            ids, trained = [*ids, tok.eos_id], [*trained, segments[-1].trained]
+        scored = np.array(trained, dtype=bool) | self.train_all
+        scored[:1] = False  # the first token is nobody's target
+        return Example(np.array(ids, dtype=np.int64), scored, inexact)
+
+
+def needs_bos(tokenizer: Tokenizer, ids: Sequence[int]) -> bool:
+    """Whether BOS goes in front of ``ids``: the tokenizer adds BOS and the text did not write
+    it already (llama-3's template does), as llama.cpp's prompt path decides."""
+    return tokenizer.add_bos and (not ids or ids[0] != tokenizer.bos_id)
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A rendered chat's token ids as llama.cpp tokenizes a prompt: control tokens in the text
+    parsed into their ids, BOS first unless the text starts with it — the tokens a chat was
+    trained on, so the model is prompted the same way."""
+    ids = tokenizer.encode(text, special=True)
+    return [tokenizer.bos_id, *ids] if needs_bos(tokenizer, ids) else ids
+
+
+def trained_tokens(
+    tokenizer: Tokenizer, segments: Sequence[Segment], *, special: bool
+) -> tuple[list[int], list[bool], int]:
+    """The tokens of the joined segments, whether each is trained, and how many class
+    boundaries a token straddled (the boundary rule of the module docstring)."""
+    text = "".join(s.text for s in segments)
+    ends, classes, offset = [], [], 0
+    for s in segments:
+        offset += len(s.text)
+        if classes and classes[-1] == s.trained:
+            ends[-1] = offset  # the same class goes on: one run
+        else:
+            ends.append(offset)
+            classes.append(s.trained)
+    *prefixes, ids = tokenizer.encode_batch([text[:c] for c in ends[:-1]] + [text], special=special)
+    trained, start, inexact = [False] * len(ids), 0, 0
+    for prefix, cls in zip([*prefixes, ids], classes, strict=True):
+        end = max(_common_prefix(prefix, ids), start)
+        inexact += end != len(prefix)
+        trained[start:end] = [cls] * (end - start)
+        start = end
+    return ids, trained, inexact
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def read_examples(paths: Sequence[Path], encoder: LineEncoder, bad: BadLines) -> list[Example]:
+    """Every usable line of ``paths`` encoded, in order; ``bad`` decides about the others
+    (a line that does not parse, or that its template cannot render)."""
+    examples = []
+    for path in paths:
+        for number, line in numbered_lines(path):
+            bad.line_read(path)
+            try:
+                parsed = parse_line(line, need_assistant=not encoder.train_all)
+                examples.append(encoder.encode(parsed))
+            except DataError as problem:
+                bad.bad(path, number, problem)
+    if not examples:
+        names = ", ".join(str(p) for p in paths)
+        raise DataError(f"no usable example in {names}; see the lines skipped above")
+    return examples
+
+
+def split_examples(
+    examples: Sequence[Example], val_fraction: float
+) -> tuple[list[Example], list[Example]]:
+    """Training examples and the last ``val_fraction`` of them (whole examples) held out."""
+    n_val = round(len(examples) * val_fraction)
+    if val_fraction > 0 and not 0 < n_val < len(examples):
+        raise DataError(
+            f"data.val_fraction = {val_fraction:g} of {len(examples)} examples holds out "
+            f"{n_val}, leaving {len(examples) - n_val} to train on; both need at least one: "
+            "change val_fraction (0 = no validation) or add examples"
+        )
+    return list(examples[: len(examples) - n_val]), list(examples[len(examples) - n_val :])
+
+
+def truncate(examples: Sequence[Example], span: int) -> tuple[list[Example], int, int]:
+    """Examples cut to ``span`` tokens; also how many were cut, and how many of those lost
+    every scored token and were left out (a row that scores nothing teaches nothing)."""
+    kept, cut, emptied = [], 0, 0
+    for ex in examples:
+        if len(ex.ids) > span:
+            cut += 1
+            ex = Example(ex.ids[:span], ex.scored[:span], ex.inexact)
+            if not ex.scored.any():
+                emptied += 1
+                continue
+        kept.append(ex)
+    return kept, cut, emptied
+
+
+class ExampleRows:
+    """Training or validation rows of examples, served like ``TokenWindows`` are (to the
+    ``BatchSampler`` and ``val_batches``): ``batch(indices)`` gives ``(inputs, targets,
+    documents)``, documents None when each row holds one example (its padding only follows
+    it, which causal attention never looks at)."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        scored: np.ndarray,
+        filled: np.ndarray,
+        documents: np.ndarray | None,
+    ) -> None:
+        self.tokens, self.scored, self.filled, self.documents = tokens, scored, filled, documents
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(inputs, targets, documents)`` of shape ``(len(indices), n_ctx)``."""
+        rows = torch.from_numpy(self.tokens[indices])
+        scored = torch.from_numpy(self.scored[indices])
+        targets = torch.where(scored[:, 1:], rows[:, 1:], IGNORE_INDEX)
+        documents = None
+        if self.documents is not None:
+            documents = torch.from_numpy(self.documents[indices][:, :-1])
+        return rows[:, :-1].contiguous(), targets, documents
+
+    def seen_tokens(self, vocab_size: int) -> torch.Tensor:
+        """(vocab_size,) bool: the tokens the rows hold, padding left out."""
+        seen = torch.zeros(vocab_size, dtype=torch.bool)
+        seen[torch.from_numpy(np.unique(self.tokens[self.filled]))] = True
+        return seen
+
+
+def pack_rows(examples: Sequence[Example], span: int, pad_id: int) -> ExampleRows:
+    """Whole examples (each at most ``span`` tokens) laid into rows of ``span`` in order, a
+    new row when the next does not fit; each example, and the padding, its own document."""
+    rows: list[list[Example]] = [[]]
+    used = 0
+    for ex in examples:
+        if used + len(ex.ids) > span:
+            rows.append([])
+            used = 0
+        rows[-1].append(ex)
+        used += len(ex.ids)
+    return _rows(rows, span, pad_id, with_documents=True)
+
+
+def pad_rows(examples: Sequence[Example], span: int, pad_id: int) -> ExampleRows:
+    """One example (at most ``span`` tokens) per row, padded to ``span``."""
+    return _rows([[ex] for ex in examples], span, pad_id, with_documents=False)
+
+
+def _rows(
+    groups: list[list[Example]], span: int, pad_id: int, *, with_documents: bool
+) -> ExampleRows:
+    """Rows holding each group's examples one after the other, then padding."""
+    tokens = np.full((len(groups), span), pad_id, dtype=np.int64)
+    scored = np.zeros((len(groups), span), dtype=bool)
+    filled = np.zeros((len(groups), span), dtype=bool)
+    documents = np.zeros((len(groups), span), dtype=np.int64)
+    for r, group in enumerate(groups):
+        start = 0
+        for doc, ex in enumerate(group):
+            end = start + len(ex.ids)
+            tokens[r, start:end], scored[r, start:end] = ex.ids, ex.scored
+            filled[r, start:end], documents[r, start:end] = True, doc
+            start = end
+        documents[r, start:] = len(group)  # the padding: a document of its own
+    return ExampleRows(tokens, scored, filled, documents if with_documents else None)

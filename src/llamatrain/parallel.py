@@ -1,0 +1,312 @@
+"""Data-parallel (DDP) and sharded (FSDP2) training on torch.distributed, applied from outside.
+
+A run launched by ``torchrun`` has one process per rank. :func:`process_group` joins them (gloo
+on CPU, nccl on CUDA) for the length of a run; :func:`apply` then wraps the model as the field
+does, without the model knowing:
+
+* ``ddp`` — ``DistributedDataParallel``: every rank holds the whole model and optimizer, and
+  gradients are averaged across ranks during the backward pass of the last micro-step;
+* ``fsdp`` — torchtitan's ``fully_shard`` pattern: each block, then the root, so every rank
+  holds 1/N of the weights, gradients and AdamW moments, and a block's weights are gathered
+  only while it runs.
+
+The global batch is the same as one process's: every rank draws the same ``n_batch`` rows from
+the (global) sampler and computes its own contiguous share of them (:meth:`Parallel.rows`).
+Equal shares and each rank's mean loss make the ranks' averaged gradient the gradient of the
+whole batch's mean, so N ranks take the same optimizer steps as one process.
+
+Checkpoints stay one file: :func:`full_tensor` gathers a sharded tensor (every rank takes part,
+rank 0 writes) and :func:`shard_like` cuts a full tensor read from the file back into this
+rank's shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from llamatrain.errors import ConfigError
+from llamatrain.model import Llama
+
+__all__ = [
+    "MODES",
+    "Parallel",
+    "any_rank",
+    "apply",
+    "average",
+    "barrier",
+    "check_launch",
+    "full_tensor",
+    "gathered",
+    "is_main",
+    "launched",
+    "local_tensor",
+    "main_first",
+    "process_group",
+    "rank",
+    "reshard",
+    "shard_like",
+    "whole_model",
+    "world_size",
+]
+
+MODES = ("none", "ddp", "fsdp")
+LAUNCH_HINT = "torchrun --nproc_per_node N -m llamatrain fit ..."
+
+
+# ---- who we are ------------------------------------------------------------------------
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (which sets WORLD_SIZE and RANK)."""
+    return "WORLD_SIZE" in os.environ
+
+
+def _joined() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 outside torchrun); the launcher's, before and after the group."""
+    return dist.get_rank() if _joined() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """How many ranks train together (1 outside torchrun)."""
+    return dist.get_world_size() if _joined() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main() -> bool:
+    """Rank 0: the one process that prints, logs, samples and writes files."""
+    return rank() == 0
+
+
+# ---- the process group -------------------------------------------------------------------
+
+
+def check_launch(mode: str) -> None:
+    """Refuse a ``train.parallel`` the launch cannot run, with the fix in one line."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown train.parallel {mode!r}; choose one of {MODES}")
+    if mode != "none" and not launched():
+        raise ConfigError(
+            f"train.parallel = {mode!r} needs one process per rank: launch with "
+            f"`{LAUNCH_HINT}`, or set train.parallel = 'none'"
+        )
+    if mode == "none" and world_size() > 1:
+        raise ConfigError(
+            f"torchrun started {world_size()} ranks but train.parallel = 'none' would train "
+            "the same model on each; set train.parallel = 'ddp' or 'fsdp', or launch one process"
+        )
+
+
+@contextlib.contextmanager
+def process_group(mode: str, device: torch.device, timeout_s: float) -> Iterator[None]:
+    """Join torchrun's ranks for the ``with`` block (nothing to join outside torchrun).
+
+    The backend follows the device: nccl between GPUs, gloo between CPU processes. A rank
+    that dies or hangs makes the others' next collective fail after ``timeout_s`` seconds
+    instead of waiting for ever. A group that already exists (a notebook's) is used as is.
+    """
+    check_launch(mode)
+    if not launched() or _joined():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Rank 0 runs the block first, then the others: a cache rank 0 writes (tokenizer,
+    token stream) is then read, not written again at the same time, by the rest."""
+    if is_main():
+        yield
+        barrier()
+    else:
+        barrier()
+        yield
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing outside torchrun)."""
+    if _joined():
+        dist.barrier()
+
+
+# ---- reductions --------------------------------------------------------------------------
+
+
+def _all_reduce(value: float, op: dist.ReduceOp) -> float:
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.item()
+
+
+def average(value: float) -> float:
+    """The mean of ``value`` over the ranks (the value itself outside torchrun)."""
+    if not _joined():
+        return value
+    return _all_reduce(value, dist.ReduceOp.SUM) / dist.get_world_size()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank: a signal one rank received stops them all at the
+    same step, so none is left waiting in a collective."""
+    if not _joined():
+        return flag
+    return _all_reduce(float(flag), dist.ReduceOp.MAX) > 0
+
+
+# ---- full and sharded tensors (checkpoints) ----------------------------------------------
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind an FSDP shard (a collective: every rank must call it, in the
+    same order); any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole tensor as float32 on the CPU, on rank 0, for a checkpoint to write; None on
+    the other ranks, which only take part in gathering an FSDP shard."""
+    full = full_tensor(tensor).detach()
+    return full.float().cpu() if is_main() else None
+
+
+def reshard(model: nn.Module) -> None:
+    """Put an FSDP model's gathered weights back into shards: FSDP keeps the root's gathered
+    after a forward without backward (an evaluation), and a checkpoint reads or loads shards."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an FSDP shard; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` (read from a checkpoint, the same on every rank) laid out as ``param`` is: this
+    rank's shard of it for an FSDP parameter, else on ``param``'s device and dtype (no copy
+    when they are already the same)."""
+    full = full.view(param.shape)
+    if isinstance(param, DTensor):
+        local = full.to(param.to_local().device, param.dtype)
+        return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+    return full.to(param.device, param.dtype)
+
+
+# ---- wrapping the model ------------------------------------------------------------------
+
+
+class _TrainingLoss(nn.Module):
+    """``model.loss`` as a module's forward, which DDP needs: it prepares the gradient
+    all-reduce in ``forward``, and the trainer's loss is not the model's forward."""
+
+    def __init__(self, model: Llama) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor, **options: torch.Tensor
+    ) -> torch.Tensor:
+        return self.model.loss(tokens, targets, **options)
+
+
+@dataclass
+class Parallel:
+    """How a wrapped model trains: which rows of a batch this rank computes, the loss to call,
+    and when gradients are synchronised."""
+
+    mode: str
+    loss: Callable[..., torch.Tensor]
+    _ddp: DistributedDataParallel | None = None
+    _fsdp: FSDPModule | None = None
+
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous, equal share of a global batch's rows."""
+        n = world_size()
+        if self.mode == "none" or n == 1:
+            return batch
+        if len(batch) % n:
+            n_ctx = batch.shape[-1]
+            raise ConfigError(
+                f"train.n_batch = {len(batch) * n_ctx} holds {len(batch)} sequences a step, "
+                f"which {n} ranks cannot share equally; make it a multiple of {n} x "
+                f"data.n_ctx = {n * n_ctx}"
+            )
+        return batch.chunk(n)[rank()]
+
+    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """The context of one micro-step's backward: gradients are exchanged only when
+        ``sync`` (the last micro-step), and accumulate locally before it (nanoGPT's
+        ``require_backward_grad_sync``, FSDP2's ``set_requires_gradient_sync``)."""
+        if self._ddp is not None and not sync:
+            return self._ddp.no_sync()
+        if self._fsdp is not None:
+            self._fsdp.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+
+def whole_model(model: Llama) -> Llama:
+    """An FSDP model as a plain one with its whole weights on the CPU, on rank 0 (every rank
+    takes part in gathering them; the others get ``model`` back); any other model as it is.
+    What a run returns and exports is then the model a single process would have trained."""
+    if not isinstance(model, FSDPModule):
+        return model
+    reshard(model)
+    weights = {name: gathered(tensor) for name, tensor in model.state_dict().items()}
+    if not is_main():
+        return model
+    with torch.device("meta"):
+        plain = Llama(model.cfg)
+    plain.load_state_dict(weights, assign=True)
+    return plain
+
+
+def apply(model: Llama, mode: str, *, mixed_precision: bool = False) -> Parallel:
+    """Wrap ``model`` (already on its device, checkpointing applied) for ``mode``.
+
+    ``fsdp`` shards every block, then the root (embeddings, output norm and head), and makes
+    ``model.loss`` an FSDP forward, so it gathers the root's weights as ``forward`` does.
+    ``mixed_precision`` (FSDP on CUDA with ``train.dtype = 'bfloat16'``): weights gathered and
+    computed in bf16, gradients reduced in float32.
+    """
+    if mode == "none":
+        return Parallel(mode, model.loss)
+    if mode == "ddp":
+        device = next(model.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(_TrainingLoss(model), device_ids=ids)
+        return Parallel(mode, ddp, _ddp=ddp)
+    policy = MixedPrecisionPolicy()
+    if mixed_precision:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blk:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    register_fsdp_forward_method(model, "loss")
+    return Parallel(mode, model.loss, _fsdp=model)

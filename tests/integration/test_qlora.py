@@ -1,0 +1,182 @@
+"""QLoRA: ``[lora] base_dtype = "quantized"`` trains adapters over a base kept in its blocks.
+
+A small random llama (every row a multiple of 256 values, so K-quants apply) is exported
+Q4_0 (gguf-py's quantizer) and Q4_K_M (llama.cpp's, ``llama_model_quantize``). What a run over
+it must show:
+
+* same numbers, other storage: its losses are those of a ``base_dtype = "f32"`` run over the
+  same weights dequantized to an f32 file (``LOSS_RTOL``);
+* the adapter it writes runs in llama.cpp over the quantized file and computes what our
+  quantized-base model computes (``LOGIT_BOUND``);
+* the adapted projections are held at the file's size: their buffers' bytes are the file's
+  bytes of those tensors, a quarter (Q8) to an eighth (Q4) of float32;
+* a run may resume with another ``base_dtype`` (the adapter does not depend on how the base
+  is stored): a quantized run resumed as f32 over the same file continues with its losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from llama_cpp_runs import cpp_logits
+
+from llamatrain import api
+from llamatrain.config import load_config
+from llamatrain.data import SONNETS_PATH, resolve_inputs
+from llamatrain.gguf.file import read_gguf
+from llamatrain.lora import lora_modules
+from llamatrain.model import Llama
+from llamatrain.ops import lora as ops_lora
+
+STEPS = 4
+LOSS_RTOL = 1e-5
+"""The two runs multiply by the same float32 weights; the quantized one widens W a chunk of
+rows at a time (the Q4_0 run in chunks of 32-64 rows) and sums dx over the chunks, so only
+summation order differs. Measured: 1.5e-7 relative over 4 steps (one float32 ulp of the
+loss); 1e-5 leaves room for that to grow through the updates, while a wrong block (an error
+of the quantization's size, ~7%) moves the loss by far more."""
+LOGIT_BOUND = {"q4_0": 0.04, "q4_k_m": 0.045}
+"""Max |llama.cpp's logit (quantized file + our adapter) - ours (quantized base + adapter)|.
+Not zero: llama.cpp rounds the activations to 8 bits for its quantized matmuls (Q8_0 for
+Q4_0, Q8_K for K-quants), we multiply by the dequantized weights in float32 (see
+test_quantized_import's LOGIT_BOUND_VS_FILE). Measured (48 tokens, logits up to 4.5 and
+5.3, which the adapter moves by 6.8 and 6.2): q4_0 0.027, q4_k_m 0.030; the bounds are 1.5x
+that."""
+
+
+def qlora_overrides(cache_dir: Path, run_dir: Path, base: Path, base_dtype: str) -> list[str]:
+    """A few steps of rank-4 LoRA on every projection of ``base``, a checkpoint every 2."""
+    return [
+        f'data.cache_dir="{cache_dir}"',
+        f'output.dir="{run_dir}"',
+        f'model.init_from="{base}"',
+        "lora.rank=4",
+        "lora.alpha=8.0",
+        f'lora.base_dtype="{base_dtype}"',
+        f"train.steps={STEPS}",
+        "train.n_batch=128",
+        "train.save_every=2",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        "output.export=false",
+        "optim.lr=3e-2",
+        "optim.warmup_steps=1",
+    ]
+
+
+@pytest.fixture(scope="module")
+def f32_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """A random llama with the tiny config's vocabulary, rows of 256 and 512 values, its
+    matrices at the scale that keeps activations ~1 (so every block moves the logits)."""
+    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
+    tokenizer = api.build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
+    model_cfg = dataclasses.replace(
+        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx,
+        dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Llama(model_cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name != "token_embd.weight":
+                p.normal_(0.0, 1 / math.sqrt(p.shape[1]))
+    return api.export_gguf(model, tokenizer, tmp_path_factory.mktemp("qlora") / "f32.gguf")
+
+
+@pytest.fixture(scope="module")
+def quantized_bases(f32_base: Path) -> dict[str, Path]:
+    """type -> ``f32_base`` exported as that type (lazily: Q4_K_M goes through llama.cpp)."""
+
+    class Bases(dict[str, Path]):
+        def __missing__(self, name: str) -> Path:
+            model, tokenizer = api.load_gguf(f32_base)
+            path = api.export_gguf(model, tokenizer, f32_base.with_name(f"{name}.gguf"), type=name)
+            self[name] = path
+            return path
+
+    return Bases()
+
+
+@pytest.fixture(scope="module")
+def q4_0_run(tmp_path_factory, cache_dir, quantized_bases) -> api.FitResult:
+    run_dir = tmp_path_factory.mktemp("q4_0") / "run"
+    overrides = qlora_overrides(cache_dir, run_dir, quantized_bases["q4_0"], "quantized")
+    with pytest.MonkeyPatch.context() as patch:  # 32-64 rows a chunk: W widened in 4-16 parts
+        patch.setattr(ops_lora, "CHUNK_BYTES", 1 << 16)
+        return api.fit("tiny", overrides=overrides, progress=False)
+
+
+def losses(result: api.FitResult) -> np.ndarray:
+    return np.array([record["loss"] for record in result.history.train])
+
+
+def test_the_quantized_base_trains_like_its_dequantized_f32_copy(
+    q4_0_run, quantized_bases, cache_dir, tmp_path
+) -> None:
+    model, tokenizer = api.load_gguf(quantized_bases["q4_0"])
+    dequantized = api.export_gguf(model, tokenizer, tmp_path / "dequantized-f32.gguf")
+    f32_run = api.fit(
+        "tiny", overrides=qlora_overrides(cache_dir, tmp_path / "run", dequantized, "f32"),
+        progress=False,
+    )  # fmt: skip
+    ours, theirs = losses(q4_0_run), losses(f32_run)
+    assert len(ours) == STEPS and ours[-1] < ours[0]  # it trains
+    np.testing.assert_allclose(ours, theirs, rtol=LOSS_RTOL)
+
+
+def test_the_adapted_projections_are_held_at_the_files_size(q4_0_run, quantized_bases) -> None:
+    contents = read_gguf(quantized_bases["q4_0"], tensor_data=False)
+    held = file_bytes = f32_bytes = 0
+    for name, module in lora_modules(q4_0_run.model):
+        assert module.qtype == contents.tensor_types[f"{name}.weight"] == "Q4_0"
+        assert module.weight.dtype == torch.uint8 and not module.weight.requires_grad
+        held += module.weight.nbytes
+        file_bytes += contents.tensor_nbytes[f"{name}.weight"]
+        f32_bytes += 4 * module.lora_b.shape[0] * module.lora_a.shape[1]
+    assert held == file_bytes and held * 7 < f32_bytes  # Q4_0: 18 bytes per 32 values
+
+
+def our_logits(model: Llama, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model.eval()(torch.tensor([ids]))[0].double().numpy()
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_k_m"])
+def test_llama_cpp_runs_the_adapter_over_the_quantized_file_like_we_do(
+    qtype, q4_0_run, quantized_bases, cache_dir, tmp_path
+) -> None:
+    import llama_cpp
+
+    if qtype == "q4_0":
+        run = q4_0_run
+    else:
+        overrides = qlora_overrides(
+            cache_dir, tmp_path / "run", quantized_bases[qtype], "quantized"
+        )
+        run = api.fit("tiny", overrides=overrides, progress=False)
+    ids = run.tokenizer.encode(SONNETS_PATH.read_text()[:400], bos=True)[:48]
+    ours = our_logits(run.model, ids)
+    theirs = cpp_logits(llama_cpp, quantized_bases[qtype], ids, lora=run.adapter_path)
+    without = cpp_logits(llama_cpp, quantized_bases[qtype], ids)
+    assert np.abs(theirs - without).max() > 0.1  # the adapter matters
+    assert np.abs(ours - theirs).max() < LOGIT_BOUND[qtype]
+
+
+def test_a_quantized_run_resumes_as_f32_over_the_same_file(
+    q4_0_run, quantized_bases, cache_dir, tmp_path
+) -> None:
+    run_dir = tmp_path / "run"
+    overrides = qlora_overrides(cache_dir, run_dir, quantized_bases["q4_0"], "quantized")
+    checkpoint = q4_0_run.run_dir / "checkpoints" / f"step-{2:07d}.gguf"
+    resumed_overrides = [o for o in overrides if not o.startswith("lora.base_dtype")]
+    resumed = api.fit(
+        "tiny", overrides=[*resumed_overrides, 'lora.base_dtype="f32"'], resume=checkpoint,
+        progress=False,
+    )  # fmt: skip
+    np.testing.assert_allclose(losses(resumed), losses(q4_0_run)[2:], rtol=LOSS_RTOL)
+    assert not any(m.qtype for _, m in lora_modules(resumed.model))
