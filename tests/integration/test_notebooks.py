@@ -23,7 +23,11 @@ NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 
 
 def test_the_examples_exist():
-    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "baby_llama.ipynb"}
+    assert {p.name for p in NOTEBOOKS} >= {
+        "quickstart.ipynb",
+        "baby_llama.ipynb",
+        "lora_chat.ipynb",
+    }
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -85,3 +89,13 @@ def test_baby_llama_learns_and_both_optimizers_solve_the_matrix_check(monkeypatc
         start, end = summary["matrix_loss"][name]
         assert end < 1e-6 * start, f"{name} did not solve the two-matrix problem: {end}"
         assert 0 <= summary["continuation_error"][name] <= 30
+
+
+def test_lora_chat_trains_adapters_and_llama_cpp_replies_as_pytorch(monkeypatch, tmp_path):
+    summary = execute("lora_chat.ipynb", monkeypatch, tmp_path)
+    assert summary["quick"] is True and summary["steps"] > 0
+    assert summary["last_loss"] < summary["first_loss"] - 1.0  # the replies' loss fell
+    assert 0 < summary["trainable"] < summary["total"] / 4  # adapters only
+    assert summary["adapter_bytes"] > 10_000
+    # llama.cpp with the exported --lora adapter over the base gives the greedy reply PyTorch gives
+    assert summary["pytorch_reply"] and summary["llama_cpp_reply"] == summary["pytorch_reply"]
