@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from test_flash_attn import _inputs  # the same random q, k, v
 
 from llamatrain import activation_checkpointing as ac
 from llamatrain.model import IGNORE_INDEX, KVCache, Llama, ModelConfig, document_positions
@@ -36,16 +37,6 @@ def _documents(*lengths_per_row: tuple[int, ...]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _inputs(
-    b: int, h: int, hkv: int, t: int, d: int, dtype: torch.dtype, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, t, d, generator=gen, dtype=dtype).requires_grad_()
-    k = torch.randn(b, hkv, t, d, generator=gen, dtype=dtype).requires_grad_()
-    v = torch.randn(b, hkv, t, d, generator=gen, dtype=dtype).requires_grad_()
-    return q, k, v
-
-
 def _dense_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor
 ) -> torch.Tensor:
@@ -66,7 +57,7 @@ _DOCS = _documents((3, 6, 1, 3), (1, 9, 3))
 
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 def test_flash_attn_with_documents_passes_gradcheck(heads: tuple[int, int]) -> None:
-    q, k, v = _inputs(2, *heads, t=13, d=4, dtype=torch.float64)
+    q, k, v = _inputs(2, *heads, t=13, s=13, d=4, dtype=torch.float64)
     assert torch.autograd.gradcheck(
         lambda q, k, v: flash_attn(q, k, v, block_size=4, documents=_DOCS), (q, k, v)
     )
@@ -75,7 +66,7 @@ def test_flash_attn_with_documents_passes_gradcheck(heads: tuple[int, int]) -> N
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("block", [4, 5, 64])
 def test_flash_attn_with_documents_matches_dense_mask(heads: tuple[int, int], block: int) -> None:
-    q, k, v = _inputs(2, *heads, t=13, d=8, dtype=torch.float32, seed=1)
+    q, k, v = _inputs(2, *heads, t=13, s=13, d=8, dtype=torch.float32, seed=1)
     ref = _dense_reference(q, k, v, _DOCS)
     out = flash_attn(q, k, v, block_size=block, documents=_DOCS)
     dout = torch.randn_like(out)
@@ -89,7 +80,7 @@ def test_flash_attn_with_documents_matches_dense_mask(heads: tuple[int, int], bl
 
 def test_flash_attn_with_documents_saves_nothing_quadratic() -> None:
     t = 128
-    q, k, v = _inputs(1, 2, 1, t, 4, torch.float32)
+    q, k, v = _inputs(1, 2, 1, t, t, 4, torch.float32)
     docs = _documents((40, 1, 87))
     saved: list[int] = []
 
@@ -125,7 +116,7 @@ def test_blocks_receive_positions_within_each_document() -> None:
 
 
 def test_documents_need_causal_self_attention_and_no_cache() -> None:
-    q, k, v = _inputs(2, 2, 2, 13, 4, torch.float32)
+    q, k, v = _inputs(2, 2, 2, 13, 13, 4, torch.float32)
     with pytest.raises(ValueError, match="causal"):
         flash_attn(q, k, v, causal=False, documents=_DOCS)
     model = Llama(ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=8, max_seq_len=16))
