@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
 
@@ -58,3 +59,13 @@ def patch() -> Callable[[Path, bytes, bytes], None]:
         path.write_bytes(bytes(data))
 
     return replace_first
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """One torch thread for tests of tiny tensors: on a busy shared machine each OpenMP
+    wake-up costs more than the work (~8 ms). Use with ``pytest.mark.usefixtures``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

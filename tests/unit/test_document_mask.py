@@ -8,8 +8,6 @@ through ``Llama`` gives each document exactly what running it alone gives.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from test_flash_attn import _inputs  # the same random q, k, v
@@ -18,14 +16,7 @@ from llamatrain import activation_checkpointing as ac
 from llamatrain.model import IGNORE_INDEX, KVCache, Llama, ModelConfig, document_positions
 from llamatrain.ops.attention import flash_attn
 
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    """These tensors are tiny; on a busy shared machine each OpenMP wake-up costs more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors (conftest)
 
 
 def _documents(*lengths_per_row: tuple[int, ...]) -> torch.Tensor:

@@ -10,7 +10,7 @@ seq×seq_kv tensor per head).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,14 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llamatrain.ops.attention import BLOCK_SIZE, flash_attn
 
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    """These tensors are tiny; on a busy shared machine each OpenMP wake-up can cost ~8 ms."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors (conftest)
 
 
 def _inputs(
