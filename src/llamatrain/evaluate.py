@@ -16,9 +16,11 @@ from pathlib import Path
 
 import torch
 
+from llamatrain import parallel
 from llamatrain.data import check_text_file, read_text
 from llamatrain.errors import DataError
 from llamatrain.model import IGNORE_INDEX, Llama
+from llamatrain.ops.fused import default_chunk_rows
 from llamatrain.tokenizer import Tokenizer
 
 
@@ -38,15 +40,11 @@ def validation_metrics(
     try:
         for inputs, targets, *rest in batches:
             inputs, targets = inputs.to(device), targets.to(device)
-            documents = rest[0] if rest else None
-            packed = {} if documents is None else {"documents": documents.to(device)}
-            with autocast or contextlib.nullcontext():
-                logits, loss = model(inputs, targets, **packed)
-            scored = targets != IGNORE_INDEX
-            n_scored = int(scored.sum())
-            loss_sum += loss.item() * n_scored
-            correct += ((logits.argmax(-1) == targets) & scored).sum().item()
-            count += n_scored
+            documents = rest[0].to(device) if rest else None
+            with autocast or contextlib.nullcontext(), parallel.root_weights(model):
+                hidden = model.hidden_states(inputs, documents=documents)
+                sums = _head_scores(model, hidden, targets)
+            loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
     finally:
         model.train(was_training)
     val_loss = loss_sum / max(count, 1)
@@ -55,6 +53,28 @@ def validation_metrics(
         "val_ppl": math.exp(min(val_loss, 700.0)),
         "val_acc": correct / max(count, 1),
     }
+
+
+def _head_scores(
+    model: Llama, hidden: torch.Tensor, targets: torch.Tensor
+) -> tuple[float, int, int]:
+    """Summed loss, correct next-token guesses and scored count of one batch, taking the lm
+    head a chunk of rows at a time, as the fused training loss does: a whole batch's
+    (tokens x vocab) logits, and the softmax beside them, would be the largest tensors of the
+    run, and validation would set a peak memory no training step reaches."""
+    head = model.lm_head_weight
+    rows = default_chunk_rows(head.shape[0], head.shape[1])
+    loss_sum, correct, count = 0.0, 0, 0
+    for h, t in zip(hidden.flatten(0, -2).split(rows), targets.flatten().split(rows), strict=True):
+        scored = t != IGNORE_INDEX
+        n_scored = int(scored.sum())
+        if n_scored == 0:
+            continue
+        logits = model.ops.linear(h, head)
+        loss_sum += model.ops.cross_entropy(logits, t).item() * n_scored
+        correct += int(((logits.argmax(-1) == t) & scored).sum())
+        count += n_scored
+    return loss_sum, correct, count
 
 
 @dataclass

@@ -24,24 +24,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import (
-    FSDPModule,
-    MixedPrecisionPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from llamatrain.errors import ConfigError
 from llamatrain.model import Llama
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "MODES",
@@ -60,6 +58,7 @@ __all__ = [
     "process_group",
     "rank",
     "reshard",
+    "root_weights",
     "shard_like",
     "whole_model",
     "world_size",
@@ -183,10 +182,24 @@ def any_rank(flag: bool) -> bool:
 # ---- full and sharded tensors (checkpoints) ----------------------------------------------
 
 
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an FSDP shard (a DTensor). Only ``fsdp`` mode imports
+    torch.distributed.tensor (about 40 MB of modules, a sixth of a small run's peak RSS), and
+    without it no DTensor can exist: a run that does not shard never pays for the import."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` wrapped ``model`` (see :func:`_is_sharded` for the lookup)."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    return module is not None and isinstance(model, module.FSDPModule)
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind an FSDP shard (a collective: every rank must call it, in the
     same order); any other tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if _is_sharded(tensor) else tensor
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -199,13 +212,29 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor | None:
 def reshard(model: nn.Module) -> None:
     """Put an FSDP model's gathered weights back into shards: FSDP keeps the root's gathered
     after a forward without backward (an evaluation), and a checkpoint reads or loads shards."""
-    if isinstance(model, FSDPModule):
+    if _is_fsdp(model):
+        model.reshard()
+
+
+@contextlib.contextmanager
+def root_weights(model: nn.Module) -> Iterator[None]:
+    """An FSDP model's root weights (embeddings, output norm, lm head) gathered for code that
+    reads them outside a forward (evaluation takes the lm head a chunk of rows at a time),
+    and put back into shards after; for any other model, nothing. The blocks gather their
+    own weights when called, as in any forward."""
+    if not _is_fsdp(model):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
         model.reshard()
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of an FSDP shard; any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if _is_sharded(tensor) else tensor
 
 
 def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -213,7 +242,9 @@ def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     rank's shard of it for an FSDP parameter, else on ``param``'s device and dtype (no copy
     when they are already the same)."""
     full = full.view(param.shape)
-    if isinstance(param, DTensor):
+    if _is_sharded(param):
+        from torch.distributed.tensor import distribute_tensor
+
         local = full.to(param.to_local().device, param.dtype)
         return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
     return full.to(param.device, param.dtype)
@@ -275,7 +306,7 @@ def whole_model(model: Llama) -> Llama:
     """An FSDP model as a plain one with its whole weights on the CPU, on rank 0 (every rank
     takes part in gathering them; the others get ``model`` back); any other model as it is.
     What a run returns and exports is then the model a single process would have trained."""
-    if not isinstance(model, FSDPModule):
+    if not _is_fsdp(model):
         return model
     reshard(model)
     weights = {name: gathered(tensor) for name, tensor in model.state_dict().items()}
@@ -302,6 +333,12 @@ def apply(model: Llama, mode: str, *, mixed_precision: bool = False) -> Parallel
         ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedDataParallel(_TrainingLoss(model), device_ids=ids)
         return Parallel(mode, ddp, _ddp=ddp)
+    from torch.distributed.fsdp import (  # only here: see _is_sharded
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
     policy = MixedPrecisionPolicy()
     if mixed_precision:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

