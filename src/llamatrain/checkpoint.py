@@ -58,6 +58,7 @@ from llamatrain.lora import (
     stored_type,
 )
 from llamatrain.model import Llama, ModelConfig
+from llamatrain.optim import AdamW, Optimizer
 from llamatrain.parallel import any_rank, gathered, is_main, local_tensor, reshard, shard_like
 from llamatrain.tokenizer import Tokenizer
 
@@ -138,7 +139,7 @@ def _trained(model: Llama) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _adam_tensors(model: Llama, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _adam_tensors(model: Llama, optimizer: Optimizer) -> dict[str, torch.Tensor]:
     """Flatten AdamW's moments into the 2023 layout (zeros before the first step); FSDP's
     shards are gathered (every rank takes part) and only rank 0 gets them."""
     first, second = [], []
@@ -154,7 +155,7 @@ def _adam_tensors(model: Llama, optimizer: torch.optim.Optimizer) -> dict[str, t
     }
 
 
-def _restore_adam(model: Llama, optimizer: torch.optim.Optimizer, tensors: dict, step: int) -> None:
+def _restore_adam(model: Llama, optimizer: Optimizer, tensors: dict, step: int) -> None:
     """Rebuild AdamW's per-parameter state from the flat moment vectors."""
     first = tensors["optimizer.adam.first_moments"]
     second = tensors["optimizer.adam.second_moments"]
@@ -178,7 +179,7 @@ def save_checkpoint(
     path: str | Path,
     model: Llama,
     tokenizer: Tokenizer,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     state: TrainingState,
 ) -> Path:
     """Write one resumable GGUF checkpoint atomically: the model, or for a LoRA run
@@ -234,10 +235,10 @@ def _save_lora_checkpoint(
 
 
 def _training_extras(
-    model: Llama, optimizer: torch.optim.Optimizer, state: TrainingState
+    model: Llama, optimizer: Optimizer, state: TrainingState
 ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """A checkpoint's ``training.*`` / ``optimizer.*`` keys and tensors (any kind of run)."""
-    is_adam = isinstance(optimizer, torch.optim.AdamW)
+    is_adam = isinstance(optimizer, AdamW)
     extra_kv: dict[str, object] = {
         "training.file_version": FILE_VERSION,
         "training.iteration_count": state.step,
@@ -287,15 +288,15 @@ class Checkpoint:
         else:
             load_lora_state_dict(model, self.weights)
 
-    def restore_optimizer(self, model: Llama, optimizer: torch.optim.Optimizer) -> None:
+    def restore_optimizer(self, model: Llama, optimizer: Optimizer) -> None:
         """Load the optimizer state into ``optimizer``, whose parameters are ``model``'s."""
         kind = self.metadata.get("optimizer.type")
-        if kind == "adam" and isinstance(optimizer, torch.optim.AdamW):
+        if kind == "adam" and isinstance(optimizer, AdamW):
             _restore_adam(model, optimizer, self.tensors, self.state.step)
         elif kind == "lbfgs" and isinstance(optimizer, torch.optim.LBFGS):
             optimizer.load_state_dict(_unpack_bytes(self.metadata["optimizer.lbfgs.state"]))
         else:
-            wanted = "adamw" if isinstance(optimizer, torch.optim.AdamW) else "lbfgs"
+            wanted = "adamw" if isinstance(optimizer, AdamW) else "lbfgs"
             raise CheckpointError(
                 f"checkpoint holds {kind!r} optimizer state but the config asks for "
                 f"optim.name = {wanted!r}; resume with the optimizer it was trained with"

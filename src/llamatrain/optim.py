@@ -2,8 +2,9 @@
 
 AdamW decays only tensors with at least ``decay_min_ndim`` dimensions (matrices, not norms),
 as ``train-text-from-scratch`` did; its update is exactly ggml's (bias-corrected, decoupled
-decay). The schedule is linear warmup, then cosine decay to ``lr_min`` with optional warm
-restarts whose period grows by ``cos_decay_restart`` each cycle.
+decay), applied by PyTorch's fused AdamW kernel through :class:`AdamW`. The schedule is
+linear warmup, then cosine decay to ``lr_min`` with optional warm restarts whose period grows
+by ``cos_decay_restart`` each cycle.
 """
 
 from __future__ import annotations
@@ -27,12 +28,92 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_min_ndim: int)
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimizer:
+class AdamW:
+    """AdamW as ``torch.optim.AdamW(fused=True)`` computes it, without ``torch.optim``.
+
+    Why not ``torch.optim.AdamW`` itself: constructing or stepping any ``torch.optim``
+    optimizer imports ``torch._dynamo`` (about 800 modules, 72 MB of RSS measured with torch
+    2.13), a third of what a small model's whole run needs beside torch (bench/peers.py). The
+    update is PyTorch's own fused kernel (``torch._fused_adamw_``: one pass per tensor, no
+    temporaries), called as ``torch.optim.AdamW`` calls it, so the numbers are the same; a
+    test pins them to ggml's formula. The state keeps ``torch.optim``'s layout
+    (``state[param]`` = ``step``, ``exp_avg``, ``exp_avg_sq``; ``param_groups`` with ``lr``)
+    for checkpoints, reports and the schedule.
+    """
+
+    def __init__(
+        self,
+        groups: list[dict],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        self.defaults = {"lr": lr, "betas": betas, "eps": eps, "fused": True}
+        self.param_groups = [{**self.defaults, "weight_decay": 0.0, **g} for g in groups]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (``torch.optim``'s default): the next backward writes them
+        afresh instead of adding to zeros."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for tensors in _by_device_and_dtype(params).values():
+                self._fused_step(tensors, group)
+
+    def _fused_step(self, params: list[torch.Tensor], group: dict) -> None:
+        states = [self._state(p) for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            steps,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
+
+    def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        if p not in self.state:
+            self.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        return self.state[p]
+
+
+def _by_device_and_dtype(params: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """The fused kernel takes tensors of one device and dtype per call."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    return groups
+
+
+Optimizer = AdamW | torch.optim.LBFGS
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection) -> Optimizer:
     """AdamW or L-BFGS, at the schedule's starting lr.
 
-    AdamW uses PyTorch's fused kernel on every device: one pass per tensor with no
-    temporaries, where the foreach implementation makes several, with the same update (a
-    test pins it to ggml's formula; bench/README.md has the measured difference).
+    AdamW uses PyTorch's fused kernel on every device (:class:`AdamW`): one pass per tensor
+    with no temporaries, where the foreach implementation makes several, with the same
+    update (bench/README.md has the measured difference).
     """
     if cfg.name == "lbfgs":
         params = [p for p in model.parameters() if p.requires_grad]
@@ -43,12 +124,11 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimize
             history_size=cfg.lbfgs_history,
             line_search_fn="strong_wolfe",
         )
-    return torch.optim.AdamW(
+    return AdamW(
         parameter_groups(model, cfg.weight_decay, cfg.decay_min_ndim),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        fused=True,
     )
 
 
@@ -73,6 +153,6 @@ def lr_at(step: int, cfg: OptimSection) -> float:
     return cfg.lr_min + (cfg.lr - cfg.lr_min) * cosine
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -69,9 +71,15 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return peak * scale, "peak RSS"
 
 
+class HasState(Protocol):
+    """An optimizer as far as a report reads it: ``torch.optim``'s per-parameter state."""
+
+    state: Mapping[Any, Mapping[str, Any]]
+
+
 def measure(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: HasState,
     device: torch.device,
     *,
     steps: int,

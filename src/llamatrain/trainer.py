@@ -163,7 +163,7 @@ class Trainer:
         gradients are averaged in the last micro-step's backward, as is the loss after it, so
         each rank weighs its micro-batches' scored shares of the whole batch ``ranks``-fold.
         """
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         batch_rows, batch_scored = len(targets), scored_count(targets)
         inputs, targets = self.parallel.rows(inputs), self.parallel.rows(targets)
         ranks = batch_rows // len(targets)
