@@ -10,8 +10,9 @@ faults; bench/README.md has the figures). (PyTorch's CPU performance guides reco
 jemalloc or tcmalloc for the same reason; this needs no extra library.)
 
 The price is that up to ``TRIM_THRESHOLD`` of freed memory stays mapped to the process
-after a step: RSS falls back more slowly, the peak is unchanged. Only glibc has these knobs;
-elsewhere this is a no-op.
+after a step: RSS falls back more slowly, the peak is unchanged. When training is over,
+:func:`release_freed_memory` hands it back, so what runs after (export, plotting) does not
+stack its memory on top. Only glibc has these knobs; elsewhere both are no-ops.
 """
 
 from __future__ import annotations
@@ -54,3 +55,21 @@ def retain_freed_memory() -> bool:
         )
     )
     return _applied
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the kernel now (glibc's ``malloc_trim``).
+
+    Why: the settings above keep freed memory mapped for the next training step. Once the
+    last step is done that memory only raises RSS under whatever comes next; Python objects,
+    for one, live in their own mmapped arenas and cannot reuse heap pages. Returns whether it
+    ran (False where the C library is not glibc).
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True

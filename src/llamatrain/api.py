@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from llamatrain import activation_checkpointing, parallel
+from llamatrain.allocator import release_freed_memory
 from llamatrain.checkpoint import (
     Checkpoint,
     CheckpointManager,
@@ -328,6 +329,7 @@ def _fit_locked(
         trainer.load_state(checkpoint)
     history = trainer.fit()
     model = parallel.whole_model(trainer.model)
+    _release_training_state(trainer)
     if not parallel.is_main():
         return FitResult(cfg, model, tokenizer, history, run_dir, export_path=None)
     adapter_path = None
@@ -346,6 +348,16 @@ def _fit_locked(
         )
     curves = _write_curves(run_dir)
     return FitResult(cfg, model, tokenizer, history, run_dir, export_path, curves, adapter_path)
+
+
+def _release_training_state(trainer: Trainer) -> None:
+    """Free what only training needed (gradients, optimizer moments: three times the weights
+    with AdamW) and give the freed memory back to the system before exporting and plotting,
+    so they do not raise the run's peak memory above its training steps'. The last
+    checkpoint holds the optimizer state for a resume."""
+    trainer.optimizer.zero_grad()
+    trainer.optimizer.state.clear()
+    release_freed_memory()
 
 
 def _with_chat_template(

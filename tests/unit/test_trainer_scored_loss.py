@@ -75,7 +75,7 @@ def test_validation_counts_only_scored_targets(tmp_path, monkeypatch, chunk_byte
     counting unscored targets would lower it. Validation takes the lm head a chunk of rows at
     a time (never a whole batch's logits); with chunks of 7 rows most chunks straddle rows and
     several score nothing, and the figures are the same."""
-    monkeypatch.setattr("llamatrain.ops.fused.CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr("llamatrain.evaluate.CHUNK_LOGITS", chunk_bytes)
     inputs, targets = masked_batch()
     model = make_trainer(tmp_path, 256).model
     with torch.no_grad():
