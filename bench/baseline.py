@@ -176,7 +176,7 @@ def plain_step(
             if bf16
             else contextlib.nullcontext()
         )
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         with autocast:
             loss = loss_fn(inputs, targets)
         loss.backward()

@@ -10,6 +10,7 @@ by ``cos_decay_restart`` each cycle.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -59,8 +60,18 @@ class AdamW:
             for p in group["params"]:
                 p.grad = None
 
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """One update from the current gradients. ``closure``, as ``torch.optim`` takes it,
+        recomputes the loss and the gradients first; its loss is returned."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._update()
+        return loss
+
     @torch.no_grad()
-    def step(self) -> None:
+    def _update(self) -> None:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for tensors in _by_device_and_dtype(params).values():

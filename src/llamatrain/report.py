@@ -3,7 +3,8 @@
 The 2023 trainer told its user how long training took and how much memory it held; this is
 that report. Memory is the process's peak — resident set size on CPU (what the machine had to
 give), the allocator's peak on CUDA — split into the parts a user can change: weights,
-gradients and optimizer state are counted from the tensors themselves, and "the rest" is the
+gradients (one per trained weight, held from a step's backward to its update) and optimizer
+state are counted from the tensors themselves, and "the rest" is the
 peak minus those three: activations and temporaries, the allocator's cache, and on CPU the
 framework (PyTorch itself) and the data. That last part is what activation checkpointing, the
 fused loss and a smaller ``n_ubatch`` shrink.
@@ -87,7 +88,7 @@ def measure(
     tokens: int,
     checkpoint_segment: int,
 ) -> RunReport:
-    """The report for a run whose training just ended (gradients still allocated)."""
+    """The report for a run whose training just ended."""
     params = list(model.parameters())
     state = [value for per_param in optimizer.state.values() for value in per_param.values()]
     peak, kind = peak_memory(device)
@@ -98,7 +99,7 @@ def measure(
         peak_bytes=peak,
         peak_kind=kind,
         weights_bytes=_bytes(params),
-        gradients_bytes=_bytes(p.grad for p in params),
+        gradients_bytes=_bytes(p for p in params if p.requires_grad),
         optimizer_bytes=_bytes(state),
         checkpoint_segment=checkpoint_segment,
     )

@@ -215,6 +215,9 @@ class Trainer:
             self._check_finite(loss)
             self._clip()
             self.optimizer.step()
+        # Gradients are spent: free them now, not at the next step's start, so evaluation,
+        # sampling and checkpoint saves between steps run without them (as nanoGPT does).
+        self.optimizer.zero_grad()
         self._check_finite(loss)
         return loss
 

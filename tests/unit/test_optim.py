@@ -155,3 +155,24 @@ def test_adamw_does_not_load_torch_dynamo():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_adamw_step_takes_a_closure_as_torch_optim_does():
+    """``step(closure)``: the closure recomputes loss and gradients (with grad mode on, even
+    under no_grad), its loss comes back, and the update uses those gradients."""
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(**SMALL))
+    optimizer = build_optimizer(model, OptimSection(lr=1e-2))
+    tokens = torch.randint(0, 32, (2, 9))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = optimizer.step(closure)
+    assert loss is not None and loss.item() > 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

@@ -38,8 +38,22 @@ def random_batch(n_seq: int = 8, n_ctx: int = 32, seed: int = 0):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def grad_norm(model: Llama) -> float:
-    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+def grad_norm(grads: dict[str, torch.Tensor]) -> float:
+    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+
+
+def grads_at_update(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Filled, at every optimizer update, with the gradients that update reads (the step frees
+    them right after it)."""
+    seen: dict[str, torch.Tensor] = {}
+    update = trainer.optimizer.step
+
+    def spy(*args, **kwargs):
+        seen.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return update(*args, **kwargs)
+
+    trainer.optimizer.step = spy
+    return seen
 
 
 def test_building_and_stepping_writes_nothing(tmp_path):
@@ -69,15 +83,15 @@ def test_micro_batching_does_not_change_loss_or_update(tmp_path):
     whole = make_trainer(tmp_path, "train.n_ubatch=512")
     split = make_trainer(tmp_path, "train.n_ubatch=128")
     assert (whole.micro_batch, split.micro_batch) == (8, 2)
+    whole_grads, split_grads = grads_at_update(whole), grads_at_update(split)
     for step in range(3):
         batch = random_batch(n_ctx=64, seed=step)
         whole.state.step = split.state.step = step
         assert split.train_step(*batch) == pytest.approx(whole.train_step(*batch), rel=1e-6)
-        if step == 0:  # same weights so far: the gradients left in .grad must agree
-            split_grads = {n: p.grad for n, p in split.model.named_parameters()}
-            for name, p in whole.model.named_parameters():
-                scale = p.grad.abs().max().item()
-                diff = (split_grads[name] - p.grad).abs().max().item()
+        if step == 0:  # same weights so far: the gradients of the update must agree
+            for name, grad in whole_grads.items():
+                scale = grad.abs().max().item()
+                diff = (split_grads[name] - grad).abs().max().item()
                 assert diff <= 1e-5 * scale, name
     # After three AdamW steps the weights still agree closely, though less tightly: AdamW
     # divides by sqrt(v), so where a gradient is as small as its rounding noise the update's
@@ -91,14 +105,18 @@ def test_micro_batching_does_not_change_loss_or_update(tmp_path):
 
 
 def test_gradients_are_clipped_to_grad_clip(tmp_path):
-    """The step clips the global gradient norm (the gradients stay in .grad until the next
-    step): at init this batch's norm is ~0.8, so a clip of 0.1 must act."""
+    """The step clips the global gradient norm before the update: at init this batch's norm is
+    ~0.8, so a clip of 0.1 must act. After the update the gradients are freed (evaluation,
+    sampling and saves between steps run without them)."""
     free = make_trainer(tmp_path, "optim.grad_clip=0")
+    free_grads = grads_at_update(free)
     free.train_step(*random_batch())
-    assert grad_norm(free.model) > 0.3
+    assert grad_norm(free_grads) > 0.3
     clipped = make_trainer(tmp_path, "optim.grad_clip=0.1")
+    clipped_grads = grads_at_update(clipped)
     clipped.train_step(*random_batch())
-    assert grad_norm(clipped.model) == pytest.approx(0.1, rel=1e-5)
+    assert grad_norm(clipped_grads) == pytest.approx(0.1, rel=1e-5)
+    assert all(p.grad is None for p in clipped.model.parameters())
 
 
 def test_a_nan_weight_stops_the_step_before_the_update(tmp_path):
