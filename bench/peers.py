@@ -21,14 +21,16 @@ Rows:
 * ``ours nanoGPT-baby``: the shape of nanoGPT's CPU "baby" run (``train.py
   config/train_shakespeare_char.py --device=cpu --compile=False --block_size=64
   --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000``: 768 tokens a step,
-  lr 1e-3 to 1e-4 cosine after 100 warmup steps, beta2 0.99, weight decay 0.1) as a llama
-  (SwiGLU ffn 512) over about 1.1 MB of the Shakespeare corpus (tiny shakespeare's size) with a
-  near-character vocabulary (384 pieces: bytes, characters, ~50 merges), 10% held out. nanoGPT
-  is not a package; its own figure on this shape is taken with its ``train.py`` outside this
-  repository and compared by hand (bench/README.md).
+  lr 1e-3 to 1e-4 cosine after 100 warmup steps, beta2 0.99, weight decay 0.1) as a llama of
+  about its parameter count (SwiGLU at Meta's 2/3·4·dim = 352 wide, where GPT has a 4·dim
+  GELU) over about 1.1 MB of the Shakespeare corpus (tiny shakespeare's size) with a
+  near-character vocabulary (384 pieces: bytes, characters, ~50 merges), 10% held out.
+  nanoGPT is not a package; its own figure on this shape is taken with its ``train.py``
+  outside this repository, on the same text, and compared by hand (bench/README.md).
 
 Columns: ``tok/s`` training tokens a second: for llama.cpp, the tokens between its first and
-last training step over the wall time between those progress lines; for ours, the trainer's
+last training step over the time between them on its own log clock (it logs the lr as each
+step starts); for ours, the trainer's
 own sum of step times (``trained N steps in S s``), which leaves out evaluation, sampling and
 export as llama.cpp's figure leaves out its evaluation and save. ``peak MB``: the peak RSS of
 the whole process (load, train, evaluate, sample, save), from ``wait4`` of a small launcher
@@ -52,7 +54,6 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from pathlib import Path
 
@@ -169,55 +170,22 @@ def nanogpt_text(cache: Path) -> Path:
 # ---- running and reading -------------------------------------------------------------------
 
 
-def launch(command: list[str], log: Path, watch: re.Pattern | None = None) -> dict:
-    """Run ``command`` through the launcher; its exit status, peak RSS and, with ``watch``, the
-    wall-clock time of every output line matching it (llama.cpp's progress lines)."""
-    marks: list[tuple[float, str]] = []
-    fifo_log = log.with_suffix(".out")
-    process = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(fifo_log), *command],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    if watch is not None:
-        thread = threading.Thread(target=_follow, args=(fifo_log, process, watch, marks))
-        thread.start()
-    out, _ = process.communicate()
-    if watch is not None:
-        thread.join()
-    result = json.loads(out.strip().splitlines()[-1])
-    text = fifo_log.read_text(errors="replace")
-    log.write_text(text)
+def launch(command: list[str], log: Path) -> dict:
+    """Run ``command`` through the launcher; its exit status, peak RSS and output."""
+    done = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, str(log), *command], capture_output=True, text=True
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    text = log.read_text(errors="replace")
     if result["status"] != 0:
         raise SystemExit(f"{command[0]} failed ({result['status']}):\n{text[-3000:]}")
-    return {"peak_bytes": result["peak_kb"] * 1024, "marks": marks, "text": text}
+    return {"peak_bytes": result["peak_kb"] * 1024, "text": text}
 
 
-def _follow(path: Path, process: subprocess.Popen, watch: re.Pattern, marks: list) -> None:
-    """Timestamp the matching segments of ``path`` (split at newlines and carriage returns)
-    as the command writes them."""
-    while not path.exists() and process.poll() is None:
-        time.sleep(0.01)
-    with path.open("rb") as stream:
-        pending = b""
-        while True:
-            chunk = stream.read()
-            now = time.perf_counter()
-            if chunk:
-                pending += chunk
-                *parts, pending = re.split(rb"[\r\n]", pending)
-                marks.extend(
-                    (now, p.decode(errors="replace"))
-                    for p in parts
-                    if watch.search(p.decode(errors="replace"))
-                )
-            elif process.poll() is not None:
-                return
-            else:
-                time.sleep(0.005)
-
-
-PROGRESS = re.compile(r"^train: .*data=(\d+)/(\d+)")
-VAL_LOSS = re.compile(r"val: .*data=(\d+)/(\d+) loss=([0-9.]+)")
+STEP_LOGGED = re.compile(r"data=(\d+)/\d+ [^\n]*?\s(\d+)\.(\d+)\.(\d+)\.(\d+) I epoch")
+"""A training step's progress bar, then the lr line llama.cpp logs as the next step starts,
+stamped by its log clock (minutes.seconds.milliseconds.microseconds since start)."""
+VAL_LOSS = re.compile(r"val: .*?data=(\d+)/(\d+) loss=([0-9.]+)")
 
 
 def run_llama_cpp(binary: Path, model: Path, text: Path, work: Path) -> dict:
@@ -226,15 +194,16 @@ def run_llama_cpp(binary: Path, model: Path, text: Path, work: Path) -> dict:
         "-b", str(N_CTX), "-ub", str(N_CTX), "-t", "2", "-epochs", "1", "-lr", str(LR),
         "-lr-min", str(LR), "-o", str(work / "llama-cpp-out.gguf"),
     ]  # fmt: skip
-    run = launch(command, work / "llama.cpp.log", watch=PROGRESS)
-    steps = [(t, int(PROGRESS.search(line).group(1))) for t, line in run["marks"]]
-    first = min(steps, key=lambda s: s[1])
-    last = max(steps, key=lambda s: s[1])
-    seconds = last[0] - first[0]
+    run = launch(command, work / "llama.cpp.log")
+    steps = {
+        int(m.group(1)): int(m.group(2)) * 60 + int(m.group(3)) + int(m.group(4)) / 1e3
+        for m in STEP_LOGGED.finditer(run["text"])
+    }
+    first, last = min(steps), max(steps)
     val = [float(m.group(3)) for m in VAL_LOSS.finditer(run["text"]) if m.group(1) == m.group(2)]
     return {
-        "steps": last[1],
-        "tokens_per_s": (last[1] - first[1]) * N_CTX / seconds,
+        "steps": last,
+        "tokens_per_s": (last - first) * N_CTX / (steps[last] - steps[first]),
         "peak_bytes": run["peak_bytes"],
         "val_loss": val[-1] if val else None,
     }
@@ -286,7 +255,6 @@ def nanogpt_settings(text: Path, out: Path) -> dict:
         "model.dim": 128,
         "model.n_layers": 4,
         "model.n_heads": 4,
-        "model.ffn_dim": 512,
         "tokenizer.vocab_size": 384,
         "data.path": str(text),
         "data.n_ctx": 64,

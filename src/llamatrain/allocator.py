@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Callable
 
 # mallopt parameter numbers from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
@@ -40,11 +41,8 @@ def retain_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:
         return False
     _applied = all(
         mallopt(param, value) == 1
@@ -65,11 +63,18 @@ def release_freed_memory() -> bool:
     for one, live in their own mmapped arenas and cannot reuse heap pages. Returns whether it
     ran (False where the C library is not glibc).
     """
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    trim = _glibc_function("malloc_trim")
+    if trim is None:
         return False
     trim(0)
     return True
+
+
+def _glibc_function(name: str) -> Callable[..., int] | None:
+    """The C library's ``name`` where it is glibc (the only one with these knobs), else None."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loaded_modules import loaded_after
 
 import llamatrain
 import llamatrain.parallel
@@ -186,14 +187,8 @@ def test_each_rank_takes_its_own_equal_share(monkeypatch: pytest.MonkeyPatch) ->
 def test_a_single_process_run_does_not_load_fsdp() -> None:
     """The FSDP and DTensor modules (about 40 MB of RSS, a sixth of a small run's peak) load
     only for train.parallel = "fsdp": the CLI, the API and the trainer import without them."""
-    code = (
-        "import sys, llamatrain.cli, llamatrain.api, llamatrain.trainer\n"
-        "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor') "
-        "if m in sys.modules))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    code = "import llamatrain.cli, llamatrain.api, llamatrain.trainer"
+    assert loaded_after(code, ["torch.distributed.fsdp", "torch.distributed.tensor"]) == []
 
 
 def test_a_launch_and_train_parallel_must_agree(

@@ -87,6 +87,13 @@ def test_resume_latest_is_bit_identical(straight, tiny_overrides):
     assert lines[-1]["report"]["steps"] == 4  # the resumed fit reports its own 4 steps
 
 
+def test_a_finished_fit_holds_no_training_state(straight):
+    """What only training needed (gradients; AdamW's moments live in the last checkpoint) is
+    freed before export and plotting, so they do not add to the run's peak memory: the
+    model ``fit`` returns has no gradients."""
+    assert all(p.grad is None for p in straight.model.parameters())
+
+
 def test_trainer_load_state_continues_a_run(straight, tiny_overrides):
     """The same through the Trainer API: a fresh trainer (its own, different init) restored
     from the straight run's step-4 checkpoint continues exactly as that run did."""
