@@ -213,8 +213,6 @@ TRAINED = re.compile(r"trained (\d+) steps in ([0-9.]+) s \(([0-9.]+) s/step, ([
 
 
 def run_ours(settings: dict, work: Path, name: str) -> dict:
-    config = work / f"{name}.json"
-    config.write_text(json.dumps(settings))
     command = [sys.executable, "-m", "llamatrain", "fit"]
     for key, value in settings.items():
         command += ["--set", f"{key}={json.dumps(value)}"]

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from loaded_modules import loaded_after
 
 import llamatrain
 import llamatrain.parallel
@@ -182,13 +181,6 @@ def test_each_rank_takes_its_own_equal_share(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(rows(batch), batch[2:])
     with pytest.raises(ConfigError, match="multiple of 2 x data.n_ctx = 6"):
         rows(batch[:3])
-
-
-def test_a_single_process_run_does_not_load_fsdp() -> None:
-    """The FSDP and DTensor modules (about 40 MB of RSS, a sixth of a small run's peak) load
-    only for train.parallel = "fsdp": the CLI, the API and the trainer import without them."""
-    code = "import llamatrain.cli, llamatrain.api, llamatrain.trainer"
-    assert loaded_after(code, ["torch.distributed.fsdp", "torch.distributed.tensor"]) == []
 
 
 def test_a_launch_and_train_parallel_must_agree(
