@@ -155,7 +155,7 @@ def _adam_tensors(model: Llama, optimizer: Optimizer) -> dict[str, torch.Tensor]
     }
 
 
-def _restore_adam(model: Llama, optimizer: Optimizer, tensors: dict, step: int) -> None:
+def _restore_adam(model: Llama, optimizer: AdamW, tensors: dict, step: int) -> None:
     """Rebuild AdamW's per-parameter state from the flat moment vectors."""
     first = tensors["optimizer.adam.first_moments"]
     second = tensors["optimizer.adam.second_moments"]
@@ -166,12 +166,8 @@ def _restore_adam(model: Llama, optimizer: Optimizer, tensors: dict, step: int) 
     offset = 0
     for p in _trained(model):
         n = p.numel()
-        step_device = p.device if getattr(optimizer, "defaults", {}).get("fused") else "cpu"
-        optimizer.state[p] = {
-            "step": torch.tensor(float(step), dtype=torch.float32, device=step_device),
-            "exp_avg": shard_like(first[offset : offset + n], p).clone(),
-            "exp_avg_sq": shard_like(second[offset : offset + n], p).clone(),
-        }
+        moments = [shard_like(m[offset : offset + n], p).clone() for m in (first, second)]
+        optimizer.set_state(p, step, *moments)
         offset += n
 
 

@@ -49,7 +49,7 @@ class AdamW:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
     ) -> None:
-        self.defaults = {"lr": lr, "betas": betas, "eps": eps, "fused": True}
+        self.defaults = {"lr": lr, "betas": betas, "eps": eps}
         self.param_groups = [{**self.defaults, "weight_decay": 0.0, **g} for g in groups]
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
@@ -98,13 +98,19 @@ class AdamW:
             maximize=False,
         )
 
+    def set_state(
+        self, p: torch.Tensor, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+    ) -> None:
+        """Give ``p`` its moments after ``step`` updates (a resumed checkpoint's, or zeros before
+        the first), in the layout the fused kernel reads: a float32 step count on ``p``'s
+        device beside the two moments, as ``torch.optim.AdamW(fused=True)`` keeps them."""
+        step_count = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+        self.state[p] = {"step": step_count, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
     def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         if p not in self.state:
-            self.state[p] = {
-                "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
+            zeros = [torch.zeros_like(p, memory_format=torch.preserve_format) for _ in range(2)]
+            self.set_state(p, 0, *zeros)
         return self.state[p]
 
 
