@@ -351,11 +351,10 @@ def _fit_locked(
 
 
 def _release_training_state(trainer: Trainer) -> None:
-    """Free what only training needed (gradients, optimizer moments: three times the weights
-    with AdamW) and give the freed memory back to the system before exporting and plotting,
-    so they do not raise the run's peak memory above its training steps'. The last
-    checkpoint holds the optimizer state for a resume."""
-    trainer.optimizer.zero_grad()
+    """Free what only training needed (the optimizer's moments: twice the weights with AdamW;
+    the trainer frees gradients after every update) and give the freed memory back to the
+    system before exporting and plotting, so they do not raise the run's peak memory above
+    its training steps'. The last checkpoint holds the optimizer state for a resume."""
     trainer.optimizer.state.clear()
     release_freed_memory()
 
