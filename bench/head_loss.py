@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ops import (  # noqa: E402
+    MB,
     add_common_arguments,
     device_from_arguments,
     finish,
@@ -46,7 +47,6 @@ from ops import (  # noqa: E402
 from llamatrain.device import configure_process  # noqa: E402
 from llamatrain.ops.fused import linear_cross_entropy  # noqa: E402
 
-MB = 1 << 20
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "head_loss.json"
 SHAPES = [(2048, 256, 32000), (2048, 64, 32000), (512, 256, 128256)]
 """(tokens, dim, vocab): llama 2's vocabulary at the ggml-2023 and tiny32k widths, and

@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ops import finish, load_average, machine_info  # noqa: E402
+from ops import MB, finish, load_average, machine_info  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache" / "peers"
@@ -70,7 +70,6 @@ N_CTX = 256
 LR = 1e-3
 TINY32K = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192)
 NANOGPT_CHARS = 1_115_394  # tiny shakespeare's length
-MB = 1 << 20
 
 LAUNCHER = """
 import os, subprocess, sys, json

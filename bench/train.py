@@ -89,6 +89,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import BaselineLlama, make_optimizer, plain_step  # noqa: E402
 from ops import (  # noqa: E402
+    MB,
     add_common_arguments,
     device_from_arguments,
     finish,
@@ -105,7 +106,6 @@ from llamatrain.model import Llama, ModelConfig  # noqa: E402
 from llamatrain.optim import build_optimizer  # noqa: E402
 from llamatrain.trainer import Trainer  # noqa: E402
 
-MB = 1 << 20
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "train.json"
 
 
