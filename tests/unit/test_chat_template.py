@@ -3,12 +3,14 @@ trained and untrained text, end-of-turn markers, the sandbox and the errors user
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from datetime import date
 
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from llamatrain.config import DataSection
 from llamatrain.data.chat_template import (
     BUILTIN_TEMPLATES,
     ChatTemplate,
@@ -271,3 +273,10 @@ def test_chat_template_for():
     assert "set data.chat_template to one of chatml, llama-3, llama-2" in missing
     unknown = error_of(chat_template_for, "vicuna", model, bos_token="", eos_token="")
     assert "'vicuna' is not a chat template" in unknown and "chatml, llama-3, llama-2" in unknown
+
+
+def test_the_config_offers_exactly_the_builtin_templates():
+    """``data.chat_template``'s choices are spelled in the config layer, which sits below
+    ``llamatrain.data`` and cannot import BUILTIN_TEMPLATES: the two lists must not drift."""
+    (field,) = [f for f in dataclasses.fields(DataSection) if f.name == "chat_template"]
+    assert set(field.metadata["choices"]) == {"auto", *BUILTIN_TEMPLATES}
