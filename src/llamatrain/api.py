@@ -44,6 +44,7 @@ from llamatrain.data.examples import prompt_ids, resolve_chat_template
 from llamatrain.device import configure_process, resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
 from llamatrain.evaluate import PerplexityResult, perplexity
+from llamatrain.files import write_text_atomically
 from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
 from llamatrain.gguf.describe import describe_gguf
 from llamatrain.gguf.file import QUANTIZER_TYPES, verify_gguf
@@ -53,8 +54,8 @@ from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
 from llamatrain.hf.peft import write_peft_adapter
 from llamatrain.lora import ALL_TARGETS, apply_lora, merge_lora
 from llamatrain.model import Llama
-from llamatrain.plot import can_plot, plot_metrics
-from llamatrain.runlock import run_lock
+from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
+from llamatrain.runlock import run_lock, set_aside_previous_run
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import (
     Tokenizer,
@@ -84,6 +85,9 @@ __all__ = [
     "verify_gguf",
     "seen_tokens",
 ]
+
+RUN_CONFIG = "config.toml"
+"""The config a run was trained with, in its folder (what ``--resume`` and ``load`` read)."""
 
 
 @dataclass
@@ -255,6 +259,7 @@ def fit(
     *,
     overrides: Sequence[str] = (),
     resume: str | Path | None = None,
+    overwrite: bool = False,
     progress: bool = True,
     **dotted: object,
 ) -> FitResult:
@@ -266,7 +271,9 @@ def fit(
     ``fit("tiny", train__steps=20)``. ``resume`` is a checkpoint path or ``"latest"``.
     Applies the device's process-wide settings (``llamatrain.device.configure_process``).
     One process at a time trains into a run folder: another's ``fit`` into the same
-    ``output.dir`` raises RunInUseError naming this one's PID (``llamatrain.runlock``).
+    ``output.dir`` raises RunInUseError naming this one's PID (``llamatrain.runlock``). A new
+    run (no ``resume``) into a folder that holds one raises OutputError, unless ``overwrite``,
+    which moves the old run aside to ``<output.dir>.old-<n>`` (nothing is deleted).
     Under torchrun (``train.parallel``) every rank calls it: the ranks join for the run and
     part after it, rank 0 holds the lock and writes; the others' result has no files.
     """
@@ -277,7 +284,17 @@ def fit(
             paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)  # a bad path: no folder
         lock = run_lock(cfg.output.dir) if parallel.is_main() else contextlib.nullcontext()
         with lock:
+            if parallel.is_main() and not resume:
+                _claim_run_folder(Path(cfg.output.dir), overwrite)
             return _fit_locked(cfg, paths, resume, progress and parallel.is_main())
+
+
+def _claim_run_folder(run_dir: Path, overwrite: bool) -> None:
+    """A new run starts in a folder holding no other: see ``set_aside_previous_run``."""
+    markers = (RUN_CONFIG, METRICS_FILE, checkpoint_dir(run_dir).name)
+    aside = set_aside_previous_run(run_dir, markers, overwrite=overwrite)
+    if aside is not None:
+        warnings.warn(f"moved the run that was in {run_dir} to {aside}", stacklevel=3)
 
 
 def _fit_locked(
@@ -315,7 +332,7 @@ def _fit_locked(
     run_dir = Path(cfg.output.dir)
     if parallel.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_to_toml(cfg))
+        write_text_atomically(run_dir / RUN_CONFIG, config_to_toml(cfg), "run config")
     trainer = Trainer(
         model,
         cfg,

@@ -24,10 +24,8 @@ LoRA run's adapter into its base).
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import hashlib
-import io
 import json
 import os
 from collections.abc import Sequence
@@ -60,9 +58,16 @@ from llamatrain.lora import (
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.optim import AdamW, Optimizer
 from llamatrain.parallel import any_rank, gathered, is_main, local_tensor, reshard, shard_like
+from llamatrain.plain_state import StateFormatError, decode_state, encode_state
 from llamatrain.tokenizer import Tokenizer
 
-FILE_VERSION = 1
+FILE_VERSION = 2
+"""2: RNG and L-BFGS state as JSON layouts + tensors (:mod:`llamatrain.plain_state`); version 1
+stored them as pickles, which are never read."""
+RNG_LAYOUT_KEY, RNG_TENSORS = "training.rng.layout", "training.rng"
+LBFGS_LAYOUT_KEY, LBFGS_TENSORS = "optimizer.lbfgs.layout", "optimizer.lbfgs"
+PICKLED_KEYS = ("training.rng_state", "optimizer.lbfgs.state")
+"""Where version-1 checkpoints kept pickles."""
 LATEST = "latest.gguf"
 DIVERGED_FIX = "Lower optim.lr, keep optim.grad_clip on, or check the data"
 """The advice for a run whose loss or weights stopped being finite."""
@@ -111,27 +116,22 @@ def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(packed.numpy().view(np.uint8))[:n].astype(bool))
 
 
-def _pack_bytes(obj: object) -> str:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _unpack_bytes(text: str) -> object:
-    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
-
-
-def _rng_states() -> dict:
+def _rng_states() -> dict[str, torch.Tensor]:
     states = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+        states["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return states
 
 
-def _restore_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+def _restore_rng_states(states: object) -> None:
+    if not (isinstance(states, dict) and isinstance(states.get("torch"), torch.Tensor)):
+        raise StateFormatError("it holds no torch generator state")
+    try:
+        torch.set_rng_state(states["torch"])
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(states["cuda"]))
+    except (RuntimeError, TypeError) as err:
+        raise StateFormatError(f"the generator refused it ({err})") from None
 
 
 def _trained(model: Llama) -> list[torch.nn.Parameter]:
@@ -244,18 +244,19 @@ def _training_extras(
         "training.config": json.dumps(state.config),
         "training.convergence": json.dumps(state.convergence),
         "training.data_state": json.dumps(state.data_state),
-        "training.rng_state": _pack_bytes(_rng_states()),
         "optimizer.type": "adam" if is_adam else "lbfgs",
         "optimizer.lr_schedule.step": state.step,
     }
-    extra_tensors: dict[str, torch.Tensor] = {}
+    extra_kv[RNG_LAYOUT_KEY], extra_tensors = encode_state(_rng_states(), RNG_TENSORS)
     if state.seen_tokens is not None:
         extra_tensors["training.seen_tokens"] = _pack_bits(state.seen_tokens)
     if is_adam:
         extra_kv["optimizer.adam.iteration_count"] = state.step
         extra_tensors.update(_adam_tensors(model, optimizer))
     else:
-        extra_kv["optimizer.lbfgs.state"] = _pack_bytes(optimizer.state_dict())
+        layout, tensors = encode_state(optimizer.state_dict(), LBFGS_TENSORS)
+        extra_kv[LBFGS_LAYOUT_KEY] = layout
+        extra_tensors.update(tensors)
     return extra_kv, extra_tensors
 
 
@@ -273,6 +274,7 @@ class Checkpoint:
     base: LlamaFile | None = None
     """A LoRA run's base as read to check it (a GGUF's header only), so that building the
     model does not read it a second time (an HF base's weights would be)."""
+    path: Path | None = None
 
     def restore_weights(self, model: Llama) -> None:
         """Load the weights into ``model``: all of them, or a LoRA run's adapters (``model``
@@ -290,7 +292,11 @@ class Checkpoint:
         if kind == "adam" and isinstance(optimizer, AdamW):
             _restore_adam(model, optimizer, self.tensors, self.state.step)
         elif kind == "lbfgs" and isinstance(optimizer, torch.optim.LBFGS):
-            optimizer.load_state_dict(_unpack_bytes(self.metadata["optimizer.lbfgs.state"]))
+            state = self._decoded(LBFGS_LAYOUT_KEY, "L-BFGS state")
+            try:
+                optimizer.load_state_dict(state)
+            except (KeyError, ValueError, TypeError) as err:
+                raise self._damaged("L-BFGS state", f"the optimizer refused it ({err})") from None
         else:
             wanted = "adamw" if isinstance(optimizer, AdamW) else "lbfgs"
             raise CheckpointError(
@@ -299,8 +305,33 @@ class Checkpoint:
             )
 
     def restore_rng(self) -> None:
-        if "training.rng_state" in self.metadata:
-            _restore_rng_states(_unpack_bytes(self.metadata["training.rng_state"]))
+        """Put the random generators where they were (files without the state: left as is)."""
+        if RNG_LAYOUT_KEY in self.metadata or any(k in self.metadata for k in PICKLED_KEYS):
+            try:
+                _restore_rng_states(self._decoded(RNG_LAYOUT_KEY, "RNG state"))
+            except StateFormatError as err:
+                raise self._damaged("RNG state", str(err)) from None
+
+    def _decoded(self, key: str, what: str) -> object:
+        """The state stored under ``key`` (JSON layout + tensors), never a pickle: a file from an
+        older llamatrain that holds one is refused with the way to keep its weights."""
+        if any(k in self.metadata for k in PICKLED_KEYS):
+            raise CheckpointError(
+                f"{self.path} stores its training state as a Python pickle (llamatrain before "
+                "checkpoint version 2), which can run code when read, so it is not read; "
+                f"start a new run from its weights instead: --set model.init_from={self.path} "
+                "without --resume"
+            )
+        try:
+            return decode_state(self.metadata.get(key), self.tensors)
+        except StateFormatError as err:
+            raise self._damaged(what, str(err)) from None
+
+    def _damaged(self, what: str, why: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {self.path}'s {what} is damaged: {why}; resume from an earlier "
+            "checkpoint, or start a new run from its weights with model.init_from"
+        )
 
 
 def _seen_tokens(tensors: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor | None:
@@ -324,8 +355,9 @@ def load_checkpoint(path: str | Path, base: str | Path | None = None) -> Checkpo
     meta, tensors = model_file.contents.metadata, model_file.contents.tensors
     state = _training_state(meta, tensors, model_file.config.vocab_size, model_file.inherited)
     return Checkpoint(
-        model_file.config, model_file.tensors, model_file.tokenizer, state, meta, tensors
-    )
+        model_file.config, model_file.tensors, model_file.tokenizer, state, meta, tensors,
+        path=path,
+    )  # fmt: skip
 
 
 def is_lora_checkpoint(path: str | Path) -> bool:
@@ -353,7 +385,7 @@ def _load_lora_checkpoint(path: Path, base: str | Path | None) -> Checkpoint:
     state.lora_base = used
     return Checkpoint(
         base_file.config, adapter.tensors, base_file.tokenizer, state, meta, tensors, adapter,
-        base_file,
+        base_file, path,
     )  # fmt: skip
 
 
@@ -587,7 +619,7 @@ class CheckpointManager:
                 f"cannot write the step-{state.step} checkpoint in {self.directory}: "
                 f"{_write_failure(err)}; {self.kept()}. Free space or choose another output.dir"
             ) from err
-        self._prune()
+        self._prune(state.step)
         return path
 
     def _point_latest_at(self, path: Path) -> None:
@@ -600,12 +632,27 @@ class CheckpointManager:
         finally:
             tmp.unlink(missing_ok=True)  # gone after the rename; left over if it failed
 
-    def _prune(self) -> None:
+    def numbered(self) -> dict[int, Path]:
+        """The folder's checkpoints by the step their name says (``step-<n>.gguf``, read as a
+        number: names stop sorting by step once a step has more digits than the padding)."""
+        found = {}
+        for path in self.directory.glob("step-*.gguf"):
+            digits = path.name.removeprefix("step-").removesuffix(".gguf")
+            if digits.isascii() and digits.isdigit() and path.is_file():
+                found[int(digits)] = path
+        return found
+
+    def _prune(self, step: int) -> None:
+        """Keep step ``step``'s checkpoint (``latest.gguf``'s) and the ``keep - 1`` newest before
+        it. Checkpoints of later steps belong to a trajectory a resume from an earlier one
+        abandoned, so they go first."""
         if self.keep == 0:
             return
-        numbered = sorted(self.directory.glob("step-*.gguf"))
-        for old in numbered[: -self.keep]:
-            old.unlink()
+        found = self.numbered()
+        current = self.path_for(step)
+        others = sorted((s for s, p in found.items() if p != current), key=lambda s: (s < step, s))
+        for old in others[: max(0, len(others) - (self.keep - 1))]:  # abandoned, then oldest
+            found[old].unlink(missing_ok=True)
 
     def resolve(self, spec: str | Path) -> Path:
         """``latest`` means this run's newest checkpoint; anything else is a path."""

@@ -23,7 +23,7 @@ from llamatrain.sampling import SamplingParams
 def cmd_fit(args: argparse.Namespace) -> int:
     from llamatrain import api, parallel
 
-    result = api.fit(args.config, overrides=args.set, resume=args.resume)
+    result = api.fit(args.config, overrides=args.set, resume=args.resume, overwrite=args.overwrite)
     if not parallel.is_main():
         return 0  # under torchrun rank 0 reports for all
     if result.history.stopped:
@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="PATH|latest",
         help="continue from a checkpoint ('latest' = the run's newest)",
+    )
+    fit.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in an output.dir that holds one, moving the old run aside to "
+        "<output.dir>.old-<n> (nothing is deleted)",
     )
     fit.set_defaults(func=cmd_fit)
 

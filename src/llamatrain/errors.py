@@ -37,3 +37,8 @@ class TrainingError(LlamatrainError):
 
 class RunInUseError(LlamatrainError):
     """Another process is training into the same run folder."""
+
+
+class OutputError(LlamatrainError):
+    """An output path is not llamatrain's to write: a link, a pipe, a device, a folder, a file
+    of another kind, or a run folder that holds a run."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import LlamatrainError
+from llamatrain.files import written_atomically
 
 __all__ = [
     "METRICS_FILE",
@@ -159,6 +160,6 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.grid(True, alpha=0.3)
         if ax.lines:
             ax.legend(loc="best")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    with written_atomically(out, "plot") as tmp:
+        fig.savefig(tmp, dpi=100, format=out.suffix.lstrip(".") or "png")
     return out

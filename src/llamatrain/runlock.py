@@ -1,4 +1,5 @@
-"""One training process per run folder: ``<output.dir>/.lock``, held with ``flock``.
+"""One training process per run folder (``<output.dir>/.lock``, held with ``flock``), and a
+new run never over an old one.
 
 Two runs writing the same folder would interleave metrics lines and overwrite each other's
 checkpoints and ``config.toml``. The lock is an advisory ``flock`` on a file that holds the
@@ -13,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from llamatrain.errors import RunInUseError
+from llamatrain.errors import OutputError, RunInUseError
+from llamatrain.files import open_owned
 
-__all__ = ["LOCK_FILE", "run_lock"]
+__all__ = ["LOCK_FILE", "run_lock", "set_aside_previous_run"]
 
 LOCK_FILE = ".lock"
 
@@ -32,7 +34,7 @@ def run_lock(run_dir: str | Path) -> Iterator[Path]:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(path)
     try:
         _take(fd, path)
         os.ftruncate(fd, 0)
@@ -40,6 +42,16 @@ def run_lock(run_dir: str | Path) -> Iterator[Path]:
         yield run_dir
     finally:
         os.close(fd)  # closing the last descriptor releases the lock
+
+
+def _open_lock_file(path: Path) -> int:
+    """Create the lock file exclusively, or open the one an earlier run left; either way never
+    through a link and only a regular file, so a planted ``.lock`` cannot redirect the PID
+    written into it."""
+    try:
+        return open_owned(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, "run lock")
+    except FileExistsError:
+        return open_owned(path, os.O_RDWR, "run lock")
 
 
 def _take(fd: int, path: Path) -> None:
@@ -51,3 +63,35 @@ def _take(fd: int, path: Path) -> None:
             f"{path.parent} is in use by another llamatrain fit (PID {holder}, lock "
             f"{path}); wait for it to end or stop it, or choose another output.dir"
         ) from None
+
+
+def set_aside_previous_run(
+    run_dir: Path, markers: Sequence[str], *, overwrite: bool
+) -> Path | None:
+    """Make sure a new run does not write over one already in ``run_dir`` (which holds a run
+    when any of ``markers`` is there): refuse in one line naming the choices, or with
+    ``overwrite`` move everything but the lock into a new sibling ``<name>.old-<n>`` and return
+    it. Nothing is ever deleted. Call it while holding the folder's lock."""
+    present = [name for name in markers if os.path.lexists(run_dir / name)]
+    if not present:
+        return None
+    aside = _free_sibling(run_dir)
+    if not overwrite:
+        raise OutputError(
+            f"{run_dir} already holds a run ({', '.join(present)}); continue it with --resume "
+            f"latest, choose a new output.dir, or pass --overwrite to move it aside to {aside} "
+            "(nothing is deleted)"
+        )
+    aside.mkdir()
+    for entry in sorted(run_dir.iterdir()):
+        if entry.name != LOCK_FILE:
+            os.rename(entry, aside / entry.name)
+    return aside
+
+
+def _free_sibling(run_dir: Path) -> Path:
+    """The first ``<name>.old-<n>`` beside ``run_dir`` that does not exist."""
+    n, run_dir = 1, run_dir.absolute()
+    while os.path.lexists(aside := run_dir.with_name(f"{run_dir.name}.old-{n}")):
+        n += 1
+    return aside

@@ -43,6 +43,7 @@ from llamatrain.data import TrainData
 from llamatrain.device import resolve_device
 from llamatrain.errors import TrainingError
 from llamatrain.evaluate import validation_metrics
+from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.interrupt import StopRequest
 from llamatrain.model import IGNORE_INDEX, Llama
 from llamatrain.optim import build_optimizer, lr_at, set_lr
@@ -50,6 +51,9 @@ from llamatrain.plot import METRICS_FILE, read_records
 from llamatrain.report import RunReport, measure
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
+
+METRICS_KIND = "metrics log"
+"""How a refused ``metrics.jsonl`` is named (see :mod:`llamatrain.files`)."""
 
 
 @dataclass
@@ -134,10 +138,12 @@ class Trainer:
         """Keep metrics.jsonl to this run's history: empty for a fresh start, and only the
         lines up to the checkpoint's step for a resume (later lines are about to be redone)."""
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        check_target(self.metrics_path, METRICS_KIND)  # never read or written through a link
         if not self.main or not self.metrics_path.exists():
             return
         kept = [r for r in read_records(self.metrics_path) if r["step"] <= self.state.step]
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        write_text_atomically(self.metrics_path, text, METRICS_KIND)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.train.dtype == "bfloat16":
@@ -251,8 +257,7 @@ class Trainer:
     def _log(self, record: dict) -> None:
         if not self.main:
             return
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(self.metrics_path, json.dumps(record) + "\n", METRICS_KIND)
 
     def save(self) -> Path:
         """Write a checkpoint of the run as it stands (model, optimizer, counters, cursor);

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 
 from llamatrain.data.sources import read_text
 from llamatrain.errors import DataError
+from llamatrain.files import write_text_atomically, written_atomically
 
 if TYPE_CHECKING:
     from llamatrain.tokenizer import Tokenizer
@@ -164,9 +164,7 @@ def _open_cached(bin_path: Path, meta_path: Path) -> np.ndarray | None:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(obj, indent=1), "token cache description")
 
 
 def _write_stream(
@@ -182,10 +180,9 @@ def _write_stream(
 
     total_bytes = sum(p.stat().st_size for p in paths)
     show = total_bytes >= PROGRESS_MIN_BYTES if progress is None else progress
-    fd, tmp_name = tempfile.mkstemp(prefix=f"{bin_path.stem}.", suffix=".tmp", dir=bin_path.parent)
-    try:
+    with written_atomically(bin_path, "token cache") as tmp:
         with (
-            os.fdopen(fd, "wb") as out,
+            tmp.open("wb") as out,
             tqdm(
                 total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not show
             ) as bar,
@@ -196,12 +193,10 @@ def _write_stream(
                 out.write(ids.astype(dtype).tobytes())
                 n_tokens += ids.size
                 bar.update(sum(len(piece.text.encode("utf-8")) for piece in group))
+            out.flush()
+            os.fsync(out.fileno())
         if n_tokens == 0:
             raise DataError(f"the input files ({len(paths)}) tokenize to zero tokens")
-        os.replace(tmp_name, bin_path)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
     return n_tokens
 
 

@@ -17,9 +17,16 @@ from llamatrain.tokenizer import TOKEN_TYPE_NAMES
 
 __all__ = ["describe_gguf"]
 
-_HIDDEN_KEYS = ("training.config", "training.rng_state", "optimizer.lbfgs.state", TENSOR_SHA256_KEY)
-"""Keys too bulky to print (RNG bytes, serialized optimizer state, checksums): not for reading;
-``info --verify`` checks the checksums."""
+_HIDDEN_KEYS = (
+    "training.config",
+    "training.rng.layout",
+    "optimizer.lbfgs.layout",
+    "training.rng_state",
+    "optimizer.lbfgs.state",
+    TENSOR_SHA256_KEY,
+)
+"""Keys too bulky to print (the layouts of RNG and optimizer state, an old checkpoint's pickles,
+checksums): not for reading; ``info --verify`` checks the checksums."""
 
 _SECTIONS = ("general", "hyper-parameters", "training counters", "optimizer", "other keys")
 _SPECIAL_TOKENS = ("bos", "eos", "unknown", "padding")

@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import struct
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,8 +42,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from gguf import quants as gguf_quants
 
 from llamatrain.errors import ConfigError, GGUFError
+from llamatrain.files import is_gguf, written_atomically
+
+GGUF_KIND = "GGUF file"
+"""How refusals name what is being written (see :func:`llamatrain.files.check_target`)."""
 
 __all__ = [
+    "GGUF_KIND",
     "ALL_EXPORT_TYPES",
     "EXPORT_TYPES",
     "FILE_TYPES",
@@ -59,8 +63,6 @@ __all__ = [
     "read_gguf_metadata",
     "read_stored_into",
     "read_tensors_into",
-    "replace_durably",
-    "temporary_path",
     "typed_value",
     "verify_gguf",
     "write_gguf",
@@ -226,7 +228,6 @@ def write_gguf(
         writer.add_key_value(key, value, value_type, sub_type=item_type)
     for name, (array, raw_type) in encoded_tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw_type)
-    path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(writer, path)
     return path
 
@@ -236,31 +237,11 @@ def _sha256(data: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(data)).hexdigest()
 
 
-def temporary_path(path: Path) -> Path:
-    """A hidden, unique name in ``path``'s folder: a rename from there onto ``path`` stays on
-    one file system, so it is atomic."""
-    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-
-
-def replace_durably(tmp: Path, path: Path) -> None:
-    """fsync the finished ``tmp``, rename it over ``path`` and fsync the folder: after a crash
-    ``path`` is the old file or the new one, whole, never a mix or a stub. (The fsync is for
-    files another program wrote, such as llama.cpp's quantizer; ours are synced already.)"""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _write_atomically(writer: GGUFWriter, path: Path) -> None:
-    """Temp file in the target's folder, fsync, rename, fsync the folder; no trace on failure."""
-    tmp = temporary_path(path)
-    try:
+    """Temp file in the target's folder, fsync, rename, fsync the folder; no trace on failure.
+    Only a GGUF (or nothing) is replaced: see :mod:`llamatrain.files`."""
+    with written_atomically(path, GGUF_KIND, is_gguf) as tmp:
         _write_and_sync(writer, tmp)
-        replace_durably(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _write_and_sync(writer: GGUFWriter, tmp: Path) -> None:
@@ -280,19 +261,6 @@ def _write_and_sync(writer: GGUFWriter, tmp: Path) -> None:
     finally:
         with contextlib.suppress(OSError):
             writer.close()
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _encode_value(key: str, value: Any) -> _EncodedValue:

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from llamatrain.errors import ConfigError, GGUFError
-from llamatrain.gguf.file import EXPORT_TYPES, QUANTIZER_TYPES, replace_durably, temporary_path
+from llamatrain.files import check_target, is_gguf, replace_durably, temporary_path
+from llamatrain.gguf.file import EXPORT_TYPES, GGUF_KIND, QUANTIZER_TYPES
 from llamatrain.gguf.llama import write_model
 from llamatrain.model import ModelConfig
 from llamatrain.tokenizer import Tokenizer
@@ -58,13 +59,13 @@ def write_quantized_model(
     """
     ftype = _ftype(type)
     llama_cpp = _import_llama_cpp(type)
-    path = Path(path)
+    path = check_target(path, GGUF_KIND, is_gguf)
     path.parent.mkdir(parents=True, exist_ok=True)
     source, quantized = temporary_path(path), temporary_path(path)
     try:
         write_model(source, cfg, tensors, tokenizer, type="f32", inherited=inherited)
         _quantize(llama_cpp, source, quantized, ftype, type)
-        replace_durably(quantized, path)
+        replace_durably(quantized, path, GGUF_KIND, is_gguf)
     finally:
         source.unlink(missing_ok=True)
         quantized.unlink(missing_ok=True)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from llamatrain.errors import CheckpointError
+from llamatrain.files import staged_folder
 from llamatrain.gguf.llama import LlamaFile
 from llamatrain.hf.config import hf_config, model_config_from_hf, read_json_object
 from llamatrain.hf.rope import hf_rope_scaling, rope_freqs_from_hf
@@ -122,20 +121,11 @@ def write_hf_folder(
     config = hf_config(cfg, tokenizer, hf_rope_scaling(cfg, tensors.get("rope_freqs.weight")))
     state = hf_state_dict(cfg, tensors)
     template = (inherited or {}).get(CHAT_TEMPLATE_KEY)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    staging.mkdir()
-    try:
+    with staged_folder(target, "HF folder") as staging:
         write_tokenizer_files(staging, tokenizer, template, cfg.max_seq_len)  # may refuse: first
         _write_json(staging / CONFIG_FILE, config)
         _write_json(staging / GENERATION_CONFIG, _generation_config(tokenizer))
         _save_weights(state, staging / SINGLE_FILE)
-        _fsync([*staging.iterdir(), staging])
-        _move_into_place(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _fsync([target.parent])
     return target
 
 
@@ -164,8 +154,8 @@ def _write_json(path: Path, value: Mapping[str, Any]) -> None:
 
 def _check_replaceable(target: Path) -> None:
     """Refuse a target that is a file, or a folder holding anything we did not write."""
-    if not target.exists():
-        return
+    if not target.exists() or target.is_symlink():
+        return  # nothing to lose, or staged_folder refuses it
     if not target.is_dir():
         raise CheckpointError(f"{target} is a file; an HF export writes a folder — pick a new path")
     entries = {p.name for p in target.iterdir()}
@@ -183,29 +173,3 @@ def _written_by_us(weights: Path) -> bool:
     except (SafetensorError, OSError):
         return False
     return all(metadata.get(k) == v for k, v in _PRODUCER.items())
-
-
-def _fsync(paths: list[Path]) -> None:
-    """Flush files and folders to disk: the files before the rename publishes them, the
-    parent after it, so a crash leaves the old folder or the complete new one."""
-    for path in paths:
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-
-
-def _move_into_place(staging: Path, target: Path) -> None:
-    """Rename the finished folder onto ``target``; an old one (ours) goes only afterwards."""
-    if not target.exists():
-        os.replace(staging, target)
-        return
-    retired = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.old"
-    os.replace(target, retired)
-    try:
-        os.replace(staging, target)
-    except BaseException:
-        os.replace(retired, target)
-        raise
-    shutil.rmtree(retired, ignore_errors=True)

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,8 +29,8 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from llamatrain.errors import CheckpointError
+from llamatrain.files import staged_folder
 from llamatrain.gguf.adapter import adapter_rank, adapter_tensors, check_alpha
-from llamatrain.hf.folder import _fsync
 from llamatrain.hf.weights import _rope_heads, hf_tensor_name, to_rotate_half
 from llamatrain.model import ModelConfig
 
@@ -115,10 +113,7 @@ def _adapter_config(
 def _write_folder(target: Path, state: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Both files into a staging folder beside ``target``, then renamed onto it (an empty
     ``target`` is replaced); nothing is left behind on failure."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    staging.mkdir()
-    try:
+    with staged_folder(target, "PEFT adapter folder") as staging:
         try:
             save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         except SafetensorError as e:
@@ -128,9 +123,3 @@ def _write_folder(target: Path, state: dict[str, torch.Tensor], config: dict[str
             ) from e
         text = json.dumps(config, indent=2, sort_keys=True) + "\n"
         (staging / ADAPTER_CONFIG).write_text(text, encoding="utf-8")
-        _fsync([*staging.iterdir(), staging])
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _fsync([target.parent])

@@ -28,12 +28,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import TokenizerError
+from llamatrain.files import write_text_atomically
 from llamatrain.tokenizer.base import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
@@ -430,7 +430,8 @@ def write_hf_tokenizer(tokenizer: BpeTokenizer, path: str | os.PathLike[str]) ->
         )
     target = Path(path)
     target = target / TOKENIZER_JSON if target.is_dir() else target
-    _write_atomically(target, json.dumps(_tokenizer_json(tokenizer, splits), ensure_ascii=False))
+    text = json.dumps(_tokenizer_json(tokenizer, splits), ensure_ascii=False)
+    write_text_atomically(target, text, "tokenizer.json")
     return target
 
 
@@ -536,17 +537,3 @@ def _hf_post_processor(tokenizer: BpeTokenizer) -> dict[str, Any] | None:
             for i in {*bos, *eos}
         },
     }
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """A temporary file beside ``path`` renamed onto it: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
