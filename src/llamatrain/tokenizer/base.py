@@ -3,14 +3,14 @@
 The trainer, the data pipeline, checkpoints and text generation only ever call the methods of
 :class:`Tokenizer`, so a vocabulary of either family (SPM or byte-level BPE) plugs in by
 providing them; nothing outside this package and the GGUF layer needs to know which it holds.
+Both families implement it on :class:`~llamatrain.tokenizer.vocab.VocabTokenizer`, which holds
+what they do alike; the protocol stays the type, so a test double needs no base class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
-
-from llamatrain.errors import TokenizerError
 
 __all__ = [
     "TOKEN_TYPE_BYTE",
@@ -122,19 +122,3 @@ class Tokenizer(Protocol):
     def newline_ids(self) -> list[int]:
         """Ids whose text ends in a newline, where training windows may start."""
         ...
-
-
-def index_tokens(tokens: Sequence[str]) -> dict[str, int]:
-    """token text -> id, for any vocabulary; refuses empty and duplicate tokens, which
-    llama.cpp cannot load either."""
-    index: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        if token == "":
-            raise TokenizerError(f"Token {i} is the empty string; the vocabulary is corrupt.")
-        if token in index:
-            raise TokenizerError(
-                f"Duplicate token {token!r} (ids {index[token]} and {i}); llama.cpp "
-                "refuses such a vocabulary — rebuild the tokenizer."
-            )
-        index[token] = i
-    return index

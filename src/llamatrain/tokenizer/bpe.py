@@ -6,36 +6,24 @@ bytes as GPT-2's printable stand-in characters, then merge adjacent symbols, alw
 with the lowest merge rank (ties: leftmost), and look the symbols up; a symbol that is not a
 token falls back to its single-byte tokens. Written in Python rather than through HF
 ``tokenizers``, whose pre-tokenizers split differently from llama.cpp in places; words are
-cached, so the merge loop runs once per distinct word.
+cached, so the merge loop runs once per distinct word. The steps before and after the words
+(special tokens, BOS/EOS, rendering by token type) are
+:class:`~llamatrain.tokenizer.vocab.VocabTokenizer`'s, shared with SPM.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
-from typing import Any
 
 from llamatrain.errors import TokenizerError
-from llamatrain.tokenizer.base import (
-    TOKEN_TYPE_BYTE,
-    TOKEN_TYPE_NORMAL,
-    TOKEN_TYPE_USER_DEFINED,
-    index_tokens,
-)
 from llamatrain.tokenizer.pretokenizers import PreTokenizer, pre_tokenizer
-from llamatrain.tokenizer.special import (
-    effective_types,
-    find_eot,
-    split_on_tokens,
-    split_order,
-)
+from llamatrain.tokenizer.special import find_eot
+from llamatrain.tokenizer.vocab import CACHE_MAX, VocabTokenizer
 
 __all__ = ["BYTE_TO_CHAR", "BpeTokenizer"]
-
-_CACHE_MAX = 500_000
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -53,7 +41,7 @@ _CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
 _BYTE_CHARS = [BYTE_TO_CHAR[b] for b in range(256)]
 
 
-class BpeTokenizer:
+class BpeTokenizer(VocabTokenizer):
     """A byte-level BPE vocabulary: tokens, token types, merges, pre-tokenizer, special ids.
 
     ``add_bos``/``add_eos`` are what llama.cpp adds when asked for special tokens; None takes
@@ -78,76 +66,39 @@ class BpeTokenizer:
         add_eos: bool = False,
         rstrip_ids: Iterable[int] = (),
     ) -> None:
-        self._tokens = [str(t) for t in tokens]
-        self._types = [int(t) for t in types]
-        if not self._tokens or len(self._types) != len(self._tokens):
+        if len(tokens) == 0 or len(types) != len(tokens):
             raise TokenizerError(
-                f"a BPE vocabulary needs one type per token ({len(self._tokens)} tokens, "
-                f"{len(self._types)} types); the tokenizer data is corrupt — re-export it"
+                f"a BPE vocabulary needs one type per token ({len(tokens)} tokens, "
+                f"{len(types)} types); the tokenizer data is corrupt — re-export it"
             )
         self._merges = [str(m) for m in merges]
         self._pre = pre_tokenizer(pre)
-        self._token_to_id = index_tokens(self._tokens)
+        super().__init__(
+            tokens,
+            types,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            unk_id=unk_id,
+            pad_id=pad_id,
+            add_bos=self._pre.add_bos if add_bos is None else add_bos,
+            add_eos=add_eos,
+            rstrip_ids=rstrip_ids,
+        )
         self._ranks = _merge_ranks(self._merges)
-        n = len(self._tokens)
+        n = len(self._pieces)
         for name, value in (("bos", bos_id), ("eos", eos_id)):
             _check_id(name, value, n)
         for name, opt in (("eot", eot_id), ("unk", unk_id), ("pad", pad_id)):
             if opt is not None:
                 _check_id(name, opt, n)
-        self._bos, self._eos, self._unk, self._pad = bos_id, eos_id, unk_id, pad_id
-        self._eot = find_eot(self._tokens) if eot_id is None else eot_id
-        self._add_bos = self._pre.add_bos if add_bos is None else bool(add_bos)
-        self._add_eos = bool(add_eos)
-        self._effective = effective_types(self._tokens, self._types)
-        self._order = {
-            special: split_order(self._tokens, self._effective, special=special)
-            for special in (False, True)
-        }
-        self._rstrip = frozenset(int(i) for i in rstrip_ids)
-        self._cache: dict[str, list[int]] = {}
-        self._fingerprint: str | None = None
+        self._eot = find_eot(self._pieces) if eot_id is None else eot_id
 
     # ---------------------------------------------------------------------------- properties
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tokens)
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    @property
-    def bos_id(self) -> int:
-        return self._bos
-
-    @property
-    def eos_id(self) -> int:
-        return self._eos
 
     @property
     def eot_id(self) -> int | None:
         """End-of-turn id: the file's, else the token llama.cpp recognises by its text."""
         return self._eot
-
-    @property
-    def unk_id(self) -> int | None:
-        """None for most byte-level vocabularies: every byte has a token, nothing is unknown."""
-        return self._unk
-
-    @property
-    def pad_id(self) -> int | None:
-        return self._pad
-
-    @property
-    def add_bos(self) -> bool:
-        """Whether llama.cpp puts BOS before a prompt (``tokenizer.ggml.add_bos_token``)."""
-        return self._add_bos
-
-    @property
-    def add_eos(self) -> bool:
-        """Whether llama.cpp puts EOS after a prompt (``tokenizer.ggml.add_eos_token``)."""
-        return self._add_eos
 
     @property
     def pre(self) -> str:
@@ -161,55 +112,25 @@ class BpeTokenizer:
 
     @property
     def tokens(self) -> list[str]:
-        return list(self._tokens)
-
-    @property
-    def token_types(self) -> list[int]:
-        """The types as the file stores them (llama.cpp retypes a few; see special.py)."""
-        return list(self._types)
+        return list(self._pieces)
 
     @property
     def merges(self) -> list[str]:
         """Merge rules ``"left right"``, best (lowest rank) first."""
         return list(self._merges)
 
-    @property
-    def rstrip_ids(self) -> frozenset[int]:
-        """Tokens after which llama.cpp drops the whitespace that follows in the text."""
-        return self._rstrip
-
-    def piece(self, token_id: int) -> str:
-        """The raw vocabulary text of a token (byte-level characters, e.g. ``Ġ`` for space)."""
-        return self._tokens[token_id]
-
-    def piece_to_id(self, piece: str) -> int | None:
-        return self._token_to_id.get(piece)
-
-    def fingerprint(self) -> str:
-        """sha256 over everything that decides ids: tokens, types, merges, pre, special ids and
-        add_bos/add_eos and any rstrip ids (the end-of-turn id decides none, so it is left out)."""
-        if self._fingerprint is None:
-            h = hashlib.sha256(b"llamatrain-bpe-v1\0")
-            for token, t in zip(self._tokens, self._types, strict=True):
-                h.update(token.encode("utf-8") + b"\0" + struct.pack("<i", t))
-            for merge in self._merges:
-                h.update(merge.encode("utf-8") + b"\0")
-            h.update(self._pre.name.encode("utf-8") + b"\0")
-            unk, pad = (-1 if v is None else v for v in (self._unk, self._pad))
-            h.update(struct.pack("<4i", self._bos, self._eos, unk, pad))
-            h.update(struct.pack("<??", self._add_bos, self._add_eos))
-            if self._rstrip:  # hashed only when present: older fingerprints stay valid
-                h.update(struct.pack(f"<{len(self._rstrip)}i", *sorted(self._rstrip)))
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
-
-    def newline_ids(self) -> list[int]:
-        """Ids whose rendered text ends in a newline, where training windows may start."""
-        return [i for i in range(len(self._tokens)) if self.token_bytes(i).endswith(b"\n")]
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Picklable without the word cache, which can be large."""
-        return {**self.__dict__, "_cache": {}}
+    def _fingerprint_parts(self) -> Iterator[bytes]:
+        """Tokens, types, merges, pre, special ids and add_bos/add_eos (the end-of-turn id
+        decides no ids, so it is left out)."""
+        yield b"llamatrain-bpe-v1\0"
+        for token, t in zip(self._pieces, self._types, strict=True):
+            yield token.encode("utf-8") + b"\0" + struct.pack("<i", t)
+        for merge in self._merges:
+            yield merge.encode("utf-8") + b"\0"
+        yield self._pre.name.encode("utf-8") + b"\0"
+        unk, pad = (-1 if v is None else v for v in (self._unk, self._pad))
+        yield struct.pack("<4i", self._bos, self._eos, unk, pad)
+        yield struct.pack("<??", self._add_bos, self._add_eos)
 
     def __repr__(self) -> str:
         return (
@@ -219,30 +140,14 @@ class BpeTokenizer:
 
     # ------------------------------------------------------------------------------ encoding
 
-    def encode(
-        self, text: str, bos: bool = False, eos: bool = False, special: bool = False
-    ) -> list[int]:
-        """Ids for ``text`` exactly as llama.cpp's ``llama_tokenize(parse_special=special)``.
-
-        ``bos``/``eos`` frame the ids with BOS/EOS unconditionally; pass ``bos=tok.add_bos,
-        eos=tok.add_eos`` for what llama.cpp's ``add_special`` does. Without ``special``,
-        control tokens written in the text stay text.
-        """
-        ids = [self._bos] if bos else []
-        for fragment in split_on_tokens(text, self._order[special], self._tokens, self._rstrip):
+    def _encode_text(self, text: str, special: bool) -> list[int]:
+        ids: list[int] = []
+        for fragment in self._fragments(text, special):
             if isinstance(fragment, int):
                 ids.append(fragment)
             else:
                 ids += self._text_ids(fragment)
-        if eos:
-            ids.append(self._eos)
         return ids
-
-    def encode_batch(
-        self, texts: Sequence[str], bos: bool = False, eos: bool = False, special: bool = False
-    ) -> list[list[int]]:
-        """:meth:`encode` for each text."""
-        return [self.encode(t, bos, eos, special) for t in texts]
 
     def _text_ids(self, text: str) -> Iterator[int]:
         """Ids of text without special tokens: its words' ids, each word merged once and then
@@ -250,7 +155,7 @@ class BpeTokenizer:
         words = self._pre.split(text)
         cache = self._cache
         new = set(words).difference(cache)
-        if len(cache) + len(new) > _CACHE_MAX:
+        if len(cache) + len(new) > CACHE_MAX:
             cache.clear()
         for word in new:
             cache[word] = self._encode_word(_utf8(word).decode("latin-1").translate(_BYTE_CHARS))
@@ -258,57 +163,36 @@ class BpeTokenizer:
 
     def _encode_word(self, word: str) -> list[int]:
         """Ids of a byte-level word: merged symbols, else their single-byte tokens."""
-        if self._pre.ignore_merges and word in self._token_to_id:
-            return [self._token_to_id[word]]
+        index = self._piece_to_id
+        if self._pre.ignore_merges and word in index:
+            return [index[word]]
         ids: list[int] = []
         for symbol in _merge_by_rank(word, self._ranks):
-            tid = self._token_to_id.get(symbol)
+            tid = index.get(symbol)
             if tid is not None:
                 ids.append(tid)
                 continue
             # llama.cpp looks each UTF-8 byte up as a one-byte token: only ASCII can match.
-            index = self._token_to_id
             ids.extend(index[c] for c in symbol if c.isascii() and c in index)
         return ids
 
     # ------------------------------------------------------------------------------ decoding
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """What llama.cpp's ``llama_token_to_piece(special=False)`` renders for one token:
-        nothing for control/unknown tokens, user-defined tokens as written, normal tokens with
-        their byte-level characters turned back into bytes."""
-        t = self._effective[token_id]
-        text = self._tokens[token_id]
-        if t == TOKEN_TYPE_USER_DEFINED:
-            return text.encode("utf-8")
-        if t == TOKEN_TYPE_NORMAL:
-            return _bytes_of(text)
-        if t == TOKEN_TYPE_BYTE and text in _CHAR_TO_BYTE:
-            return bytes([_CHAR_TO_BYTE[text]])
-        return b""  # control, unknown, unused or undefined: llama.cpp renders nothing
-
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """Concatenated :meth:`token_bytes`."""
+    def _normal_bytes(self, piece: str) -> bytes:
+        """The bytes a normal token's byte-level characters stand for; a character outside
+        GPT-2's table is rendered the way llama.cpp renders it."""
         out = bytearray()
-        n = len(self._tokens)
-        for tid in ids:
-            tid = int(tid)
-            if not 0 <= tid < n:
-                raise TokenizerError(
-                    f"Token id {tid} is outside the vocabulary (size {n}); the ids come from "
-                    "a different tokenizer or model."
-                )
-            out += self.token_bytes(tid)
+        for c in piece:
+            b = _CHAR_TO_BYTE.get(c)
+            if b is not None:
+                out.append(b)
+            else:
+                out += f"[UNK_BYTE_0x{_utf8(c).hex()}{piece}]".encode("utf-8", "surrogatepass")
         return bytes(out)
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text for ids, as llama.cpp streams it token by token; invalid UTF-8 becomes U+FFFD.
-
-        llama.cpp's ``llama_detokenize`` may also "clean up" spaces before punctuation for
-        some vocabularies; that loses information (``decode(encode(s)) != s``), so it is not
-        done here.
-        """
-        return self.decode_bytes(ids).decode("utf-8", "replace")
+    def _byte_value(self, token_id: int) -> int | None:
+        """The byte a one-character byte token stands for in GPT-2's table."""
+        return _CHAR_TO_BYTE.get(self._pieces[token_id])
 
 
 # ------------------------------------------------------------------------- the merge algorithm
@@ -355,19 +239,6 @@ def _merge_by_rank(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
 
 def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
-
-
-def _bytes_of(text: str) -> bytes:
-    """The bytes a normal token's byte-level characters stand for; a character outside
-    GPT-2's table is rendered the way llama.cpp renders it."""
-    out = bytearray()
-    for c in text:
-        b = _CHAR_TO_BYTE.get(c)
-        if b is not None:
-            out.append(b)
-        else:
-            out += f"[UNK_BYTE_0x{_utf8(c).hex()}{text}]".encode("utf-8", "surrogatepass")
-    return bytes(out)
 
 
 def _merge_ranks(merges: list[str]) -> dict[tuple[str, str], int]:

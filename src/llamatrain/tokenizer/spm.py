@@ -13,29 +13,29 @@ same thing (see :mod:`llamatrain.tokenizer.sentencepiece_engine`).
 The reference path caches per whitespace-delimited chunk. That is exact only when no piece
 contains a non-``▁`` character followed by ``▁`` (then no merge can cross the start of a space
 run); the condition is checked per vocabulary and the cache is skipped when it fails.
+
+What is not SPM's own (special tokens in text, BOS/EOS, rendering control and user-defined
+tokens, the fingerprint's frame) is :class:`~llamatrain.tokenizer.vocab.VocabTokenizer`'s,
+shared with byte-level BPE.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import os
 import re
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from llamatrain.errors import TokenizerError
 from llamatrain.tokenizer.base import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
-    TOKEN_TYPE_NORMAL,
     TOKEN_TYPE_UNKNOWN,
-    TOKEN_TYPE_USER_DEFINED,
-    index_tokens,
 )
 from llamatrain.tokenizer.sentencepiece_engine import build_fast_engine
-from llamatrain.tokenizer.special import effective_types, split_on_tokens, split_order
+from llamatrain.tokenizer.vocab import CACHE_MAX, VocabTokenizer
 
 __all__ = ["SPACE", "SpmTokenizer"]
 
@@ -43,11 +43,10 @@ SPACE = "\u2581"  # "▁", sentencepiece's escaped space
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _CHUNK = re.compile(SPACE + "*[^" + SPACE + "]+|" + SPACE + "+")
 _CROSSES_CHUNK = re.compile("[^" + SPACE + "]" + SPACE)
-_CACHE_MAX = 500_000
 _FLOAT32 = struct.Struct("<f")
 
 
-class SpmTokenizer:
+class SpmTokenizer(VocabTokenizer):
     """A llama SPM vocabulary: pieces, scores, token types and special ids.
 
     Build one with :func:`~llamatrain.tokenizer.train_spm`, from a sentencepiece
@@ -73,63 +72,28 @@ class SpmTokenizer:
         rstrip_ids: Iterable[int] = (),
     ) -> None:
         _check_lengths(len(pieces), len(scores), len(types))
-        self._pieces: list[str] = [str(p) for p in pieces]
         # Scores are float32 in both GGUF and sentencepiece: compare them as llama.cpp does.
         self._scores: list[float] = [_to_float32(s) for s in scores]
-        self._types: list[int] = [int(t) for t in types]
-        self._piece_to_id = index_tokens(self._pieces)
+        super().__init__(
+            pieces,
+            types,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            unk_id=unk_id,
+            pad_id=pad_id,
+            # llama.cpp puts BOS before every prompt of a llama (SPM) vocabulary, never EOS.
+            add_bos=True,
+            add_eos=False,
+            rstrip_ids=rstrip_ids,
+        )
         _check_special_ids(len(self._pieces), bos_id, eos_id, unk_id, pad_id)
-        self._bos, self._eos, self._unk, self._pad = bos_id, eos_id, unk_id, pad_id
         self._add_space_prefix = bool(add_space_prefix)
-
         self._byte_ids = _byte_fallback_ids(self._piece_to_id)
         self._byte_values = _byte_values(self._pieces, self._types)
-        # llama.cpp retypes control-looking tokens (e.g. a user-defined "</s>") as control.
-        self._effective = effective_types(self._pieces, self._types)
-        self._order = {
-            special: split_order(self._pieces, self._effective, special=special)
-            for special in (False, True)
-        }
-        self._rstrip = frozenset(int(i) for i in rstrip_ids)
         self._chunkable = not any(_CROSSES_CHUNK.search(p) for p in self._pieces)
-        self._cache: dict[str, list[int]] = {}
-        self._fingerprint: str | None = None
         self._engine: Any = self._build_fast_engine() if fast else None
 
     # ---------------------------------------------------------------------------- properties
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._pieces)
-
-    def __len__(self) -> int:
-        return len(self._pieces)
-
-    @property
-    def bos_id(self) -> int:
-        return self._bos
-
-    @property
-    def eos_id(self) -> int:
-        return self._eos
-
-    @property
-    def unk_id(self) -> int:
-        return self._unk
-
-    @property
-    def pad_id(self) -> int | None:
-        """The padding id, or None: llama vocabularies usually have none."""
-        return self._pad
-
-    @property
-    def add_bos(self) -> bool:
-        """llama.cpp puts BOS before every prompt of a llama (SPM) vocabulary."""
-        return True
-
-    @property
-    def add_eos(self) -> bool:
-        return False
 
     @property
     def add_space_prefix(self) -> bool:
@@ -146,58 +110,21 @@ class SpmTokenizer:
         return list(self._scores)
 
     @property
-    def token_types(self) -> list[int]:
-        return list(self._types)
-
-    @property
     def uses_fast_engine(self) -> bool:
         """True when encoding runs in sentencepiece's C++ (verified identical), else Python."""
         return self._engine is not None
 
-    @property
-    def rstrip_ids(self) -> frozenset[int]:
-        """Tokens after which llama.cpp drops the whitespace that follows in the text."""
-        return self._rstrip
-
-    def piece(self, token_id: int) -> str:
-        """The raw vocabulary text of a token (``▁`` for spaces, ``<0x0A>`` for bytes)."""
-        return self._pieces[token_id]
-
-    def piece_to_id(self, piece: str) -> int | None:
-        return self._piece_to_id.get(piece)
-
-    def token_type(self, token_id: int) -> int:
-        return self._types[token_id]
-
-    def fingerprint(self) -> str:
-        """sha256 over everything that decides ids: pieces, float32 scores, types, specials and
-        any rstrip ids."""
-        if self._fingerprint is None:
-            h = hashlib.sha256(b"llamatrain-spm-v1\0")
-            for p, s, t in zip(self._pieces, self._scores, self._types, strict=True):
-                h.update(p.encode("utf-8") + b"\0" + struct.pack("<fi", s, t))
-            pad = -1 if self._pad is None else self._pad
-            h.update(
-                struct.pack("<4i?", self._bos, self._eos, self._unk, pad, self._add_space_prefix)
-            )
-            if self._rstrip:  # hashed only when present: older fingerprints stay valid
-                h.update(struct.pack(f"<{len(self._rstrip)}i", *sorted(self._rstrip)))
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
-
-    def newline_ids(self) -> list[int]:
-        """Ids whose rendered text ends in a newline (``<0x0A>`` and pieces ending in "\\n").
-
-        Used to start training windows after a newline, as llama.cpp's trainer can.
-        """
-        return [i for i in range(len(self._pieces)) if self.token_bytes(i).endswith(b"\n")]
+    def _fingerprint_parts(self) -> Iterator[bytes]:
+        """Pieces, float32 scores, types, specials and the dummy prefix."""
+        yield b"llamatrain-spm-v1\0"
+        for p, s, t in zip(self._pieces, self._scores, self._types, strict=True):
+            yield p.encode("utf-8") + b"\0" + struct.pack("<fi", s, t)
+        pad = -1 if self._pad is None else self._pad
+        yield struct.pack("<4i?", self._bos, self._eos, self._unk, pad, self._add_space_prefix)
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (e.g. for DataLoader workers): the C++ engine is rebuilt on unpickling."""
-        state = self.__dict__.copy()
-        state["_engine"] = state["_engine"] is not None
-        state["_cache"] = {}
-        return state
+        return {**super().__getstate__(), "_engine": self._engine is not None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         fast = state.pop("_engine")
@@ -212,17 +139,12 @@ class SpmTokenizer:
 
     # ------------------------------------------------------------------------------ encoding
 
-    def encode(
-        self, text: str, bos: bool = False, eos: bool = False, special: bool = False
-    ) -> list[int]:
-        """Token ids for ``text`` exactly as llama.cpp's ``llama_tokenize`` gives them
-        (``add_special=bos``, ``parse_special=special``). Parsing special tokens always runs
-        the reference algorithm (the fast engine knows no control tokens in text)."""
+    def _encode_text(self, text: str, special: bool) -> list[int]:
+        """The fast engine's ids, or the reference algorithm's when parsing special tokens
+        (the fast engine knows no control tokens in text) or when there is no engine."""
         if self._engine is not None and not special:
-            ids = self._engine.encode(text)
-        else:
-            ids = self._encode_reference(text, special)
-        return self._add_specials(ids, bos, eos)
+            return self._engine.encode(text)
+        return self._encode_reference(text, special)
 
     def encode_batch(
         self,
@@ -243,14 +165,6 @@ class SpmTokenizer:
                 self._add_specials(ids, bos, eos)
         return batch
 
-    def _add_specials(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
-        """``ids`` framed in place by BOS and/or EOS."""
-        if bos:
-            ids.insert(0, self._bos)
-        if eos:
-            ids.append(self._eos)
-        return ids
-
     def _build_fast_engine(self) -> Any | None:
         return build_fast_engine(
             self._pieces,
@@ -269,7 +183,7 @@ class SpmTokenizer:
         """llama.cpp's SPM tokenization in Python: the definition the fast engine must match."""
         out: list[int] = []
         prev_special = True  # llama.cpp prefixes a space at the start and after special tokens
-        for fragment in split_on_tokens(text, self._order[special], self._pieces, self._rstrip):
+        for fragment in self._fragments(text, special):
             if isinstance(fragment, int):
                 out.append(fragment)
                 prev_special = True
@@ -291,7 +205,7 @@ class SpmTokenizer:
             ids = cache.get(chunk)
             if ids is None:
                 ids = self._merge(chunk)
-                if len(cache) >= _CACHE_MAX:
+                if len(cache) >= CACHE_MAX:
                     cache.clear()
                 cache[chunk] = ids
             out.extend(ids)
@@ -313,19 +227,13 @@ class SpmTokenizer:
 
     # ------------------------------------------------------------------------------ decoding
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """What llama.cpp's ``llama_token_to_piece(special=False)`` renders for one token:
-        nothing for control/unknown tokens, the byte for ``<0xNN>``, else the text with
-        ``▁`` unescaped. Use it to stream generated text."""
-        t = self._effective[token_id]
-        if t == TOKEN_TYPE_NORMAL:
-            return self._pieces[token_id].replace(SPACE, " ").encode("utf-8")
-        if t == TOKEN_TYPE_USER_DEFINED:
-            return self._pieces[token_id].encode("utf-8")
-        value = self._byte_values.get(token_id)
-        if value is not None:
-            return bytes([value])
-        return b""  # control, unknown, unused or undefined: llama.cpp renders nothing
+    def _normal_bytes(self, piece: str) -> bytes:
+        """The piece with ``▁`` unescaped to a space."""
+        return piece.replace(SPACE, " ").encode("utf-8")
+
+    def _byte_value(self, token_id: int) -> int | None:
+        """The byte of a ``<0xNN>`` piece."""
+        return self._byte_values.get(token_id)
 
     def decode_bytes(self, ids: Iterable[int], strip_space_prefix: bool = True) -> bytes:
         """Concatenated :meth:`token_bytes`; drops the dummy-prefix space of the first text token.
@@ -337,13 +245,7 @@ class SpmTokenizer:
         """
         out = bytearray()
         strip = strip_space_prefix and self._add_space_prefix
-        for tid in ids:
-            tid = int(tid)
-            if not 0 <= tid < len(self._pieces):
-                raise TokenizerError(
-                    f"Token id {tid} is outside the vocabulary (size {len(self._pieces)}); the "
-                    "ids come from a different tokenizer or model."
-                )
+        for tid in self._checked_ids(ids):
             b = self.token_bytes(tid)
             if strip and self._effective[tid] not in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN):
                 if b.startswith(b" "):
