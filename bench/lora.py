@@ -90,7 +90,7 @@ HEADER = (
 def base_file(cache: Path, model: str, type_name: str) -> Path:
     """The model's random base stored as ``type_name``, built once (Q4_K_M by llama.cpp's
     quantizer, the others by llamatrain's writer)."""
-    from llamatrain.gguf.file import QUANTIZER_TYPES
+    from llamatrain.gguf.export_types import QUANTIZER_TYPES
     from llamatrain.gguf.llama import write_model
     from llamatrain.gguf.quantize import write_quantized_model
 

@@ -62,8 +62,9 @@ from baseline import plain_step  # noqa: E402
 from llamatrain import ops as G  # noqa: E402
 from llamatrain.config import Config, OptimSection, validate  # noqa: E402
 from llamatrain.device import configure_process  # noqa: E402
-from llamatrain.model import Llama, ModelConfig, torch_rope  # noqa: E402
+from llamatrain.model import Llama, ModelConfig  # noqa: E402
 from llamatrain.ops.fused import linear_cross_entropy  # noqa: E402
+from llamatrain.ops.sets import torch_rope  # noqa: E402
 from llamatrain.optim import build_optimizer  # noqa: E402
 from llamatrain.trainer import Trainer  # noqa: E402
 

@@ -12,7 +12,7 @@ import sys
 
 from llamatrain import api
 from llamatrain.errors import LlamatrainError
-from llamatrain.gguf.file import EXPORT_TYPES
+from llamatrain.gguf.export_types import EXPORT_TYPES
 
 
 def main(argv: list[str] | None = None) -> int:

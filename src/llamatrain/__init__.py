@@ -16,7 +16,9 @@ _API = (
     "load_tokenizer",
     "perplexity",
 )
-"""Entry points of ``llamatrain.api`` offered here; they load on first use."""
+"""Entry points of ``llamatrain.api`` offered here; they load on first use. The one list of
+them: ``__all__`` and ``__getattr__`` derive from it, and tests/unit/test_public_api.py checks
+it against ``llamatrain.api.__all__`` and the calls README.md documents."""
 
 __all__ = ["Llama", "ModelConfig", *_API]
 __version__ = "0.1.0"

@@ -9,60 +9,51 @@ lower modules.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
-import json
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from llamatrain import activation_checkpointing, parallel
+from llamatrain import parallel
 from llamatrain.allocator import release_freed_memory
-from llamatrain.checkpoint import (
-    Checkpoint,
-    CheckpointManager,
-    LoraBase,
-    build_lora_base,
+from llamatrain.build import (
     build_model,
-    check_compatible,
-    checkpoint_dir,
-    describe_base,
-    is_lora_checkpoint,
-    load_checkpoint,
-    model_file,
+    fresh_run,
+    load_tokenizer,
+    prepare,
     read_model_source,
+    resumed_run,
+    with_base,
 )
+from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, load_config
 from llamatrain.config import validate as validate_config
 from llamatrain.data import ChatTemplate, build_train_data, resolve_inputs
 from llamatrain.data.chat_template import BUILTIN_TEMPLATES
-from llamatrain.data.examples import prompt_ids, resolve_chat_template
+from llamatrain.data.examples import resolve_chat_template
 from llamatrain.device import configure_process, resolve_device
-from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
+from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.evaluate import PerplexityResult, perplexity
 from llamatrain.files import write_text_atomically
+from llamatrain.generate import chat, generate_text
 from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
 from llamatrain.gguf.describe import describe_gguf
-from llamatrain.gguf.file import QUANTIZER_TYPES, verify_gguf
-from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_model, write_vocab
+from llamatrain.gguf.export_types import QUANTIZER_TYPES
+from llamatrain.gguf.file import verify_gguf
+from llamatrain.gguf.llama import LlamaFile, read_model, write_model
 from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
 from llamatrain.hf.peft import write_peft_adapter
-from llamatrain.lora import ALL_TARGETS, apply_lora, merge_lora
+from llamatrain.lora import merge_lora
 from llamatrain.model import Llama
+from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
 from llamatrain.runlock import run_lock, set_aside_previous_run
-from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import (
     Tokenizer,
-    load_sentencepiece,
-    read_hf_tokenizer,
-    train_byte_bpe,
-    train_spm,
 )
 from llamatrain.trainer import History, Trainer
 
@@ -104,55 +95,6 @@ class FitResult:
     adapter_path: Path | None = None  # a LoRA run's adapter-f32.gguf (llama.cpp's --lora)
 
 
-# ---- tokenizers --------------------------------------------------------------------------
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The vocabulary of a GGUF (model, checkpoint or vocab-only), a sentencepiece .model, or
-    an HF tokenizer.json or model folder holding one (read as llama.cpp's converter would)."""
-    path = Path(path)
-    if path.is_dir() or path.suffix == ".json":
-        return read_hf_tokenizer(path)
-    if not path.is_file():
-        raise TokenizerError(f"tokenizer file {path} does not exist; fix the path")
-    with path.open("rb") as f:
-        is_gguf = f.read(4) == b"GGUF"
-    return read_tokenizer(path) if is_gguf else load_sentencepiece(path)
-
-
-def _tokenizer_cache_key(cfg: Config, paths: Sequence[Path]) -> str:
-    """Tokenizer training is deterministic, so identical inputs+settings reuse the result."""
-    settings = {**vars(cfg.tokenizer), "seed": cfg.train.seed}  # all that training depends on
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
-    for p in paths:
-        stat = p.stat()
-        h.update(f"{p.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
-
-
-def build_tokenizer(cfg: Config, paths: Sequence[Path]) -> Tokenizer:
-    """The run's vocabulary: from ``tokenizer.path`` or trained on the data (and cached)."""
-    t = cfg.tokenizer
-    if t.path:
-        return load_tokenizer(t.path)
-    cached = Path(cfg.data.cache_dir) / "tokenizers" / f"{_tokenizer_cache_key(cfg, paths)}.gguf"
-    if cached.is_file():
-        return read_tokenizer(cached)
-    if t.model_type == "byte_bpe":
-        tokenizer: Tokenizer = train_byte_bpe(paths, t.vocab_size)
-    else:
-        tokenizer = train_spm(
-            paths,
-            t.vocab_size,
-            t.model_type,
-            max_sentence_length=t.max_sentence_length,
-            input_sentence_size=t.input_sentence_size,
-            seed=cfg.train.seed,
-        )
-    write_vocab(cached, tokenizer)
-    return tokenizer
-
-
 # ---- building a run ----------------------------------------------------------------------
 
 
@@ -166,92 +108,6 @@ def _configure(
     else:
         cfg = load_config(config, overrides)
     return validate_config(apply_values(cfg, values, "fit(...) keyword"))
-
-
-def _fresh_model(cfg: Config, paths: Sequence[Path]) -> tuple[Llama, Tokenizer, dict]:
-    """A new model (seeded) with its tokenizer, or the one ``model.init_from`` names; and the
-    base model's keys its checkpoints and exports keep (``inherited_metadata``)."""
-    if cfg.model.init_from:
-        return _from_base(cfg, read_model_source(cfg.model.init_from))
-    tokenizer = build_tokenizer(cfg, paths)
-    torch.manual_seed(cfg.train.seed)
-    model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
-    )
-    return Llama(model_cfg), tokenizer, {}
-
-
-def _from_base(cfg: Config, base: LlamaFile) -> tuple[Llama, Tokenizer, dict]:
-    """The model of ``base`` with the run's choices; its context stays the base's unless the
-    run trains on longer windows."""
-    context = max(base.config.max_seq_len, cfg.data.n_ctx)
-    run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
-    base_dtype = cfg.lora.base_dtype if cfg.lora.rank else "f32"
-    model = build_lora_base(
-        base, base_dtype, _lora_targets(cfg), max_seq_len=context, **run_choices
-    )
-    return model, base.tokenizer, base.inherited
-
-
-def _resumed_model(
-    cfg: Config, checkpoint: Checkpoint, paths: Sequence[Path]
-) -> tuple[Llama, Tokenizer]:
-    """A model shaped like the checkpoint's, after checking it is the run the config asks for.
-
-    Its weights are still the initial ones: ``Trainer.load_state`` restores them; a LoRA run's
-    model is its base (``load_checkpoint`` checked it is the one trained on), adapted later.
-    """
-    _check_same_kind(cfg, checkpoint)
-    if checkpoint.adapter is not None:
-        model, tokenizer, _ = _from_base(cfg, checkpoint.base)
-        return model, tokenizer
-    if cfg.model.init_from:  # a finetune keeps its base model's architecture and vocabulary
-        expected, tokenizer = checkpoint.config, checkpoint.tokenizer
-    else:
-        tokenizer = build_tokenizer(cfg, paths)
-        expected = dataclasses.replace(
-            cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
-        )
-    check_compatible(checkpoint, expected, tokenizer)
-    run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
-    return Llama(dataclasses.replace(checkpoint.config, **run_choices)), checkpoint.tokenizer
-
-
-def _check_same_kind(cfg: Config, checkpoint: Checkpoint) -> None:
-    """A LoRA run resumes as a LoRA run and a full finetune as one: the checkpoint holds
-    adapters or the whole model, and the config must ask for the same."""
-    lora_checkpoint = checkpoint.adapter is not None
-    if lora_checkpoint != (cfg.lora.rank > 0):
-        held = "a LoRA adapter" if lora_checkpoint else "a whole model (no LoRA)"
-        asked = "0 (full finetuning)" if cfg.lora.rank == 0 else str(cfg.lora.rank)
-        raise CheckpointError(
-            f"the checkpoint holds {held} but the config has lora.rank = {asked}; resume "
-            "with the config it was trained with"
-        )
-
-
-def _adapt(model: Llama, cfg: Config) -> None:
-    """Freeze ``model`` and add the ``[lora]`` adapters (nothing for rank 0). Seeded, so a
-    run's adapters start alike however the base was read; a resume then loads its own."""
-    lora = cfg.lora
-    if lora.rank == 0:
-        return
-    torch.manual_seed(cfg.train.seed)
-    apply_lora(model, lora.rank, lora.alpha, lora.dropout, _lora_targets(cfg))
-
-
-def _lora_targets(cfg: Config) -> tuple[str, ...]:
-    """The projections ``[lora]`` adapts in every block."""
-    return ALL_TARGETS if cfg.lora.targets is None else tuple(cfg.lora.targets)
-
-
-def _lora_base(cfg: Config, checkpoint: Checkpoint | None) -> LoraBase | None:
-    """The base a LoRA run adapts (as a resumed checkpoint checked it), None for full runs."""
-    if cfg.lora.rank == 0:
-        return None
-    if checkpoint is not None:
-        return checkpoint.state.lora_base
-    return describe_base(cfg.model.init_from)
 
 
 def fit(
@@ -302,53 +158,37 @@ def _fit_locked(
 ) -> FitResult:
     """``fit``'s run, while it holds the run folder's lock."""
     configure_process(resolve_device(cfg.train.device), bf16=cfg.train.dtype == "bfloat16")
-    checkpoint = None
     with parallel.main_first():  # tokenizer and token caches are written by rank 0 alone
-        if resume:
-            manager = CheckpointManager(checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints)
-            base = cfg.model.init_from if cfg.lora.rank else None
-            checkpoint = load_checkpoint(manager.resolve(resume), base=base)
-            model, tokenizer = _resumed_model(cfg, checkpoint, paths)
-            inherited = checkpoint.state.inherited
-        else:
-            model, tokenizer, inherited = _fresh_model(cfg, paths)
+        run = resumed_run(cfg, resume, paths) if resume else fresh_run(cfg, paths)
         data = build_train_data(
             cfg,
-            tokenizer,
+            run.tokenizer,
             paths=paths,
             progress=progress,
-            model_template=inherited.get(CHAT_TEMPLATE_KEY),
+            model_template=run.inherited.get(CHAT_TEMPLATE_KEY),
         )
-    inherited = _with_chat_template(inherited, data.chat_template)
-    _adapt(model, cfg)
-    activation_checkpointing.apply(
-        model,
-        cfg.train.checkpointing,
-        every_n=cfg.train.checkpoint_every_n,
-        n_seq=cfg.train.n_ubatch // cfg.data.n_ctx,
-        n_ctx=cfg.data.n_ctx,
-        autocast=torch.bfloat16 if cfg.train.dtype == "bfloat16" else None,
-    )
+    inherited = _with_chat_template(run.inherited, data.chat_template)
+    prepared = prepare(run.model, cfg)
     run_dir = Path(cfg.output.dir)
     if parallel.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomically(run_dir / RUN_CONFIG, config_to_toml(cfg), "run config")
     trainer = Trainer(
-        model,
+        prepared,
         cfg,
         data=data,
-        tokenizer=tokenizer,
+        tokenizer=run.tokenizer,
         progress=progress,
         inherited=inherited,
-        lora_base=_lora_base(cfg, checkpoint),
+        lora_base=run.lora_base,
     )
-    if checkpoint is not None:
-        trainer.load_state(checkpoint)
+    if run.checkpoint is not None:
+        trainer.load_state(run.checkpoint)
     history = trainer.fit()
     model = parallel.whole_model(trainer.model)
     _release_training_state(trainer)
     if not parallel.is_main():
-        return FitResult(cfg, model, tokenizer, history, run_dir, export_path=None)
+        return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path=None)
     adapter_path = None
     if cfg.lora.rank:
         adapter_path = write_lora_adapter(
@@ -358,13 +198,13 @@ def _fit_locked(
     if cfg.output.export:
         export_path = export_gguf(
             merge_lora(model) if cfg.lora.rank else model,
-            tokenizer,
+            run.tokenizer,
             run_dir / f"model-{cfg.output.export_type}.gguf",
             type=cfg.output.export_type,
             inherited=inherited,
         )
     curves = _write_curves(run_dir)
-    return FitResult(cfg, model, tokenizer, history, run_dir, export_path, curves, adapter_path)
+    return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path, curves, adapter_path)
 
 
 def _release_training_state(trainer: Trainer) -> None:
@@ -442,9 +282,9 @@ def export_gguf(
     type: str = "f32",
     inherited: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a model llama.cpp runs (``type``: one of ``llamatrain.gguf.file.ALL_EXPORT_TYPES``;
-    the ``QUANTIZER_TYPES`` among them, such as q4_k_m, go through llama.cpp's quantizer and
-    need ``pip install 'llamatrain[quantize]'``).
+    """Write a model llama.cpp runs (``type``: one of
+    ``llamatrain.gguf.export_types.ALL_EXPORT_TYPES``; the ``QUANTIZER_TYPES`` among them, such
+    as q4_k_m, go through llama.cpp's quantizer and need ``pip install 'llamatrain[quantize]'``).
 
     ``inherited``: the base model's keys to keep (name, license, chat template …), as
     ``export`` passes them from a checkpoint.
@@ -508,6 +348,7 @@ def export_adapter(source: str | Path, path: str | Path, format: str = "gguf") -
     verify_gguf(checkpoint_file)
     if format == "hf":
         checkpoint = load_checkpoint(checkpoint_file)
+        with_base(checkpoint)  # the base's config says how its q/k rows are laid out
         adapter = checkpoint.adapter
         return write_peft_adapter(path, adapter.tensors, checkpoint.config, alpha=adapter.alpha)
     adapter = read_lora_adapter(checkpoint_file)
@@ -521,53 +362,6 @@ def export_adapter(source: str | Path, path: str | Path, format: str = "gguf") -
 
 
 # ---- using a model -----------------------------------------------------------------------
-
-
-def generate_text(
-    model: Llama,
-    tokenizer: Tokenizer,
-    prompt: str,
-    *,
-    max_tokens: int = 128,
-    params: SamplingParams | None = None,
-    seed: int | None = None,
-    allowed: torch.Tensor | None = None,
-) -> Iterator[str]:
-    """Stream the decoded continuation of ``prompt`` piece by piece (stops at EOS).
-
-    ``params`` defaults to llama.cpp's sampler settings (``SamplingParams()``); ``allowed``
-    restricts the vocabulary (e.g. to :func:`seen_tokens`).
-    """
-    ids = tokenizer.encode(prompt, bos=True)
-    stop = frozenset({tokenizer.eos_id})
-    return _continuation(model, tokenizer, ids, stop, max_tokens, params, seed, allowed)
-
-
-def _continuation(
-    model: Llama,
-    tokenizer: Tokenizer,
-    prompt_ids: list[int],
-    stop: frozenset[int],
-    max_tokens: int,
-    params: SamplingParams | None,
-    seed: int | None,
-    allowed: torch.Tensor | None = None,
-) -> Iterator[str]:
-    """The text after ``prompt_ids``, decoded as it grows, until a ``stop`` token."""
-    model.eval()
-    prompt = torch.tensor([prompt_ids])
-    stream = model.generate_stream(prompt, max_tokens, params, seed, stop, allowed=allowed)
-    new: list[int] = []
-    shown = tokenizer.decode(prompt_ids)
-    for token in stream:
-        if token.item() in stop:
-            break
-        new.append(token.item())
-        text = tokenizer.decode(prompt_ids + new)
-        if text.endswith("\ufffd"):
-            continue  # a multi-byte character is still arriving byte token by byte token
-        yield text[len(shown) :]
-        shown = text
 
 
 def load_chat(
@@ -585,53 +379,3 @@ def load_chat(
             f"{', '.join(BUILTIN_TEMPLATES)} (--chat-template NAME)"
         )
     return model, tokenizer, chosen
-
-
-def chat(
-    model: Llama,
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
-    message: str,
-    *,
-    max_tokens: int = 128,
-    params: SamplingParams | None = None,
-    seed: int | None = None,
-) -> Iterator[str]:
-    """Stream the model's reply to one user ``message``, rendered with ``template`` as its
-    training conversations were, up to the template's end-of-turn marker (or EOS).
-
-    The marker is one control token in a chat model's vocabulary (``<|im_end|>``,
-    ``<|eot_id|>``) and generation stops on it; where the vocabulary spells it in several
-    tokens, the reply is cut where its text appears.
-    """
-    prompt = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
-    marker = template.end_of_turn
-    marker_ids = tokenizer.encode(marker, special=True)
-    stop = {tokenizer.eos_id} | ({marker_ids[0]} if len(marker_ids) == 1 else set())
-    pieces = _continuation(
-        model, tokenizer, prompt_ids(tokenizer, prompt), frozenset(stop), max_tokens, params, seed
-    )
-    return _reply(pieces, marker)
-
-
-def _reply(pieces: Iterator[str], marker: str) -> Iterator[str]:
-    """The assistant's words in ``pieces``: without the whitespace the template puts before a
-    reply (llama-2's ``[/INST] ``), up to the first ``marker``; the last ``len(marker) - 1``
-    characters are held back until they cannot be the start of it."""
-    held, started = "", False
-    for piece in pieces:
-        held += piece
-        if not started:
-            held = held.lstrip()
-            started = bool(held)
-        at = held.find(marker)
-        if at >= 0:
-            if held[:at]:
-                yield held[:at]
-            return
-        keep = len(marker) - 1
-        if len(held) > keep:
-            yield held[: len(held) - keep]
-            held = held[len(held) - keep :]
-    if held:
-        yield held

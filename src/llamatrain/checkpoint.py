@@ -4,58 +4,51 @@ As in llama.cpp's 2023 trainer, a checkpoint is the model GGUF (tensors, hyper-p
 tokenizer keys) plus ``training.*`` counters and ``optimizer.*`` state. AdamW moments are
 stored as two flat F32 vectors over all parameters in ``state_dict`` order
 (``optimizer.adam.first_moments`` / ``second_moments``), exactly the 2023 layout. What GGUF
-has no tensor type for (RNG states, the data cursor, L-BFGS history) travels as JSON/base64
-strings. Files are written through ``llamatrain.gguf`` atomically (temp file, fsync, rename),
-so a crash never leaves a half-written checkpoint, and a full disk leaves the last good one and
-``latest.gguf`` as they were. Each tensor's sha256 travels along (``training.tensor_sha256``)
+has no tensor type for (the data cursor, counters) travels as JSON strings, and nested state
+(RNG states, L-BFGS history) as a JSON layout plus tensors (:mod:`llamatrain.plain_state`):
+nothing in a checkpoint is a pickle, so reading one can never run code. Files are written
+through ``llamatrain.gguf`` atomically (temp file, fsync, rename), so a crash never leaves a
+half-written checkpoint, and a full disk leaves the last good one and ``latest.gguf`` as they
+were. Each tensor's sha256 travels along (``training.tensor_sha256``)
 and is checked when a run resumes, so a damaged file is refused by name, not trained on.
 
 A LoRA run's checkpoint is its adapter GGUF (``llamatrain.gguf.adapter``) with the same
 ``training.*`` / ``optimizer.*`` keys and tensors (the moments over the adapters alone), plus
 the frozen base's path and content hash (``training.lora.base`` / ``.base_sha256``): the base
 is not copied into every checkpoint, and a run is never resumed or loaded over another base.
+This module never reads the base; ``llamatrain.build.with_base`` does, and checks its hash.
 
 Loading a checkpoint builds no model: it returns the weights and the state, and the trainer
 restores them onto its own model and optimizer (``Trainer.load_state``). Today's llama.cpp
 refuses a model file with extra tensors, so hand it ``llamatrain export``'s output;
-``llamatrain.load`` reads checkpoints as models (:func:`read_model_source`, which merges a
-LoRA run's adapter into its base).
+``llamatrain.load`` reads checkpoints as models (``llamatrain.build.read_model_source``, which
+merges a LoRA run's adapter into its base).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from llamatrain.errors import CheckpointError, ConfigError
+from llamatrain.errors import CheckpointError
 from llamatrain.gguf.adapter import LoraAdapter, read_lora_adapter, write_lora_adapter
-from llamatrain.gguf.file import (
-    read_gguf_metadata,
-    read_stored_into,
-    read_tensors_into,
-    verify_gguf,
-)
-from llamatrain.gguf.llama import LlamaFile, read_model, write_model
-from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, read_hf_folder
-from llamatrain.hf.weights import weight_files
-from llamatrain.lora import (
-    apply_lora,
-    load_lora_state_dict,
-    lora_modules,
-    lora_state_dict,
-    merge_lora,
-    store_frozen_targets,
-    stored_type,
-)
+from llamatrain.gguf.file import GGUFContents, GGUFSource, read_gguf, verify_gguf
+from llamatrain.gguf.llama import read_model, write_model
+from llamatrain.hf.folder import CHAT_TEMPLATE_KEY
+from llamatrain.lora import load_lora_state_dict, lora_modules, lora_state_dict
 from llamatrain.model import Llama, ModelConfig
+from llamatrain.model_source import (
+    BASE_PATH_KEY,
+    BASE_SHA256_KEY,
+    LATEST,
+    LoraBase,
+    records_a_base,
+)
 from llamatrain.optim import AdamW, Optimizer
 from llamatrain.parallel import any_rank, gathered, is_main, local_tensor, reshard, shard_like
 from llamatrain.plain_state import StateFormatError, decode_state, encode_state
@@ -68,24 +61,12 @@ RNG_LAYOUT_KEY, RNG_TENSORS = "training.rng.layout", "training.rng"
 LBFGS_LAYOUT_KEY, LBFGS_TENSORS = "optimizer.lbfgs.layout", "optimizer.lbfgs"
 PICKLED_KEYS = ("training.rng_state", "optimizer.lbfgs.state")
 """Where version-1 checkpoints kept pickles."""
-LATEST = "latest.gguf"
 DIVERGED_FIX = "Lower optim.lr, keep optim.grad_clip on, or check the data"
 """The advice for a run whose loss or weights stopped being finite."""
-BASE_PATH_KEY = "training.lora.base"
-BASE_SHA256_KEY = "training.lora.base_sha256"
 CHAT_TEMPLATE_RUN_KEY = "training.lora.chat_template"
 """The chat template a LoRA run's conversations were rendered with. An adapter keeps only the
 base's ``general.*`` keys, so a template the run chose (the base had none) is recorded here and
 the run then loads, chats and exports with it."""
-
-
-@dataclass(frozen=True)
-class LoraBase:
-    """The frozen model a LoRA run adapts: its absolute path and the sha256 of its content
-    (:func:`base_sha256`), which a resume or load checks before using the adapter on it."""
-
-    path: str
-    sha256: str
 
 
 @dataclass
@@ -112,7 +93,7 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.packbits(mask.cpu().numpy()).view(np.int8))
 
 
-def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+def _unpack_bits(packed: torch.Tensor, n: int | None) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(packed.numpy().view(np.uint8))[:n].astype(bool))
 
 
@@ -264,16 +245,14 @@ def _training_extras(
 class Checkpoint:
     """What a checkpoint file holds, read but not yet applied to a run."""
 
-    config: ModelConfig
+    config: ModelConfig | None
+    """The model's; a LoRA run's base's, once ``llamatrain.build.with_base`` read it."""
     weights: dict[str, torch.Tensor]
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     state: TrainingState
     metadata: dict
     tensors: dict[str, torch.Tensor]  # every tensor in the file, optimizer state included
     adapter: LoraAdapter | None = None  # a LoRA run's: ``weights`` are then its tensors
-    base: LlamaFile | None = None
-    """A LoRA run's base as read to check it (a GGUF's header only), so that building the
-    model does not read it a second time (an HF base's weights would be)."""
     path: Path | None = None
 
     def restore_weights(self, model: Llama) -> None:
@@ -334,24 +313,30 @@ class Checkpoint:
         )
 
 
-def _seen_tokens(tensors: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor | None:
+def _seen_tokens(tensors: dict[str, torch.Tensor], vocab_size: int | None) -> torch.Tensor | None:
+    """The bitmap of seen tokens: ``vocab_size`` long (None: whole bytes, for a LoRA run whose
+    base, not yet read, says the size)."""
     packed = tensors.get("training.seen_tokens")
     return None if packed is None else _unpack_bits(packed, vocab_size)
 
 
-def load_checkpoint(path: str | Path, base: str | Path | None = None) -> Checkpoint:
-    """Read a checkpoint (or a plain model GGUF: its counters are then zero).
+def load_checkpoint(source: GGUFSource) -> Checkpoint:
+    """Read a checkpoint (or a plain model GGUF: its counters are then zero), from its path or
+    its already parsed header; its tensors are first checked against their recorded sha256.
 
-    A LoRA run's checkpoint is read with its base's config, tokenizer and keys, from ``base``
-    (default: the path it records), which must have the content it was trained on.
+    A LoRA run's checkpoint holds its adapter and records its base, which is not read here:
+    ``llamatrain.build.with_base`` reads and checks it and completes the checkpoint with the
+    base's config, tokenizer and keys.
     """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    verify_gguf(path)
-    if is_lora_checkpoint(path):
-        return _load_lora_checkpoint(path, base)
-    model_file = read_model(path)
+    if not isinstance(source, GGUFContents):
+        if not Path(source).exists():
+            raise CheckpointError(f"checkpoint {source} does not exist")
+        source = read_gguf(source, tensor_data=False)
+    path, meta = source.path, source.metadata
+    verify_gguf(source)
+    if records_a_base(meta):
+        return _load_lora_checkpoint(source)
+    model_file = read_model(source)
     meta, tensors = model_file.contents.metadata, model_file.contents.tensors
     state = _training_state(meta, tensors, model_file.config.vocab_size, model_file.inherited)
     return Checkpoint(
@@ -360,37 +345,18 @@ def load_checkpoint(path: str | Path, base: str | Path | None = None) -> Checkpo
     )  # fmt: skip
 
 
-def is_lora_checkpoint(path: str | Path) -> bool:
-    """Whether a GGUF is a LoRA run's checkpoint (an adapter that records its base)."""
-    meta = read_gguf_metadata(path)
-    return meta.get("general.type") == "adapter" and BASE_PATH_KEY in meta
-
-
-def _load_lora_checkpoint(path: Path, base: str | Path | None) -> Checkpoint:
-    adapter = read_lora_adapter(path)
-    meta, tensors = adapter.contents.metadata, adapter.contents.tensors
-    recorded = LoraBase(str(meta[BASE_PATH_KEY]), str(meta[BASE_SHA256_KEY]))
-    used = describe_base(base or recorded.path, path)
-    if used.sha256 != recorded.sha256:
-        raise CheckpointError(
-            f"{used.path} is not the base model LoRA checkpoint {path} was trained on (sha256 "
-            f"{used.sha256[:12]}… vs {recorded.sha256[:12]}…); point model.init_from at that "
-            f"base, unchanged ({recorded.path})"
-        )
-    base_file = read_model_source(used.path)
-    inherited = dict(base_file.inherited)
-    if CHAT_TEMPLATE_RUN_KEY in meta:
-        inherited[CHAT_TEMPLATE_KEY] = meta[CHAT_TEMPLATE_RUN_KEY]
-    state = _training_state(meta, tensors, base_file.config.vocab_size, inherited)
-    state.lora_base = used
-    return Checkpoint(
-        base_file.config, adapter.tensors, base_file.tokenizer, state, meta, tensors, adapter,
-        base_file, path,
-    )  # fmt: skip
+def _load_lora_checkpoint(contents: GGUFContents) -> Checkpoint:
+    """A LoRA run's checkpoint: its adapter and state, and the base it records (not read: the
+    model builder reads and checks it, ``llamatrain.build.with_base``)."""
+    adapter = read_lora_adapter(contents)
+    meta, tensors = contents.metadata, contents.tensors
+    state = _training_state(meta, tensors, None, {})
+    state.lora_base = LoraBase(str(meta[BASE_PATH_KEY]), str(meta[BASE_SHA256_KEY]))
+    return Checkpoint(None, adapter.tensors, None, state, meta, tensors, adapter, contents.path)
 
 
 def _training_state(
-    meta: dict, tensors: dict[str, torch.Tensor], vocab_size: int, inherited: dict
+    meta: dict, tensors: dict[str, torch.Tensor], vocab_size: int | None, inherited: dict
 ) -> TrainingState:
     """The ``training.*`` counters, cursors and seen tokens of a checkpoint's file."""
     return TrainingState(
@@ -404,134 +370,6 @@ def _training_state(
         seen_tokens=_seen_tokens(tensors, vocab_size),
         inherited=inherited,
     )
-
-
-# ---- the models a run starts from or is loaded as -----------------------------------------
-
-
-def base_sha256(path: str | Path) -> str:
-    """sha256 of a model source's content: a GGUF file's bytes (a run folder's latest
-    checkpoint's), or an HF folder's weight files' in order."""
-    path = Path(path)
-    if path.is_dir() and not checkpoint_dir(path).is_dir():
-        files = weight_files(path)
-    else:
-        files = [model_file(path).resolve()]
-    digest = hashlib.sha256()
-    for file in files:
-        with file.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def describe_base(path: str | Path, adapter: str | Path = "the LoRA run") -> LoraBase:
-    """The base ``adapter`` adapts, as its checkpoints record it; CheckpointError if it is
-    gone."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"the base model {path} of {adapter} does not exist; put it back or point "
-            "model.init_from at a copy of it"
-        )
-    return LoraBase(str(path.resolve()), base_sha256(path))
-
-
-def model_file(path: str | Path) -> Path:
-    """A run folder means its latest checkpoint; anything else names a file."""
-    path = Path(path)
-    if path.is_dir():
-        path = checkpoint_dir(path) / LATEST
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist; pass a checkpoint, a GGUF or a run folder")
-    return path
-
-
-def read_model_source(path: str | Path) -> LlamaFile:
-    """A run folder (its latest checkpoint), a checkpoint, a llama GGUF, or an HF checkpoint
-    folder (any other folder: one without ``checkpoints/``). A checkpoint's tensors are checked
-    against the sha256 recorded when it was written (``verify_gguf``), so nothing built from
-    it uses silently damaged weights; a LoRA run's is its base with the adapter merged in."""
-    path = Path(path)
-    if path.is_dir() and not checkpoint_dir(path).is_dir():
-        return read_hf_folder(path)
-    path = model_file(path)
-    if is_lora_checkpoint(path):
-        return _merged_lora_run(load_checkpoint(path))
-    verify_gguf(path)
-    return read_model(path, tensor_data=False)
-
-
-def _merged_lora_run(checkpoint: Checkpoint) -> LlamaFile:
-    """A LoRA checkpoint as the plain model it stands for: base W + s·B·A."""
-    adapter = checkpoint.adapter
-    model = build_model(checkpoint.base)
-    apply_lora(model, adapter.rank, adapter.alpha, targets=adapter.targets)
-    checkpoint.restore_weights(model)
-    merged = merge_lora(model)
-    state = {name: t.detach() for name, t in merged.state_dict().items()}
-    return LlamaFile(merged.cfg, state, checkpoint.tokenizer, checkpoint.state.inherited)
-
-
-def build_model(source: LlamaFile, **changes: object) -> Llama:
-    """The model a file describes, with its weights; ``changes`` to its config (run choices).
-
-    A file read without its tensor data (``read_model(path, tensor_data=False)``) is read
-    straight into the model's parameters, a tensor at a time: the import then holds the model
-    once, where loading a state dict holds a float copy of every weight beside it.
-    """
-    model = Llama(dataclasses.replace(source.config, **changes))
-    if _header_only(source) and source.contents is not None:
-        read_tensors_into(source.contents.path, model.state_dict())
-    else:
-        model.load_state_dict(source.tensors, strict=True)
-    return model
-
-
-def build_lora_base(
-    source: LlamaFile, base_dtype: str, targets: Sequence[str], **changes: object
-) -> Llama:
-    """:func:`build_model` for a LoRA run whose frozen ``targets`` are kept as ``base_dtype``
-    (``[lora] base_dtype``): bf16/f16, or ``quantized`` (each as the GGUF stores it).
-
-    The model is laid out on the meta device, the targets are given their narrow storage, and
-    only then is memory allocated and the file read into it (stored bytes as they are, or
-    one float32 tensor at a time for a cast): a float32 copy of the targets never exists, so
-    loading peaks at the model's final size. Anything else stays float32.
-    """
-    if base_dtype == "f32":
-        return build_model(source, **changes)
-    from_gguf = _header_only(source) and source.contents is not None
-    if base_dtype == "quantized" and not from_gguf:
-        raise ConfigError(
-            "lora.base_dtype = 'quantized' keeps a GGUF's blocks, but the base is not a GGUF "
-            "file; point model.init_from at a quantized GGUF or choose bf16 or f16"
-        )
-    cfg = dataclasses.replace(source.config, **changes)
-    file_types = source.contents.tensor_types if from_gguf else {}
-    names = [f"blk.{i}.{target}.weight" for i in range(cfg.n_layers) for target in targets]
-    types = {name: stored_type(base_dtype, file_types.get(name, "F32"), name) for name in names}
-    with torch.device("meta"):
-        model = Llama(cfg)
-        store_frozen_targets(model, types)
-    model.to_empty(device="cpu")
-    if not from_gguf:
-        model.load_state_dict(source.tensors, strict=True)  # copy_ rounds to the storage
-        return model
-    state, path = model.state_dict(), source.contents.path
-    read_tensors_into(path, {name: t for name, t in state.items() if name not in types})
-    as_stored = [name for name in names if types[name] == file_types.get(name)]
-    read_stored_into(path, {name: state[name] for name in as_stored})
-    for name in set(names) - set(as_stored):  # cast: a tensor's float32 copy at a time
-        wide = torch.empty(state[name].shape, dtype=torch.float32)
-        read_tensors_into(path, {name: wide})
-        state[name].copy_(wide)
-    return model
-
-
-def _header_only(source: LlamaFile) -> bool:
-    """Whether ``source`` was read without its tensor data (``read_model(tensor_data=False)``)."""
-    return any(tensor.is_meta for tensor in source.tensors.values())
 
 
 def check_compatible(checkpoint: Checkpoint, model_cfg: ModelConfig, tokenizer: Tokenizer) -> None:
@@ -551,11 +389,6 @@ def check_compatible(checkpoint: Checkpoint, model_cfg: ModelConfig, tokenizer: 
             "checkpoint model does not match the config (" + "; ".join(diffs) + "); "
             "resume with the config it was trained with or start a new output.dir"
         )
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    """Where a run folder keeps its checkpoints."""
-    return Path(run_dir) / "checkpoints"
 
 
 def _write_failure(err: OSError) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from llamatrain.errors import ConfigError, LlamatrainError
-from llamatrain.gguf.file import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
+from llamatrain.gguf.export_types import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
 from llamatrain.sampling import SamplingParams
 
 

@@ -8,8 +8,9 @@ alone, so ``state_dict()`` keeps llama.cpp's names (``blk.0.attn_q.weight``) and
 ``blk.0.attn_q.lora_a`` / ``.lora_b``, which are llama.cpp's adapter tensor names minus the
 ``.weight`` (``llamatrain.gguf.adapter`` adds it).
 
-The adapted matmul is the model's op set's: ``ops.lora_linear`` (the written-out backward)
-for ``ggml``, ``ops.torch_lora_linear`` for ``torch``. Initialisation is PEFT's (A
+The adapted matmul is the model's op set's ``lora_linear`` (``llamatrain.ops.sets``): the
+written-out backward of ``ops.lora_linear`` for ``ggml``, ``ops.torch_lora_linear`` for
+``torch``. Initialisation is PEFT's (A
 kaiming-uniform with a = sqrt(5), as ``nn.Linear`` does; B zero), so a freshly adapted model
 computes exactly what the base computes. Everything else in the model is frozen too: a LoRA
 run trains the adapters alone.
@@ -28,18 +29,18 @@ the adapter tensors alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llamatrain import ops
 from llamatrain.errors import ConfigError, GGUFError
-from llamatrain.gguf.adapter import ALL_TARGETS, LORA_SUFFIXES
+from llamatrain.gguf.adapter import ALL_TARGETS, LORA_SUFFIXES, lora_settings_problem
 from llamatrain.model import Linear, Llama
 from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
 from llamatrain.ops.lora import dense_weight
+from llamatrain.ops.sets import OpSet
 
 __all__ = [
     "ALL_TARGETS",
@@ -55,12 +56,6 @@ __all__ = [
     "stored_type",
     "trainable_parameter_count",
 ]
-
-_LORA_OPS: dict[str, Callable[..., torch.Tensor]] = {
-    "ggml": ops.lora_linear,
-    "torch": ops.torch_lora_linear,
-}
-"""The adapted matmul of each op set (``ModelConfig.ops``)."""
 
 _FLOAT_TYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -132,7 +127,7 @@ class LoraLinear(nn.Module):
     """
 
     def __init__(
-        self, base: Linear | FrozenLinear, rank: int, alpha: float, dropout: float, op_set: str
+        self, base: Linear | FrozenLinear, rank: int, alpha: float, dropout: float, ops: OpSet
     ) -> None:
         super().__init__()
         self.qtype = getattr(base, "qtype", None)
@@ -152,12 +147,13 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
         self.rank, self.alpha, self.dropout = rank, alpha, dropout
         self.scale = alpha / rank
-        self.op = _LORA_OPS[op_set]
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropped = F.dropout(x, self.dropout, self.training) if self.dropout else None
-        stored = {} if self.qtype is None else {"qtype": self.qtype}
-        y = self.op(x, self.weight, self.lora_a, self.lora_b, self.scale, dropped, **stored)
+        y = self.ops.lora_linear(
+            x, self.weight, self.lora_a, self.lora_b, self.scale, dropped, qtype=self.qtype
+        )
         return y if self.bias is None else y + self.bias
 
     @torch.no_grad()
@@ -196,7 +192,9 @@ def apply_lora(
     that is not in 1..min(in, out) of every target, alpha ≤ 0, dropout outside [0, 1), or a
     model that has adapters already. Works before or after activation checkpointing."""
     targets = tuple(targets)
-    _check_settings(rank, alpha, dropout, targets)
+    problem = lora_settings_problem(rank, alpha, dropout, targets)
+    if problem:
+        raise ConfigError(problem)
     if any(True for _ in lora_modules(model)):
         raise ConfigError(
             "the model has LoRA adapters already; apply_lora once per model (merge_lora gives a "
@@ -213,7 +211,7 @@ def apply_lora(
     model.requires_grad_(False)
     for block in blocks:
         for target in targets:
-            adapted = LoraLinear(getattr(block, target), rank, alpha, dropout, model.cfg.ops)
+            adapted = LoraLinear(getattr(block, target), rank, alpha, dropout, model.ops)
             setattr(block, target, adapted)
     return model
 
@@ -221,28 +219,6 @@ def apply_lora(
 def _in_features(block: nn.Module, target: str) -> int:
     base = getattr(block, target)
     return base.in_features if isinstance(base, FrozenLinear) else base.weight.shape[1]
-
-
-def _check_settings(rank: int, alpha: float, dropout: float, targets: tuple[str, ...]) -> None:
-    unknown = [t for t in targets if t not in ALL_TARGETS]
-    if unknown:
-        raise ConfigError(
-            f"unknown LoRA target {unknown[0]!r}; choose among {', '.join(ALL_TARGETS)}"
-        )
-    if not targets or len(set(targets)) != len(targets):
-        raise ConfigError(
-            f"LoRA targets {list(targets)} must name each projection once and at least one; "
-            f"choose among {', '.join(ALL_TARGETS)}"
-        )
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ConfigError(f"lora rank {rank!r} must be a positive integer (e.g. 8 or 16)")
-    if not math.isfinite(alpha) or alpha <= 0:
-        raise ConfigError(
-            f"lora alpha {alpha!r} must be positive and finite (the update is scaled by "
-            "alpha / rank; llama.cpp reads alpha 0 as scale 1)"
-        )
-    if not 0.0 <= dropout < 1.0:
-        raise ConfigError(f"lora dropout {dropout!r} must be in [0, 1) (0 = none)")
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -5,40 +5,32 @@ Parameter names *are* llama.cpp's GGUF tensor names (``token_embd.weight``,
 no translation, which makes :func:`tensor_shapes` the single name map that export and import
 consult. Rope uses llama.cpp's NORM convention (adjacent pairs), so Q/K are exported unpermuted.
 
-The same module runs on two interchangeable op sets: ``ops="ggml"`` (our autograd Functions
-with ggml's backward formulas) and ``ops="torch"`` (plain PyTorch: F.embedding, F.rms_norm,
-F.silu, F.cross_entropy), so each can check the other. Attention is a choice of its own:
-``flash`` (memory-efficient: our blockwise ``flash_attn`` with the 2023 ``flash_attn_back``, or
-SDPA for the torch op set), ``softmax`` (the 2023 program's non-flash graph: scores,
-``diag_mask_inf``, ``soft_max``) or ``sdpa`` (PyTorch's fused kernels, the fast choice on CUDA).
+The same module runs on two interchangeable op sets, ``ops="ggml"`` (ggml's backward
+formulas) and ``ops="torch"`` (plain PyTorch), with three attention choices: the modules
+call the methods of the ``OpSet`` that ``llamatrain.ops.sets.op_set`` picks.
 
-The model knows nothing of files, activation checkpointing, LoRA or parallelism: those wrap it
-from outside (``llamatrain.activation_checkpointing`` swaps ``blk`` for a container that
-recomputes segments; the names stay the same).
+The model knows nothing of files, activation checkpointing, LoRA, parallelism or sampling:
+those wrap it from outside (``llamatrain.activation_checkpointing`` swaps ``blk`` for a
+container that recomputes segments; the names stay the same). ``llamatrain.generate``
+decodes with it, handing it a :class:`KVCache`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llamatrain import ops as ggml_ops
 from llamatrain.errors import ConfigError
-from llamatrain.sampling import SamplingParams, sample_next
+from llamatrain.ops.sets import ATTENTIONS, OPS, OpSet, op_set
+from llamatrain.ops.sets import IGNORE_INDEX as IGNORE_INDEX  # for the data and the losses
 from llamatrain.settings import check_rules, divisors, setting
 
-IGNORE_INDEX = -100
-OPS = ("ggml", "torch")
-ATTENTIONS = ("flash", "softmax", "sdpa")
 RUN_CHOICES = ("ops", "attention", "init_from")
 """Fields that choose how a model is built or run, not what the network computes."""
 
@@ -185,34 +177,6 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# ---- the two op sets ---------------------------------------------------------------------
-
-
-def torch_rope(
-    x: torch.Tensor,
-    pos: torch.Tensor,
-    *,
-    theta: float,
-    freq_scale: float = 1.0,
-    freq_factors: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Adjacent-pair (llama.cpp NORM) rope written with differentiable PyTorch ops."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / (2 * half))
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors.to(torch.float64)
-    compute = torch.promote_types(x.dtype, torch.float32)
-    angles = (pos.to(torch.float64) * freq_scale)[..., None] * inv_freq  # (..., T, half)
-    if angles.dim() == 2:
-        angles = angles[None]
-    cos = angles.cos().to(compute)[:, :, None, :]
-    sin = angles.sin().to(compute)[:, :, None, :]
-    pairs = x.to(compute).unflatten(-1, (half, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
     """Rope positions (B, T) of packed documents: each token's index within its document.
 
@@ -229,106 +193,6 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     return torch.arange(ids.shape[1], device=ids.device) - starts
 
 
-def _document_visible(documents: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) boolean: query i sees key j iff j <= i in the same document (reference)."""
-    same = documents[:, :, None] == documents[:, None, :]
-    return same.tril_()[:, None]
-
-
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
-) -> torch.Tensor:
-    """SDPA with causal masking aligned to the end (queries are the last rows of the keys)."""
-    t, t_kv = q.shape[-2], k.shape[-2]
-    if documents is not None:
-        mask = _document_visible(documents)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    if t == t_kv:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    rows = torch.arange(t, device=q.device)[:, None] + (t_kv - t)
-    mask = torch.arange(t_kv, device=q.device)[None, :] <= rows
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Q·Kᵀ with the G query heads of a group sharing one kv head (ggml's broadcasting)."""
-    group = q.shape[1] // k.shape[1]
-    return q @ k.repeat_interleave(group, dim=1).transpose(-1, -2)
-
-
-def _values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return p @ v.repeat_interleave(p.shape[1] // v.shape[1], dim=1)
-
-
-def _ggml_softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The 2023 graph without flash attention: KQ, diag_mask_inf, soft_max(scale), KQV.
-
-    Packed documents add soft_max's additive mask (-inf across documents), as ggml's
-    ``soft_max_ext`` takes a KQ mask.
-    """
-    masked = ggml_ops.diag_mask_inf(_scores(q, k), n_past=k.shape[-2] - q.shape[-2])
-    mask = None
-    if documents is not None:
-        hidden = ~_document_visible(documents)
-        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            hidden, float("-inf")
-        )
-    return _values(ggml_ops.soft_max(masked, mask, scale=1.0 / math.sqrt(q.shape[-1])), v)
-
-
-def _torch_softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
-) -> torch.Tensor:
-    t, t_kv = q.shape[-2], k.shape[-2]
-    scores = _scores(q, k) / math.sqrt(q.shape[-1])
-    if documents is not None:
-        hidden = ~_document_visible(documents)
-    else:
-        hidden = torch.ones(t, t_kv, dtype=torch.bool, device=q.device).triu_(t_kv - t + 1)
-    return _values(torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1), v)
-
-
-def _torch_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    rows = logits.flatten(0, -2)
-    rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
-    return F.cross_entropy(rows, targets.flatten(), ignore_index=IGNORE_INDEX)
-
-
-_OP_SETS = {
-    "ggml": dict(
-        embedding=ggml_ops.get_rows,
-        rms_norm=ggml_ops.rms_norm,
-        rope=lambda x, rope: ggml_ops.rope(x, rope.pos, mode="norm", **rope.frequencies()),
-        linear=ggml_ops.mul_mat,
-        swiglu=ggml_ops.swiglu,
-        flash=ggml_ops.flash_attn,
-        softmax=_ggml_softmax_attention,
-        cross_entropy=lambda z, t: ggml_ops.cross_entropy(z, t, ignore_index=IGNORE_INDEX),
-        head_loss=lambda h, w, t: ggml_ops.linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX),
-    ),
-    "torch": dict(
-        embedding=lambda table, ids: F.embedding(ids, table),
-        rms_norm=lambda x, eps: F.rms_norm(x, (x.shape[-1],), eps=eps),
-        rope=lambda x, rope: torch_rope(x, rope.pos, **rope.frequencies()),
-        linear=F.linear,
-        swiglu=lambda gate, up: F.silu(gate) * up,
-        flash=_sdpa,
-        softmax=_torch_softmax_attention,
-        cross_entropy=_torch_cross_entropy,
-        head_loss=lambda h, w, t: _torch_cross_entropy(F.linear(h, w), t),
-    ),
-}
-
-
-def op_set(ops: str, attention: str) -> SimpleNamespace:
-    """The functions a model calls, for one op set and one attention choice."""
-    table = dict(_OP_SETS[ops])
-    table["attention"] = _sdpa if attention == "sdpa" else table[attention]
-    return SimpleNamespace(**table)
-
-
 # ---- the modules -------------------------------------------------------------------------
 
 
@@ -342,14 +206,14 @@ class Rope(NamedTuple):
     freq_factors: torch.Tensor | None = None
 
     def frequencies(self) -> dict:
-        """The keyword arguments both op sets' rope take besides ``x`` and ``pos``."""
+        """The keyword arguments of ``OpSet.rope`` besides ``x`` and ``pos``."""
         return dict(theta=self.theta, freq_scale=self.freq_scale, freq_factors=self.freq_factors)
 
 
 class RMSNorm(nn.Module):
     """RMS normalisation followed by a learned per-channel scale (ggml: rms_norm then mul)."""
 
-    def __init__(self, dim: int, eps: float, ops: SimpleNamespace) -> None:
+    def __init__(self, dim: int, eps: float, ops: OpSet) -> None:
         super().__init__()
         self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim))
@@ -362,9 +226,7 @@ class Linear(nn.Module):
     """A projection whose matmul comes from the selected op set; llama's have no bias, some
     derived models (``attention_bias`` / ``mlp_bias``) add one after the matmul, as ggml does."""
 
-    def __init__(
-        self, in_features: int, out_features: int, ops: SimpleNamespace, bias: bool = False
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, ops: OpSet, bias: bool = False) -> None:
         super().__init__()
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -384,24 +246,26 @@ class RopeFrequencyFactors(nn.Module):
         self.register_buffer("weight", torch.ones(n_pairs))
 
 
-class KVCache:
-    """Preallocated keys/values per layer for incremental decoding.
+class KVCache(nn.Module):
+    """Preallocated keys/values of every layer for incremental decoding: two buffers
+    (layers, batch, kv_heads, max_len, head_dim), which ``.to()`` moves like the model's.
 
     Keys are stored after rope, so a decoding step only computes its own positions.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype) -> None:
-        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        super().__init__()
+        shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.length = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append this step's k/v (batch, heads, t, hd) and return all keys/values so far."""
         end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class Block(nn.Module):
@@ -411,7 +275,7 @@ class Block(nn.Module):
     llama.cpp's (``blk.N.attn_q.weight``, ``blk.N.ffn_gate.weight``, ...).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, ops: SimpleNamespace) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: OpSet) -> None:
         super().__init__()
         self.cfg, self.layer, self.ops = cfg, layer, ops
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -438,12 +302,12 @@ class Block(nn.Module):
         q = self.attn_q(x).view(b, t, self.cfg.n_heads, hd)
         k = self.attn_k(x).view(b, t, self.cfg.kv_heads, hd)
         v = self.attn_v(x).view(b, t, self.cfg.kv_heads, hd)
-        q = self.ops.rope(q, rope).transpose(1, 2)
-        k = self.ops.rope(k, rope).transpose(1, 2)
+        q = self.ops.rope(q, rope.pos, **rope.frequencies()).transpose(1, 2)
+        k = self.ops.rope(k, rope.pos, **rope.frequencies()).transpose(1, 2)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        out = self.ops.attention(q, k, v, documents=documents)  # (b, heads, t, hd), causal
+        out = self.ops.attention(q, k, v, documents)  # (b, heads, t, hd), causal
         return self.attn_output(out.transpose(1, 2).reshape(b, t, -1))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -582,72 +446,3 @@ class Llama(nn.Module):
         """
         hidden = self.hidden_states(tokens, documents=documents)
         return self.ops.head_loss(hidden, self.lm_head_weight, targets)
-
-    @torch.no_grad()
-    def generate_stream(
-        self,
-        tokens: torch.Tensor,
-        max_new_tokens: int,
-        params: SamplingParams | None = None,
-        seed: int | None = None,
-        stop_tokens: frozenset[int] = frozenset(),
-        allowed: torch.Tensor | None = None,
-    ) -> Iterator[torch.Tensor]:
-        """Yield the next token (batch,) one step at a time, decoding with a KV cache.
-
-        Like llama.cpp, generation goes on past the context the model was trained for (rope
-        extends to any position) and warns once when it does: what comes out there is the
-        model's, and llama.cpp's, best guess outside its training. ``allowed``: see
-        ``sampling.sample_next``.
-        """
-        if tokens.dim() == 1:
-            tokens = tokens[None]
-        if max_new_tokens < 1:
-            return
-        total = tokens.shape[1] + max_new_tokens
-        if total > self.cfg.max_seq_len:
-            warnings.warn(
-                f"generating {total} tokens, past the {self.cfg.max_seq_len} the model was "
-                "trained on (llama.context_length); llama.cpp continues too, quality may drop",
-                stacklevel=3,  # the line that asked for tokens (past the no_grad wrapper)
-            )
-        param = next(self.parameters())
-        cache = KVCache(self.cfg, tokens.shape[0], total, param.device, param.dtype)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=param.device).manual_seed(seed)
-        history = tokens.to(param.device)
-        logits = self(history, cache=cache)[:, -1]
-        params = params or SamplingParams()
-        while True:
-            next_token = sample_next(logits, params, history, generator, allowed)
-            yield next_token
-            history = torch.cat((history, next_token[:, None]), dim=1)
-            if history.shape[1] >= total or (stop_tokens and next_token[0].item() in stop_tokens):
-                return
-            logits = self(next_token[:, None], cache=cache)[:, -1]
-
-    def generate(
-        self,
-        tokens: torch.Tensor,
-        max_new_tokens: int,
-        params: SamplingParams | None = None,
-        seed: int | None = None,
-        allowed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Prompt + ``max_new_tokens`` sampled tokens (LongTensor, same batch shape).
-
-        ``params`` defaults to llama.cpp's sampler settings; ``SamplingParams(temperature=0)``
-        is greedy decoding.
-        """
-        squeeze = tokens.dim() == 1
-        prompt = tokens[None] if squeeze else tokens
-        was_training = self.training
-        self.eval()
-        try:
-            stream = self.generate_stream(prompt, max_new_tokens, params, seed, allowed=allowed)
-            new = list(stream)
-        finally:
-            self.train(was_training)
-        out = torch.cat([prompt.to(self.token_embd.weight.device)] + [t[:, None] for t in new], 1)
-        return out[0] if squeeze else out

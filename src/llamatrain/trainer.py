@@ -29,23 +29,18 @@ from tqdm.auto import tqdm
 
 from llamatrain import parallel
 from llamatrain.activation_checkpointing import segment_of
-from llamatrain.checkpoint import (
-    DIVERGED_FIX,
-    Checkpoint,
-    CheckpointManager,
-    LoraBase,
-    TrainingState,
-    checkpoint_dir,
-)
+from llamatrain.build import PreparedModel, prepare
+from llamatrain.checkpoint import DIVERGED_FIX, Checkpoint, CheckpointManager, TrainingState
 from llamatrain.config import Config, config_to_dict, validate
 from llamatrain.convergence import ConvergenceTests
 from llamatrain.data import TrainData
-from llamatrain.device import resolve_device
 from llamatrain.errors import TrainingError
 from llamatrain.evaluate import validation_metrics
 from llamatrain.files import append_text, check_target, write_text_atomically
+from llamatrain.generate import generate
 from llamatrain.interrupt import StopRequest
 from llamatrain.model import IGNORE_INDEX, Llama
+from llamatrain.model_source import LoraBase, checkpoint_dir
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
 from llamatrain.report import RunReport, measure
@@ -72,10 +67,11 @@ class Trainer:
 
     ``data`` and ``tokenizer`` are needed by :meth:`fit` (batches, samples, checkpoints);
     :meth:`train_step` alone needs neither, which is how the benchmarks time the trainer's own
-    step. ``inherited``: a base model's GGUF keys (name, license, chat template …) that every
-    checkpoint keeps, so the run's export still says what the base said. ``lora_base``: the
-    frozen base of a LoRA run (``model`` adapted by ``llamatrain.lora.apply_lora``), whose
-    checkpoints then hold the adapters and name the base.
+    step. ``model``: a model prepared by ``llamatrain.build.prepare``, or a plain one, which is
+    prepared here as the config says (LoRA, activation checkpointing, device, DDP/FSDP,
+    compile). ``inherited``: a base model's GGUF keys (name, license, chat template …) that
+    every checkpoint keeps, so the run's export still says what the base said. ``lora_base``:
+    the frozen base of a LoRA run, whose checkpoints then hold the adapters and name the base.
 
     Under torchrun (``train.parallel``) every rank builds its own Trainer over the same global
     batches; ``llamatrain.parallel`` wraps the model and gives each rank its share of every
@@ -84,7 +80,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: Llama,
+        model: Llama | PreparedModel,
         cfg: Config,
         *,
         data: TrainData | None = None,
@@ -97,10 +93,9 @@ class Trainer:
         self.cfg, self.data, self.tokenizer = cfg, data, tokenizer
         self.main = parallel.is_main()  # the rank that prints, logs and writes
         self.progress = progress and self.main
-        self.device = resolve_device(cfg.train.device)
-        self.model = model.to(self.device)
-        bf16 = cfg.train.dtype == "bfloat16" and self.device.type == "cuda"
-        self.parallel = parallel.apply(self.model, cfg.train.parallel, mixed_precision=bf16)
+        prepared = model if isinstance(model, PreparedModel) else prepare(model, cfg)
+        self.model, self.device, self.parallel = prepared.model, prepared.device, prepared.parallel
+        self.loss_fn = prepared.loss_fn
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(
             config=config_to_dict(cfg), inherited=dict(inherited or {}), lora_base=lora_base
@@ -111,15 +106,11 @@ class Trainer:
         self.stop = StopRequest()  # set by SIGTERM/SIGINT during fit()
         self.grad_norm: float | None = None  # of the last step, before clipping, when known
         self.history = History()
-        self.micro_batch = cfg.train.n_ubatch // cfg.data.n_ctx  # sequences computed at once
+        self.micro_batch = cfg.seqs_per_ubatch
         self.checkpoints = CheckpointManager(
             checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints
         )
         self.metrics_path = Path(cfg.output.dir) / METRICS_FILE
-        # Static shapes: training batches all have one shape, and dynamic-shape tracing of the
-        # ggml ops' blockwise loops is slower to compile and less robust.
-        loss = self.parallel.loss
-        self.loss_fn = torch.compile(loss, dynamic=False) if cfg.train.compile else loss
 
     def load_state(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint``: weights, optimizer state, RNG, counters, data cursor."""
@@ -204,26 +195,32 @@ class Trainer:
         """One optimizer step on one batch; returns its loss (the mean over scored tokens)."""
         set_lr(self.optimizer, lr_at(self.state.step, self.cfg.optim))
         if isinstance(self.optimizer, torch.optim.LBFGS):
-            # Each step minimises its own batch, as the 2023 trainer's L-BFGS calls did:
-            # curvature pairs from another batch's loss make the line search diverge.
-            self.optimizer.state.clear()
-            loss_box: list[float] = []
-
-            def closure() -> torch.Tensor:
-                loss_box.append(self._accumulate_gradients(inputs, targets, documents))
-                self._clip()
-                return torch.tensor(loss_box[-1])
-
-            self.optimizer.step(closure)
-            loss = loss_box[0]
+            loss = self._lbfgs_step(inputs, targets, documents)
         else:
             loss = self._accumulate_gradients(inputs, targets, documents)
-            self._check_finite(loss)
+            self._check_finite(loss)  # before the update: a NaN gradient never reaches weights
             self._clip()
             self.optimizer.step()
         # Gradients are spent: free them now, not at the next step's start, so evaluation,
         # sampling and checkpoint saves between steps run without them (as nanoGPT does).
         self.optimizer.zero_grad()
+        return loss
+
+    def _lbfgs_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None
+    ) -> float:
+        """One L-BFGS step: its line search evaluates the batch several times; the step's loss
+        is the first evaluation's (``LBFGS.step`` returns it), the loss before the update."""
+        # Each step minimises its own batch, as the 2023 trainer's L-BFGS calls did:
+        # curvature pairs from another batch's loss make the line search diverge.
+        self.optimizer.state.clear()
+
+        def closure() -> torch.Tensor:
+            loss = self._accumulate_gradients(inputs, targets, documents)
+            self._clip()
+            return torch.tensor(loss)
+
+        loss = float(self.optimizer.step(closure))
         self._check_finite(loss)
         return loss
 
@@ -249,7 +246,7 @@ class Trainer:
         prompt = torch.tensor(self.tokenizer.encode(t.sample_prompt, bos=True), device=self.device)
         params = SamplingParams(temperature=t.sample_temperature)
         allowed = self.state.seen_tokens if t.sample_seen_tokens_only else None
-        out = self.model.generate(prompt, t.sample_tokens, params, seed=t.seed, allowed=allowed)
+        out = generate(self.model, prompt, t.sample_tokens, params, seed=t.seed, allowed=allowed)
         return self.tokenizer.decode(out.tolist())
 
     # ---- bookkeeping --------------------------------------------------------------------

@@ -198,7 +198,7 @@ def test_chat_reply_is_cut_where_a_multi_token_marker_appears():
     """Where the vocabulary spells the end-of-turn marker in several tokens, the streamed reply
     stops where the marker's text begins, even when it arrives split across pieces; the
     template's space before a reply is not part of it."""
-    from llamatrain.api import _reply
+    from llamatrain.generate import _reply
 
     pieces = iter([" ", " Hel", "lo <|im", "_end|>", " never shown"])
     assert "".join(_reply(pieces, "<|im_end|>")) == "Hello "

@@ -23,6 +23,7 @@ from llamatrain.checkpoint import load_checkpoint
 from llamatrain.cli import main
 from llamatrain.config import load_config
 from llamatrain.data import SONNETS_PATH
+from llamatrain.generate import generate
 from llamatrain.optim import lr_at
 from llamatrain.sampling import SamplingParams
 
@@ -180,7 +181,7 @@ def test_generate_greedy_produces_every_token_past_the_context(export, capsys):
     ids = tokenizer.encode(prompt, bos=True)
     assert len(ids) == 1 + 10
     with pytest.warns(UserWarning, match="past the 64"):
-        out = model.generate(torch.tensor(ids), 64, SamplingParams(temperature=0)).tolist()
+        out = generate(model, torch.tensor(ids), 64, SamplingParams(temperature=0)).tolist()
     new = out[len(ids) :]
     assert len(new) == 64 and tokenizer.eos_id not in new
     expected = tokenizer.decode(out)[len(tokenizer.decode(ids)) :]

@@ -32,8 +32,9 @@ import torch
 
 import llamatrain
 import llamatrain.parallel
-from llamatrain.checkpoint import LATEST, load_checkpoint
+from llamatrain.checkpoint import load_checkpoint
 from llamatrain.errors import ConfigError
+from llamatrain.model_source import LATEST
 
 STEPS = 20
 SAVE_EVERY = 10

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from llamatrain import api
+from llamatrain.build import build_tokenizer
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import load_config
 from llamatrain.data import build_train_data, resolve_inputs
 from llamatrain.errors import ConfigError
+from llamatrain.generate import generate
 from llamatrain.model import Llama
 from llamatrain.trainer import Trainer
 
@@ -36,7 +38,7 @@ def scripted(tiny_overrides, losses: list[float], *extra: str) -> ScriptedTraine
     overrides = [*tiny_overrides(), "train.eval_every=0", "train.save_every=0", *extra]
     cfg = load_config("tiny", overrides)
     paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)
-    tokenizer = api.build_tokenizer(cfg, paths)
+    tokenizer = build_tokenizer(cfg, paths)
     data = build_train_data(cfg, tokenizer, paths=paths, progress=False)
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
@@ -125,7 +127,7 @@ def test_seen_tokens_are_stored_and_restrict_samples(tiny_overrides):
     assert torch.equal(seen, data.seen_tokens(vocab))
     prompt = torch.tensor(result.tokenizer.encode("From fairest", bos=True))
     for seed in range(5):
-        out = result.model.generate(prompt, 48, seed=seed, allowed=seen)
+        out = generate(result.model, prompt, 48, seed=seed, allowed=seen)
         assert bool(seen[out[len(prompt) :]].all())
     checkpoint_file = result.run_dir / "checkpoints" / "latest.gguf"
     assert (checkpoint_file.stat().st_size) > 0

@@ -31,7 +31,8 @@ from llamatrain import api
 from llamatrain.cli import main
 from llamatrain.data import SONNETS_PATH
 from llamatrain.errors import CheckpointError, TokenizerError
-from llamatrain.gguf.llama import read_model, tokenizer_metadata
+from llamatrain.gguf.llama import read_model
+from llamatrain.gguf.vocab import tokenizer_metadata
 from llamatrain.hf.folder import read_hf_folder
 from llamatrain.hf.weights import to_rotate_half
 from llamatrain.model import Llama, ModelConfig

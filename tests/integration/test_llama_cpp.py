@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from llamatrain import api
+from llamatrain.generate import generate
 from llamatrain.gguf.file import read_gguf
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.sampling import SamplingParams
@@ -338,7 +339,7 @@ def test_greedy_generation_identical(open_llm: Any, trained: dict[str, Any]) -> 
     for prompt in ("Alice was beginning", "The Rabbit", "So she was considering"):
         ids = tok.encode(prompt, bos=True)
         greedy = SamplingParams(temperature=0)
-        ours = model.generate(torch.tensor(ids), 32, greedy)[len(ids) :].tolist()
+        ours = generate(model, torch.tensor(ids), 32, greedy)[len(ids) :].tolist()
         llm.reset()
         theirs = []
         for t in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
@@ -477,7 +478,7 @@ def test_tiny_run_decodes_greedily_like_llama_cpp_past_context(llama_cpp: Any, t
     finally:
         llm.close()
     with pytest.warns(UserWarning, match="past the 64"):
-        out = model.generate(torch.tensor(ids), 64, SamplingParams(temperature=0))
+        out = generate(model, torch.tensor(ids), 64, SamplingParams(temperature=0))
     ours = out[len(ids) :].tolist()
     assert len(ours) == 64 and len(ids) + len(ours) > 64
     assert ours == theirs, (tok.decode(ours), tok.decode(theirs))

@@ -21,7 +21,7 @@ import torch
 from llama_cpp_runs import cpp_logits
 
 from llamatrain import api
-from llamatrain.checkpoint import BASE_SHA256_KEY, base_sha256, is_lora_checkpoint
+from llamatrain.build import build_tokenizer
 from llamatrain.cli import main
 from llamatrain.config import load_config
 from llamatrain.data import SONNETS_PATH, resolve_inputs
@@ -30,6 +30,7 @@ from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.gguf.file import read_gguf
 from llamatrain.lora import lora_state_dict, merge_lora
 from llamatrain.model import Llama
+from llamatrain.model_source import BASE_SHA256_KEY, base_sha256, is_lora_checkpoint
 
 RANK, ALPHA = 4, 8.0
 LORA_TOL = 1e-5
@@ -57,7 +58,7 @@ def lora_overrides(cache_dir: Path, run_dir: Path, base: Path, steps: int) -> li
 def write_base(cache_dir: Path, path: Path, seed: int) -> Path:
     """A random tiny-config model with the tiny config's vocabulary, exported f32."""
     cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
-    tokenizer = api.build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
+    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
     torch.manual_seed(seed)
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx

@@ -26,6 +26,7 @@ import torch
 from llama_cpp_runs import cpp_logits
 
 from llamatrain import api
+from llamatrain.build import build_tokenizer
 from llamatrain.config import load_config
 from llamatrain.data import SONNETS_PATH, resolve_inputs
 from llamatrain.gguf.file import read_gguf
@@ -74,7 +75,7 @@ def f32_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     """A random llama with the tiny config's vocabulary, rows of 256 and 512 values, its
     matrices at the scale that keeps activations ~1 (so every block moves the logits)."""
     cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
-    tokenizer = api.build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
+    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx,
         dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,

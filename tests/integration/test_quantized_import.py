@@ -37,7 +37,8 @@ from test_llama_cpp import cpp_logits, our_logits
 from llamatrain import api
 from llamatrain.cli import main
 from llamatrain.errors import ConfigError, GGUFError
-from llamatrain.gguf.file import QUANTIZER_TYPES, read_gguf_metadata
+from llamatrain.gguf.export_types import QUANTIZER_TYPES
+from llamatrain.gguf.file import read_gguf_metadata
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.tokenizer import Tokenizer
@@ -352,8 +353,8 @@ def test_a_failed_quantization_leaves_the_old_file_and_no_temporaries(
     """IQ2_XXS needs an importance matrix, so llama.cpp refuses: its reason is the message."""
     monkeypatch.setitem(QUANTIZER_TYPES, "iq2_xxs", 19)  # LLAMA_FTYPE_MOSTLY_IQ2_XXS
     out = tmp_path / "model.gguf"
-    out.write_bytes(b"the previous export")
+    out.write_bytes(b"GGUF: the previous export")  # only a GGUF is ever replaced
     with pytest.raises(GGUFError, match="could not quantize the model to iq2_xxs: .*imatrix"):
         api.export_gguf(original["model"], spm, out, type="iq2_xxs")
     assert list(tmp_path.iterdir()) == [out]
-    assert out.read_bytes() == b"the previous export"
+    assert out.read_bytes() == b"GGUF: the previous export"

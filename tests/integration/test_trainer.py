@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from llamatrain import api
+from llamatrain.build import build_tokenizer
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import Config, load_config
 from llamatrain.data import build_train_data, resolve_inputs
@@ -30,7 +31,7 @@ NO_EXPORT = "output.export=false"
 def build_trainer(cfg: Config, trainer_class: type[Trainer] = Trainer) -> Trainer:
     """A trainer for ``cfg`` assembled from the public pieces, the way ``api.fit`` does it."""
     paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)
-    tokenizer = api.build_tokenizer(cfg, paths)
+    tokenizer = build_tokenizer(cfg, paths)
     torch.manual_seed(cfg.train.seed)
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx

@@ -18,6 +18,7 @@ import torch
 import torch.utils.checkpoint
 
 from llamatrain import activation_checkpointing as ac
+from llamatrain.generate import generate
 from llamatrain.model import Blocks, KVCache, Llama, ModelConfig
 
 SMALL = dict(vocab_size=40, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16)
@@ -224,8 +225,8 @@ def test_no_checkpointing_with_a_kv_cache():
     # generate() decodes with a cache under no_grad: greedy output is the plain model's
     plain = make_model()
     prompt = tokens[0, :4]
-    ours = model.generate(prompt, 6, seed=0)
-    assert torch.equal(ours, plain.generate(prompt, 6, seed=0))
+    ours = generate(model, prompt, 6, seed=0)
+    assert torch.equal(ours, generate(plain, prompt, 6, seed=0))
 
 
 def test_auto_measures_under_the_training_autocast():

@@ -9,6 +9,7 @@ from datetime import date
 
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
+from user_errors import error_of
 
 from llamatrain.config import DataSection
 from llamatrain.data.chat_template import (
@@ -17,7 +18,6 @@ from llamatrain.data.chat_template import (
     Segment,
     chat_template_for,
 )
-from llamatrain.errors import DataError
 
 TOKENS = {  # the BOS/EOS text each family's vocabulary has
     "chatml": ("", "<|im_end|>"),
@@ -64,14 +64,6 @@ def transformers_render(source: str, messages, bos: str, eos: str, generation: b
         eos_token=eos,
     )
     return rendered[0]
-
-
-def error_of(fn, *args, **kwargs) -> str:
-    with pytest.raises(DataError) as info:
-        fn(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message  # one line, as the CLI prints it
-    return message
 
 
 @pytest.mark.parametrize("generation", [False, True])

@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from user_errors import error_of
 
 from llamatrain.config import (
     SECTIONS,
@@ -31,12 +32,6 @@ def write(tmp_path: Path, text: str, name: str = "x.toml") -> Path:
     path = tmp_path / name
     path.write_text(text)
     return path
-
-
-def error_of(fn, *args, **kwargs) -> str:
-    with pytest.raises(ConfigError) as info:
-        fn(*args, **kwargs)
-    return str(info.value)
 
 
 # ---- loading ---------------------------------------------------------------------------------

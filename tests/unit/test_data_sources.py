@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from user_errors import error_of
 
 from llamatrain.data import SONNETS_PATH, check_text_file, read_text, resolve_inputs
-from llamatrain.errors import DataError
 
 
 def write(path: Path, content: str | bytes) -> Path:
@@ -17,12 +17,6 @@ def write(path: Path, content: str | bytes) -> Path:
     else:
         path.write_text(content)
     return path
-
-
-def error_of(fn, *args, **kwargs) -> str:
-    with pytest.raises(DataError) as info:
-        fn(*args, **kwargs)
-    return str(info.value)
 
 
 def test_resolve_file_folder_glob_and_list(tmp_path):

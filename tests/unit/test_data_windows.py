@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from user_errors import error_of
 
 from llamatrain.data import BatchSampler, TokenWindows, split_windows, val_batches
 from llamatrain.data.windows import line_end_ids
@@ -13,12 +14,6 @@ from llamatrain.errors import DataError
 
 def stream(n: int) -> np.ndarray:
     return (np.arange(n) % 50 + 3).astype(np.uint16)
-
-
-def error_of(fn, *args, **kwargs) -> str:
-    with pytest.raises(DataError) as info:
-        fn(*args, **kwargs)
-    return str(info.value)
 
 
 def all_starts(windows: TokenWindows) -> list[int]:

@@ -27,11 +27,10 @@ from llamatrain.gguf.llama import (
     model_metadata,
     read_model,
     read_tokenizer,
-    tokenizer_from_metadata,
-    tokenizer_metadata,
     write_model,
     write_vocab,
 )
+from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.tokenizer import SpmTokenizer, train_spm
 

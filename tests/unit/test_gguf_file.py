@@ -19,13 +19,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from llamatrain.cli import main
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf import file as gguf_file
-from llamatrain.gguf.file import (
+from llamatrain.gguf.export_types import (
     ALL_EXPORT_TYPES,
     EXPORT_TYPES,
     FILE_TYPES,
     QUANTIZER_TYPES,
-    TENSOR_SHA256_KEY,
     general_file_type,
+)
+from llamatrain.gguf.file import (
+    TENSOR_SHA256_KEY,
     read_gguf,
     read_gguf_metadata,
     read_tensors_into,

@@ -17,7 +17,8 @@ from llamatrain.hf.weights import (
     to_adjacent_pairs,
     to_rotate_half,
 )
-from llamatrain.model import ModelConfig, tensor_shapes, torch_rope
+from llamatrain.model import ModelConfig, tensor_shapes
+from llamatrain.ops.sets import torch_rope
 
 CFG = ModelConfig(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=40, max_seq_len=16

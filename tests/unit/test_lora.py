@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from llamatrain import activation_checkpointing as ac
-from llamatrain.checkpoint import build_lora_base
+from llamatrain.build import build_lora_base
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.llama import LlamaFile
 from llamatrain.lora import (
@@ -197,14 +197,14 @@ def test_dropout_acts_in_training_only() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(targets=("attn_q", "wq")), "unknown LoRA target 'wq'; choose among attn_q"),
+        (dict(targets=("attn_q", "wq")), "unknown projection 'wq'; choose among attn_q"),
         (dict(targets=()), "at least one"),
         (dict(targets=("attn_q", "attn_q")), "each projection once"),
-        (dict(rank=0), "lora rank 0 must be a positive integer"),
+        (dict(rank=0), "lora.rank = 0 must be a positive integer"),
         (dict(rank=2.5), "positive integer"),
         (dict(rank=17), r"exceeds attn_k's smaller side min\(32, 16\) = 16"),
-        (dict(alpha=0.0), "lora alpha 0.0 must be positive"),
-        (dict(dropout=1.0), r"lora dropout 1.0 must be in \[0, 1\)"),
+        (dict(alpha=0.0), "lora.alpha = 0.0 must be positive"),
+        (dict(dropout=1.0), r"lora.dropout = 1.0 must be in \[0, 1\)"),
     ],
 )
 def test_bad_settings_are_one_line_errors(kwargs: dict, message: str) -> None:

@@ -90,7 +90,7 @@ def test_a_missing_alpha_reads_as_llama_cpps_scale_one(tmp_path: Path) -> None:
 def test_refuses_to_write_what_is_not_an_adapter(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no LoRA adapters to write; apply_lora"):
         write_lora_adapter(tmp_path / "a.gguf", Llama(ModelConfig(**SMALL)), alpha=8.0)
-    with pytest.raises(ConfigError, match="alpha 0.0 must be positive"):
+    with pytest.raises(ConfigError, match="lora.alpha = 0.0 must be positive"):
         write_lora_adapter(tmp_path / "a.gguf", adapted(), alpha=0.0)
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 

@@ -28,8 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from llamatrain.lora import LoraLinear
-from llamatrain.model import Linear, op_set
+from llamatrain.model import Linear
 from llamatrain.ops import lora_linear, torch_lora_linear
+from llamatrain.ops.sets import op_set
 
 F64 = torch.float64
 SCALE_TOL = 1e-6
@@ -112,11 +113,11 @@ def peft_layer(n_in: int, n_out: int, rank: int, alpha: float, dropout: float) -
 def ours_on_the_same_weights(layer: nn.Module, rank: int, alpha: float, dropout: float, ops: str):
     """Our ``LoraLinear`` holding the PEFT layer's W, bias, A and B (copies)."""
     base_layer = layer.base_layer
-    base = Linear(base_layer.in_features, base_layer.out_features, op_set(ops, "flash"), bias=True)
+    base = Linear(base_layer.in_features, base_layer.out_features, op_set(ops), bias=True)
     with torch.no_grad():
         base.weight.copy_(base_layer.weight)
         base.bias.copy_(base_layer.bias)
-    ours = LoraLinear(base, rank, alpha, dropout, ops)
+    ours = LoraLinear(base, rank, alpha, dropout, base.ops)
     with torch.no_grad():
         ours.lora_a.copy_(layer.lora_A["default"].weight)
         ours.lora_b.copy_(layer.lora_B["default"].weight)

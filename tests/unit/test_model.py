@@ -8,6 +8,7 @@ import torch
 
 from llamatrain import Llama, ModelConfig
 from llamatrain.errors import ConfigError
+from llamatrain.generate import generate
 from llamatrain.model import ATTENTIONS, KVCache, tensor_shapes
 from llamatrain.sampling import SamplingParams
 
@@ -216,7 +217,7 @@ def test_kv_cache_decoding_matches_full_forward(ops, attention):
 def test_greedy_generate_equals_argmax_of_full_forward():
     model = make_model(torch.float64)
     prompt = torch.tensor([3, 14, 15, 9])
-    out = model.generate(prompt, 10, GREEDY)
+    out = generate(model, prompt, 10, GREEDY)
     assert out.shape == (14,) and torch.equal(out[:4], prompt)
     for i in range(4, 14):
         assert out[i].item() == model(out[None, :i])[0, -1].argmax().item()
@@ -227,9 +228,9 @@ def test_sampled_generate_is_reproducible_from_seed():
     model = Llama(ModelConfig(**SMALL))
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repeat_penalty=1.1)
-    a = model.generate(prompt, 16, params, seed=7)
-    b = model.generate(prompt, 16, params, seed=7)
-    c = model.generate(prompt, 16, params, seed=8)
+    a = generate(model, prompt, 16, params, seed=7)
+    b = generate(model, prompt, 16, params, seed=7)
+    c = generate(model, prompt, 16, params, seed=8)
     assert a.shape == (2, 19) and torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -239,7 +240,7 @@ def test_generate_goes_past_the_trained_context_with_one_warning():
     prompt = torch.tensor([1, 2, 3])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = model.generate(prompt, 20, GREEDY)
+        out = generate(model, prompt, 20, GREEDY)
     assert out.shape == (23,)
     assert [str(w.message) for w in caught if "trained on" in str(w.message)] == [
         "generating 23 tokens, past the 10 the model was trained on (llama.context_length); "

@@ -10,12 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llamatrain.gguf.llama import (
-    read_tokenizer,
-    tokenizer_from_metadata,
-    tokenizer_metadata,
-    write_vocab,
-)
+from llamatrain.gguf.llama import read_tokenizer, write_vocab
+from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
 from llamatrain.tokenizer import (
     PRE_TOKENIZERS,
     TOKEN_TYPE_CONTROL,

@@ -15,7 +15,7 @@ import pytest
 from llama_cpp import Llama
 from test_tokenizer_texts import varied_texts, with_tokens
 
-from llamatrain.api import build_tokenizer
+from llamatrain.build import build_tokenizer
 from llamatrain.config import Config, load_config
 from llamatrain.data.sources import SHAKESPEARE, SONNETS_PATH, resolve_inputs
 from llamatrain.gguf.llama import read_tokenizer, write_vocab

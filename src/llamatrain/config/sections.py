@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from llamatrain.config.fields import config_keys
 from llamatrain.gguf.adapter import ALL_TARGETS
-from llamatrain.gguf.file import ALL_EXPORT_TYPES
+from llamatrain.gguf.export_types import ALL_EXPORT_TYPES
 from llamatrain.model import ModelConfig
 from llamatrain.settings import setting
 
@@ -303,6 +303,16 @@ class Config:
     def origin(self, key: str) -> str:
         """Where ``key`` (dotted) was set: a file, a ``--set`` item, or the defaults."""
         return self.origins.get(key, "the defaults")
+
+    @property
+    def seqs_per_batch(self) -> int:
+        """Windows of ``data.n_ctx`` tokens in one optimizer step (``train.n_batch`` tokens)."""
+        return self.train.n_batch // self.data.n_ctx
+
+    @property
+    def seqs_per_ubatch(self) -> int:
+        """Windows computed at once, a micro-batch (``train.n_ubatch`` tokens)."""
+        return self.train.n_ubatch // self.data.n_ctx
 
 
 def config_reference() -> list[tuple[str, object, str]]:

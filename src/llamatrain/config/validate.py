@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from llamatrain.config.sections import SECTIONS, Config
 from llamatrain.errors import ConfigError
-from llamatrain.gguf.adapter import ALL_TARGETS
+from llamatrain.gguf.adapter import lora_settings_problem
 from llamatrain.gguf.quantize import require_quantizer
 from llamatrain.settings import check_rules, divisors
 
@@ -62,19 +62,8 @@ def _validate_lora(cfg: Config) -> None:
             "model.init_from is unset (LoRA on a random model learns nothing useful); set "
             "model.init_from to a GGUF, run folder or HF folder, or lora.rank = 0"
         )
-    if lora.targets is None:
-        return
-    unknown = [t for t in lora.targets if t not in ALL_TARGETS]
-    if unknown:
-        raise ConfigError(
-            f"lora.targets {_set_in(cfg, 'lora.targets')} names unknown projection "
-            f"{unknown[0]!r}; choose among {', '.join(ALL_TARGETS)}"
-        )
-    if not lora.targets or len(set(lora.targets)) != len(lora.targets):
-        raise ConfigError(
-            f"lora.targets = {lora.targets} {_set_in(cfg, 'lora.targets')} must name each "
-            f"projection once and at least one; choose among {', '.join(ALL_TARGETS)}"
-        )
+    if lora.targets is not None and (problem := lora_settings_problem(targets=lora.targets)):
+        raise ConfigError(f"{problem} {_set_in(cfg, 'lora.targets')}")
 
 
 def _validate_parallel(cfg: Config) -> None:
@@ -143,8 +132,7 @@ def validate(cfg: Config) -> Config:
                 f"{_nearest_multiples(t.n_ubatch, d.n_ctx)}"
             )
         if t.n_batch % t.n_ubatch:
-            n_seq = t.n_batch // d.n_ctx
-            ok = [k * d.n_ctx for k in divisors(n_seq)]
+            ok = [k * d.n_ctx for k in divisors(cfg.seqs_per_batch)]
             raise ConfigError(
                 f"train.n_ubatch = {t.n_ubatch} must divide train.n_batch = {t.n_batch} "
                 f"{_set_in(cfg, 'train.n_ubatch', 'train.n_batch')}; choose one of {ok}"

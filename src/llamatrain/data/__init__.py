@@ -154,7 +154,7 @@ def build_train_data(
         bos_id=tokenizer.bos_id if d.bos_prefix else None,
         line_ends=line_end_ids(tokenizer) if d.sample_start == "newline" else None,
     )
-    n_seq = cfg.train.n_batch // d.n_ctx
+    n_seq = cfg.seqs_per_batch
     return TrainData(paths, tokens, train, val, BatchSampler(train, n_seq, cfg.train.seed), n_seq)
 
 
@@ -182,7 +182,7 @@ def _jsonl_data(
     rows = pack_rows if d.packing else pad_rows
     train = rows(train_examples, span, tokenizer.eos_id)
     val = rows(val_examples, span, tokenizer.eos_id) if val_examples else None
-    n_seq = cfg.train.n_batch // d.n_ctx
+    n_seq = cfg.seqs_per_batch
     sampler = BatchSampler(train, n_seq, cfg.train.seed)
     return TrainData(paths, None, train, val, sampler, n_seq, chat_template=template)
 

@@ -35,7 +35,14 @@ import numpy as np
 import torch
 
 from llamatrain.errors import ConfigError, GGUFError
-from llamatrain.gguf.file import GGUFContents, read_gguf, typed_value, write_gguf
+from llamatrain.gguf.file import (
+    GGUFContents,
+    GGUFSource,
+    load_tensor_data,
+    read_gguf,
+    typed_value,
+    write_gguf,
+)
 from llamatrain.gguf.llama import CHECKPOINT_TENSOR_PREFIXES
 
 __all__ = [
@@ -45,6 +52,7 @@ __all__ = [
     "adapter_rank",
     "adapter_tensors",
     "check_alpha",
+    "lora_settings_problem",
     "read_lora_adapter",
     "write_lora_adapter",
 ]
@@ -162,12 +170,45 @@ def adapter_tensors(
     return adapter
 
 
+def lora_settings_problem(
+    rank: object = 1, alpha: object = 1.0, dropout: object = 0.0, targets: object = ALL_TARGETS
+) -> str | None:
+    """What is wrong with LoRA settings, worded as their ``[lora]`` keys (None: nothing).
+
+    The one home of these rules: the config's validation, ``apply_lora`` and the adapter
+    writers all ask here, so a value is refused in the same words wherever it comes from.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        return f"lora.rank = {rank!r} must be a positive integer (e.g. 8 or 16)"
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        return f"lora.alpha = {alpha!r} must be a number"
+    if not math.isfinite(alpha) or alpha <= 0:
+        return (
+            f"lora.alpha = {alpha!r} must be positive and finite (the update is scaled by "
+            "alpha / rank; llama.cpp reads alpha 0 as scale 1)"
+        )
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        return f"lora.dropout = {dropout!r} must be in [0, 1) (0 = none)"
+    names = list(targets) if isinstance(targets, list | tuple) else [targets]
+    unknown = [t for t in names if t not in ALL_TARGETS]
+    if unknown:
+        return f"lora.targets names unknown projection {unknown[0]!r}; choose among " + ", ".join(
+            ALL_TARGETS
+        )
+    if not names or len(set(names)) != len(names):
+        return (
+            f"lora.targets = {names} must name each projection once and at least one; choose "
+            "among " + ", ".join(ALL_TARGETS)
+        )
+    return None
+
+
 def check_alpha(alpha: float, destination: str | os.PathLike[str]) -> None:
     """An adapter file's alpha must give the scale the model uses: alpha / rank, alpha > 0."""
-    if not math.isfinite(alpha) or alpha <= 0:
+    problem = lora_settings_problem(alpha=alpha)
+    if problem:
         raise ConfigError(
-            f"{destination}: LoRA alpha {alpha!r} must be positive (llama.cpp reads 0 as "
-            "scale 1); pass the alpha the adapters were applied with"
+            f"{destination}: {problem}; pass the alpha the adapters were applied with"
         )
 
 
@@ -207,11 +248,11 @@ def _kept(key: str) -> bool:
 # ------------------------------------------------------------------------------------ reading
 
 
-def read_lora_adapter(path: str | os.PathLike[str]) -> LoraAdapter:
+def read_lora_adapter(source: GGUFSource) -> LoraAdapter:
     """Read a LoRA adapter GGUF (ours or llama.cpp's converter's) back; GGUFError for a file
     that is not one, holds tensors other than A/B pairs, or pairs that do not fit. A LoRA
     checkpoint's state tensors (``CHECKPOINT_TENSOR_PREFIXES``) stay in ``contents``."""
-    contents = read_gguf(path)
+    contents = load_tensor_data(source) if isinstance(source, GGUFContents) else read_gguf(source)
     meta, p = contents.metadata, contents.path
     kind = (meta.get("general.type"), meta.get("adapter.type"))
     if kind != ("adapter", "lora"):

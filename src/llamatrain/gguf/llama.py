@@ -6,7 +6,8 @@ file). An exported model, a training checkpoint (the model plus ``training.*`` k
 ``optimizer.*`` / ``training.*`` tensors) and a vocabulary are all written by ``write_model`` /
 ``write_vocab`` here, so a checkpoint is guaranteed to carry exactly what an exported model
 carries; ``read_model`` reads any of them, ours or llama.cpp's, back into a ``ModelConfig``, the
-model's tensors and the tokenizer (the caller builds the ``Llama``).
+model's tensors and the tokenizer (the caller builds the ``Llama``). The ``tokenizer.ggml.*``
+keys themselves are ``llamatrain.gguf.vocab``'s mapping; this module puts them in files.
 """
 
 from __future__ import annotations
@@ -21,25 +22,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from llamatrain.errors import ConfigError, GGUFError, TokenizerError
+from llamatrain.errors import ConfigError, GGUFError
+from llamatrain.gguf.export_types import general_file_type
 from llamatrain.gguf.file import (
     INTEGER_TYPES,
     GGUFContents,
+    GGUFSource,
     TensorToWrite,
-    general_file_type,
+    load_tensor_data,
     read_gguf,
     read_gguf_metadata,
     typed_value,
     write_gguf,
 )
+from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
 from llamatrain.model import ModelConfig, tensor_shapes
-from llamatrain.tokenizer import (
-    TOKEN_TYPE_NORMAL,
-    BpeTokenizer,
-    SpmTokenizer,
-    Tokenizer,
-    rstrip_ids,
-)
+from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
     "ARCHITECTURE",
@@ -52,8 +50,6 @@ __all__ = [
     "model_metadata",
     "read_model",
     "read_tokenizer",
-    "tokenizer_from_metadata",
-    "tokenizer_metadata",
     "write_model",
     "write_vocab",
 ]
@@ -264,161 +260,6 @@ def _config_from_json(text: str, derived: Mapping[str, Any], p: Path) -> ModelCo
     return cfg
 
 
-# -------------------------------------------------------------------------- the tokenizer
-
-
-def tokenizer_metadata(tokenizer: Tokenizer) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` keys, typed as llama.cpp reads them.
-
-    ``tokenizer_from_metadata(tokenizer_metadata(t))`` rebuilds an identical tokenizer (same
-    fingerprint, same ids).
-    """
-    if isinstance(tokenizer, BpeTokenizer):
-        return _bpe_metadata(tokenizer)
-    if isinstance(tokenizer, SpmTokenizer):
-        return _spm_metadata(tokenizer)
-    raise TokenizerError(
-        f"cannot write a {type(tokenizer).__name__} to GGUF; llama.cpp reads SPM ('llama') "
-        "and byte-level BPE ('gpt2') vocabularies"
-    )
-
-
-def _spm_metadata(tokenizer: SpmTokenizer) -> dict[str, Any]:
-    u32 = np.uint32
-    metadata: dict[str, Any] = {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": tokenizer.pieces,
-        "tokenizer.ggml.scores": np.asarray(tokenizer.scores, dtype=np.float32),
-        "tokenizer.ggml.token_type": np.asarray(tokenizer.token_types, dtype=np.int32),
-        "tokenizer.ggml.bos_token_id": u32(tokenizer.bos_id),
-        "tokenizer.ggml.eos_token_id": u32(tokenizer.eos_id),
-        "tokenizer.ggml.unknown_token_id": u32(tokenizer.unk_id),
-        "tokenizer.ggml.add_bos_token": tokenizer.add_bos,
-        "tokenizer.ggml.add_eos_token": tokenizer.add_eos,
-        "tokenizer.ggml.add_space_prefix": tokenizer.add_space_prefix,
-    }
-    if tokenizer.pad_id is not None:
-        metadata["tokenizer.ggml.padding_token_id"] = u32(tokenizer.pad_id)
-    return metadata
-
-
-def _bpe_metadata(tokenizer: BpeTokenizer) -> dict[str, Any]:
-    u32 = np.uint32
-    metadata: dict[str, Any] = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": tokenizer.pre,
-        "tokenizer.ggml.tokens": tokenizer.tokens,
-        "tokenizer.ggml.token_type": np.asarray(tokenizer.token_types, dtype=np.int32),
-        "tokenizer.ggml.merges": tokenizer.merges,
-        "tokenizer.ggml.bos_token_id": u32(tokenizer.bos_id),
-        "tokenizer.ggml.eos_token_id": u32(tokenizer.eos_id),
-        "tokenizer.ggml.add_bos_token": tokenizer.add_bos,
-        "tokenizer.ggml.add_eos_token": tokenizer.add_eos,
-    }
-    optional = {
-        "eot_token_id": tokenizer.eot_id,
-        "unknown_token_id": tokenizer.unk_id,
-        "padding_token_id": tokenizer.pad_id,
-    }
-    metadata.update({f"tokenizer.ggml.{k}": u32(v) for k, v in optional.items() if v is not None})
-    return metadata
-
-
-def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "GGUF") -> Tokenizer:
-    """The vocabulary a GGUF's ``tokenizer.ggml.*`` keys describe; ``source`` names it in errors."""
-    model = meta.get("tokenizer.ggml.model")
-    if model is None or "tokenizer.ggml.tokens" not in meta:
-        raise TokenizerError(
-            f"{source} has no tokenizer (tokenizer.ggml.model / tokens missing); use a GGUF "
-            "exported by llamatrain or llama.cpp's convert script."
-        )
-    if model == "llama":
-        return _spm_from_metadata(meta, source)
-    if model == "gpt2":
-        return _bpe_from_metadata(meta, source)
-    raise TokenizerError(
-        f"{source} has a {model!r} tokenizer; llamatrain supports llama's SPM tokenizer "
-        "('llama') and byte-level BPE ('gpt2') — train a tokenizer with llamatrain instead."
-    )
-
-
-def _per_token(meta: Mapping[str, Any], key: str, default: Any, n: int, source: str) -> list[Any]:
-    """A per-token array (scores, token types), at least ``n`` long; ``default`` if absent."""
-    values = list(meta.get(f"tokenizer.ggml.{key}", [default] * n))
-    if len(values) < n:
-        raise TokenizerError(
-            f"{source}: {n} tokens but {len(values)} {key} values; the file is corrupt — "
-            "re-export it."
-        )
-    return values[:n]
-
-
-def _special_id(meta: Mapping[str, Any], key: str, default: int | None, n: int) -> int | None:
-    """A special token id as llama.cpp reads it: an out-of-range id falls back to the
-    vocabulary type's default, if that fits."""
-    value = meta.get(f"tokenizer.ggml.{key}", default)
-    if value is None or not 0 <= int(value) < n:
-        return default if default is not None and default < n else None
-    return int(value)
-
-
-def _spm_from_metadata(meta: Mapping[str, Any], source: str) -> SpmTokenizer:
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    n = len(tokens)
-    scores = [float(s) for s in _per_token(meta, "scores", 0.0, n, source)]
-    types = [int(t) for t in _per_token(meta, "token_type", TOKEN_TYPE_NORMAL, n, source)]
-    bos = _special_id(meta, "bos_token_id", 1, n)
-    eos = _special_id(meta, "eos_token_id", 2, n)
-    unk = _special_id(meta, "unknown_token_id", 0, n)
-    if bos is None or eos is None or unk is None:
-        raise TokenizerError(f"{source}: the vocabulary is too small for <unk>/<s>/</s>.")
-    return SpmTokenizer(
-        tokens,
-        scores,
-        types,
-        bos_id=bos,
-        eos_id=eos,
-        unk_id=unk,
-        pad_id=_special_id(meta, "padding_token_id", None, n),
-        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
-        rstrip_ids=rstrip_ids(meta.get("general.name"), tokens, types),
-    )
-
-
-def _bpe_from_metadata(meta: Mapping[str, Any], source: str) -> BpeTokenizer:
-    if "tokenizer.ggml.merges" not in meta:
-        raise TokenizerError(
-            f"{source} has a byte-level BPE ('gpt2') vocabulary without tokenizer.ggml.merges; "
-            "llama.cpp refuses it too — re-convert the model with llama.cpp's convert script."
-        )
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    n = len(tokens)
-    types = [int(t) for t in _per_token(meta, "token_type", TOKEN_TYPE_NORMAL, n, source)]
-    # llama.cpp's defaults for a BPE vocabulary without BOS/EOS keys: id 11 for both.
-    bos = _special_id(meta, "bos_token_id", 11, n)
-    eos = _special_id(meta, "eos_token_id", 11, n)
-    if bos is None or eos is None:
-        raise TokenizerError(f"{source}: the BPE vocabulary names no BOS/EOS token.")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
-    try:
-        return BpeTokenizer(
-            tokens,
-            types,
-            list(meta["tokenizer.ggml.merges"]),
-            pre=meta.get("tokenizer.ggml.pre"),
-            bos_id=bos,
-            eos_id=eos,
-            eot_id=_special_id(meta, "eot_token_id", None, n),
-            unk_id=_special_id(meta, "unknown_token_id", None, n),
-            pad_id=_special_id(meta, "padding_token_id", None, n),
-            add_bos=None if add_bos is None else bool(add_bos),
-            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            rstrip_ids=rstrip_ids(meta.get("general.name"), tokens, types),
-        )
-    except TokenizerError as e:
-        raise TokenizerError(f"{source}: {e}") from e
-
-
 # ---------------------------------------------------------------------------- the tensors
 
 
@@ -548,14 +389,18 @@ class LlamaFile:
     contents: GGUFContents | None = None
 
 
-def read_model(path: str | os.PathLike[str], *, tensor_data: bool = True) -> LlamaFile:
-    """Read a llama model or checkpoint (ours or llama.cpp's, any type gguf can dequantize).
+def read_model(source: GGUFSource, *, tensor_data: bool = True) -> LlamaFile:
+    """Read a llama model or checkpoint (ours or llama.cpp's, any type gguf can dequantize),
+    from its path or its already parsed header.
 
     ``tensor_data=False`` checks names and shapes from the header alone and leaves the
     weights as meta-device placeholders, for ``read_tensors_into`` to read straight into a
     model's parameters (``llamatrain.load_gguf``: the model is then held once, not twice).
     """
-    contents = read_gguf(path, tensor_data=tensor_data)
+    if isinstance(source, GGUFContents):
+        contents = load_tensor_data(source) if tensor_data else source
+    else:
+        contents = read_gguf(source, tensor_data=tensor_data)
     p = contents.path
     _check_architecture(contents.metadata, p)
     tokenizer = tokenizer_from_metadata(contents.metadata, source=str(p))

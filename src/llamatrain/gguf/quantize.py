@@ -29,7 +29,8 @@ import torch
 
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.files import check_target, is_gguf, replace_durably, temporary_path
-from llamatrain.gguf.file import EXPORT_TYPES, GGUF_KIND, QUANTIZER_TYPES
+from llamatrain.gguf.export_types import EXPORT_TYPES, QUANTIZER_TYPES
+from llamatrain.gguf.file import GGUF_KIND
 from llamatrain.gguf.llama import write_model
 from llamatrain.model import ModelConfig
 from llamatrain.tokenizer import Tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import CheckpointError
-from llamatrain.gguf.llama import tokenizer_metadata
+from llamatrain.gguf.vocab import tokenizer_metadata
 from llamatrain.hf.config import read_json_object
 from llamatrain.tokenizer import Tokenizer
 from llamatrain.tokenizer.hf_json import read_hf_tokenizer, write_hf_tokenizer

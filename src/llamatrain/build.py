@@ -1,0 +1,383 @@
+"""A run's model, built in one place and prepared in one order.
+
+Building (:func:`fresh_run`, :func:`resumed_run`, :func:`read_model_source`): the model a run
+starts from — new and seeded, read from a GGUF or HF folder (``model.init_from``), or shaped
+like the checkpoint it resumes — with its tokenizer, the base's keys its files keep
+(``inherited``) and, for a LoRA run, the base it adapts. A frozen base's narrow storage
+(bf16/f16, or the GGUF's own quantized blocks) is chosen while it is read
+(:func:`build_lora_base`), so a float32 copy of it never exists.
+
+Preparing (:func:`prepare`), as torchtitan's ``parallelize`` step does, in this one order:
+LoRA adapters over the frozen base → activation checkpointing (measured on the adapted block,
+before sharding) → the device → DDP/FSDP → a compiled loss. The model's code knows none of
+it; each capability wraps the model from outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llamatrain import activation_checkpointing, parallel
+from llamatrain.checkpoint import (
+    CHAT_TEMPLATE_RUN_KEY,
+    Checkpoint,
+    CheckpointManager,
+    check_compatible,
+    load_checkpoint,
+)
+from llamatrain.config import Config
+from llamatrain.device import resolve_device
+from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
+from llamatrain.gguf.file import read_gguf, read_stored_into, read_tensors_into, verify_gguf
+from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_vocab
+from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, read_hf_folder
+from llamatrain.lora import (
+    ALL_TARGETS,
+    apply_lora,
+    merge_lora,
+    store_frozen_targets,
+    stored_type,
+)
+from llamatrain.model import Llama
+from llamatrain.model_source import (
+    LoraBase,
+    checkpoint_dir,
+    describe_base,
+    is_hf_folder,
+    model_file,
+    records_a_base,
+)
+from llamatrain.parallel import Parallel
+from llamatrain.tokenizer import (
+    Tokenizer,
+    load_sentencepiece,
+    read_hf_tokenizer,
+    train_byte_bpe,
+    train_spm,
+)
+
+__all__ = [
+    "PreparedModel",
+    "RunModel",
+    "build_lora_base",
+    "build_model",
+    "build_tokenizer",
+    "fresh_run",
+    "load_tokenizer",
+    "prepare",
+    "read_model_source",
+    "resumed_run",
+    "with_base",
+]
+
+
+# ---- tokenizers --------------------------------------------------------------------------
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The vocabulary of a GGUF (model, checkpoint or vocab-only), a sentencepiece .model, or
+    an HF tokenizer.json or model folder holding one (read as llama.cpp's converter would)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".json":
+        return read_hf_tokenizer(path)
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer file {path} does not exist; fix the path")
+    with path.open("rb") as f:
+        is_gguf = f.read(4) == b"GGUF"
+    return read_tokenizer(path) if is_gguf else load_sentencepiece(path)
+
+
+def _tokenizer_cache_key(cfg: Config, paths: Sequence[Path]) -> str:
+    """Tokenizer training is deterministic, so identical inputs+settings reuse the result."""
+    settings = {**vars(cfg.tokenizer), "seed": cfg.train.seed}  # all that training depends on
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    for p in paths:
+        stat = p.stat()
+        h.update(f"{p.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def build_tokenizer(cfg: Config, paths: Sequence[Path]) -> Tokenizer:
+    """The run's vocabulary: from ``tokenizer.path`` or trained on the data (and cached)."""
+    t = cfg.tokenizer
+    if t.path:
+        return load_tokenizer(t.path)
+    cached = Path(cfg.data.cache_dir) / "tokenizers" / f"{_tokenizer_cache_key(cfg, paths)}.gguf"
+    if cached.is_file():
+        return read_tokenizer(cached)
+    if t.model_type == "byte_bpe":
+        tokenizer: Tokenizer = train_byte_bpe(paths, t.vocab_size)
+    else:
+        tokenizer = train_spm(
+            paths,
+            t.vocab_size,
+            t.model_type,
+            max_sentence_length=t.max_sentence_length,
+            input_sentence_size=t.input_sentence_size,
+            seed=cfg.train.seed,
+        )
+    write_vocab(cached, tokenizer)
+    return tokenizer
+
+
+# ---- models from files -------------------------------------------------------------------
+
+
+def read_model_source(path: str | Path) -> LlamaFile:
+    """A run folder (its latest checkpoint), a checkpoint, a llama GGUF, or an HF checkpoint
+    folder (any other folder: one without ``checkpoints/``). A checkpoint's tensors are checked
+    against the sha256 recorded when it was written (``verify_gguf``), so nothing built from
+    it uses silently damaged weights; a LoRA run's is its base with the adapter merged in."""
+    if is_hf_folder(path):
+        return read_hf_folder(path)
+    header = read_gguf(model_file(path), tensor_data=False)  # parsed once, handed down
+    if records_a_base(header.metadata):
+        checkpoint = load_checkpoint(header)
+        return _merged_lora_run(checkpoint, with_base(checkpoint))
+    verify_gguf(header)
+    return read_model(header, tensor_data=False)
+
+
+def with_base(checkpoint: Checkpoint, base: str | Path | None = None) -> LlamaFile:
+    """Read a LoRA run's base (``base``, default: the path its checkpoint records), which must
+    have the content the run was trained on, and complete ``checkpoint`` with the base's
+    config, tokenizer and keys; returns the base as read (its header: the weights are read
+    into the model that is built from it)."""
+    recorded = checkpoint.state.lora_base
+    used = describe_base(base or recorded.path, checkpoint.path)
+    if used.sha256 != recorded.sha256:
+        raise CheckpointError(
+            f"{used.path} is not the base model LoRA checkpoint {checkpoint.path} was trained on "
+            f"(sha256 {used.sha256[:12]}… vs {recorded.sha256[:12]}…); point model.init_from "
+            f"at that base, unchanged ({recorded.path})"
+        )
+    base_file = read_model_source(used.path)
+    inherited = dict(base_file.inherited)
+    if CHAT_TEMPLATE_RUN_KEY in checkpoint.metadata:
+        inherited[CHAT_TEMPLATE_KEY] = checkpoint.metadata[CHAT_TEMPLATE_RUN_KEY]
+    checkpoint.config, checkpoint.tokenizer = base_file.config, base_file.tokenizer
+    state = checkpoint.state
+    state.inherited, state.lora_base = inherited, used
+    if state.seen_tokens is not None:  # the bitmap is whole bytes; the vocabulary decides
+        state.seen_tokens = state.seen_tokens[: base_file.config.vocab_size]
+    return base_file
+
+
+def _merged_lora_run(checkpoint: Checkpoint, base: LlamaFile) -> LlamaFile:
+    """A LoRA checkpoint as the plain model it stands for: base W + s·B·A."""
+    adapter = checkpoint.adapter
+    model = build_model(base)
+    apply_lora(model, adapter.rank, adapter.alpha, targets=adapter.targets)
+    checkpoint.restore_weights(model)
+    merged = merge_lora(model)
+    state = {name: t.detach() for name, t in merged.state_dict().items()}
+    return LlamaFile(merged.cfg, state, checkpoint.tokenizer, checkpoint.state.inherited)
+
+
+def build_model(source: LlamaFile, **changes: object) -> Llama:
+    """The model a file describes, with its weights; ``changes`` to its config (run choices).
+
+    A file read without its tensor data (``read_model(path, tensor_data=False)``) is read
+    straight into the model's parameters, a tensor at a time: the import then holds the model
+    once, where loading a state dict holds a float copy of every weight beside it.
+    """
+    model = Llama(dataclasses.replace(source.config, **changes))
+    if _header_only(source) and source.contents is not None:
+        read_tensors_into(source.contents, model.state_dict())
+    else:
+        model.load_state_dict(source.tensors, strict=True)
+    return model
+
+
+def build_lora_base(
+    source: LlamaFile, base_dtype: str, targets: Sequence[str], **changes: object
+) -> Llama:
+    """:func:`build_model` for a LoRA run whose frozen ``targets`` are kept as ``base_dtype``
+    (``[lora] base_dtype``): bf16/f16, or ``quantized`` (each as the GGUF stores it).
+
+    The model is laid out on the meta device, the targets are given their narrow storage, and
+    only then is memory allocated and the file read into it (stored bytes as they are, or
+    one float32 tensor at a time for a cast): a float32 copy of the targets never exists, so
+    loading peaks at the model's final size. Anything else stays float32.
+    """
+    if base_dtype == "f32":
+        return build_model(source, **changes)
+    from_gguf = _header_only(source) and source.contents is not None
+    if base_dtype == "quantized" and not from_gguf:
+        raise ConfigError(
+            "lora.base_dtype = 'quantized' keeps a GGUF's blocks, but the base is not a GGUF "
+            "file; point model.init_from at a quantized GGUF or choose bf16 or f16"
+        )
+    cfg = dataclasses.replace(source.config, **changes)
+    file_types = source.contents.tensor_types if from_gguf else {}
+    names = [f"blk.{i}.{target}.weight" for i in range(cfg.n_layers) for target in targets]
+    types = {name: stored_type(base_dtype, file_types.get(name, "F32"), name) for name in names}
+    with torch.device("meta"):
+        model = Llama(cfg)
+        store_frozen_targets(model, types)
+    model.to_empty(device="cpu")
+    if not from_gguf:
+        model.load_state_dict(source.tensors, strict=True)  # copy_ rounds to the storage
+        return model
+    state, header = model.state_dict(), source.contents
+    read_tensors_into(header, {name: t for name, t in state.items() if name not in types})
+    as_stored = [name for name in names if types[name] == file_types.get(name)]
+    read_stored_into(header, {name: state[name] for name in as_stored})
+    for name in set(names) - set(as_stored):  # cast: a tensor's float32 copy at a time
+        wide = torch.empty(state[name].shape, dtype=torch.float32)
+        read_tensors_into(header, {name: wide})
+        state[name].copy_(wide)
+    return model
+
+
+def _header_only(source: LlamaFile) -> bool:
+    """Whether ``source`` was read without its tensor data (``read_model(tensor_data=False)``)."""
+    return any(tensor.is_meta for tensor in source.tensors.values())
+
+
+# ---- a run's model -----------------------------------------------------------------------
+
+
+@dataclass
+class RunModel:
+    """What a run trains and what travels with it into every checkpoint and export."""
+
+    model: Llama
+    tokenizer: Tokenizer
+    inherited: dict[str, Any] = field(default_factory=dict)
+    """The base model's keys its checkpoints and exports keep (``inherited_metadata``)."""
+    lora_base: LoraBase | None = None
+    """Set for a LoRA run: the frozen base its checkpoints name."""
+    checkpoint: Checkpoint | None = None
+    """The checkpoint a resumed run continues from (its weights are not yet in ``model``:
+    ``Trainer.load_state`` restores them onto the prepared model)."""
+
+
+def lora_targets(cfg: Config) -> tuple[str, ...]:
+    """The projections ``[lora]`` adapts in every block."""
+    return ALL_TARGETS if cfg.lora.targets is None else tuple(cfg.lora.targets)
+
+
+def fresh_run(cfg: Config, paths: Sequence[Path]) -> RunModel:
+    """A new model (seeded) with its tokenizer, or the one ``model.init_from`` names."""
+    if cfg.model.init_from:
+        base = read_model_source(cfg.model.init_from)
+        lora_base = describe_base(cfg.model.init_from) if cfg.lora.rank else None
+        return RunModel(_from_base(cfg, base), base.tokenizer, dict(base.inherited), lora_base)
+    tokenizer = build_tokenizer(cfg, paths)
+    torch.manual_seed(cfg.train.seed)
+    model_cfg = dataclasses.replace(
+        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
+    )
+    return RunModel(Llama(model_cfg), tokenizer)
+
+
+def _from_base(cfg: Config, base: LlamaFile) -> Llama:
+    """The model of ``base`` with the run's choices; its context stays the base's unless the
+    run trains on longer windows."""
+    context = max(base.config.max_seq_len, cfg.data.n_ctx)
+    run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
+    base_dtype = cfg.lora.base_dtype if cfg.lora.rank else "f32"
+    return build_lora_base(base, base_dtype, lora_targets(cfg), max_seq_len=context, **run_choices)
+
+
+def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunModel:
+    """A model shaped like the checkpoint ``resume`` names (a path, or ``latest`` of the run
+    folder), after checking it is the run the config asks for.
+
+    Its weights are still the initial ones: ``Trainer.load_state`` restores them; a LoRA run's
+    model is its base (checked to be the one trained on), adapted by :func:`prepare`.
+    """
+    manager = CheckpointManager(checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints)
+    checkpoint = load_checkpoint(manager.resolve(resume))
+    _check_same_kind(cfg, checkpoint)
+    if checkpoint.adapter is not None:
+        base = with_base(checkpoint, cfg.model.init_from or None)
+        state = checkpoint.state
+        return RunModel(
+            _from_base(cfg, base), base.tokenizer, state.inherited, state.lora_base, checkpoint
+        )
+    if cfg.model.init_from:  # a finetune keeps its base model's architecture and vocabulary
+        expected, tokenizer = checkpoint.config, checkpoint.tokenizer
+    else:
+        tokenizer = build_tokenizer(cfg, paths)
+        expected = dataclasses.replace(
+            cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
+        )
+    check_compatible(checkpoint, expected, tokenizer)
+    run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
+    model = Llama(dataclasses.replace(checkpoint.config, **run_choices))
+    return RunModel(model, checkpoint.tokenizer, checkpoint.state.inherited, checkpoint=checkpoint)
+
+
+def _check_same_kind(cfg: Config, checkpoint: Checkpoint) -> None:
+    """A LoRA run resumes as a LoRA run and a full finetune as one: the checkpoint holds
+    adapters or the whole model, and the config must ask for the same."""
+    lora_checkpoint = checkpoint.adapter is not None
+    if lora_checkpoint != (cfg.lora.rank > 0):
+        held = "a LoRA adapter" if lora_checkpoint else "a whole model (no LoRA)"
+        asked = "0 (full finetuning)" if cfg.lora.rank == 0 else str(cfg.lora.rank)
+        raise CheckpointError(
+            f"the checkpoint holds {held} but the config has lora.rank = {asked}; resume "
+            "with the config it was trained with"
+        )
+
+
+# ---- preparing it to train ---------------------------------------------------------------
+
+
+@dataclass
+class PreparedModel:
+    """A model made ready to train by :func:`prepare`, and how to compute its loss."""
+
+    model: Llama
+    """Adapted and checkpointed, on its device; under FSDP its parameters are shards."""
+    device: torch.device
+    parallel: Parallel
+    """How the ranks share the work (``train.parallel``), or nothing to share."""
+    loss_fn: Callable[..., torch.Tensor]
+    """The training loss: through DDP/FSDP when they wrap the model, compiled when asked."""
+    checkpoint_segment: int
+    """Blocks per activation-checkpointed segment (0 = none)."""
+
+
+def prepare(model: Llama, cfg: Config) -> PreparedModel:
+    """Apply the run's capabilities to ``model``, in this one order (why each where it is):
+
+    1. LoRA (``lora.rank > 0``): freeze the base and add seeded adapters, so a run's adapters
+       start alike however the base was read (a resume then loads its own).
+    2. Activation checkpointing: after LoRA, so ``auto`` measures the block that will run.
+    3. The device: after the module tree is final, so every tensor moves once.
+    4. DDP/FSDP: wrap (or shard) the model on its device, as torch.distributed requires.
+    5. Compile: the loss of the wrapped model, with static shapes (training batches all have
+       one shape, and dynamic-shape tracing of the ggml ops' blockwise loops is slower to
+       compile and less robust).
+    """
+    if cfg.lora.rank:
+        torch.manual_seed(cfg.train.seed)
+        apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, lora_targets(cfg))
+    bf16 = cfg.train.dtype == "bfloat16"
+    segment = activation_checkpointing.apply(
+        model,
+        cfg.train.checkpointing,
+        every_n=cfg.train.checkpoint_every_n,
+        n_seq=cfg.train.n_ubatch // cfg.data.n_ctx,
+        n_ctx=cfg.data.n_ctx,
+        autocast=torch.bfloat16 if bf16 else None,
+    )
+    device = resolve_device(cfg.train.device)
+    model = model.to(device)
+    wrapped = parallel.apply(
+        model, cfg.train.parallel, mixed_precision=bf16 and device.type == "cuda"
+    )
+    loss = wrapped.loss
+    loss_fn = torch.compile(loss, dynamic=False) if cfg.train.compile else loss
+    return PreparedModel(model, device, wrapped, loss_fn, segment)

@@ -1,0 +1,200 @@
+"""Generation: decoding a model token by token, and the text and chat streams built on it.
+
+Kept apart from the model, as gpt-fast keeps its ``generate.py`` beside ``model.py``: the
+model computes logits for the tokens it is given, writing into a ``KVCache`` when handed one;
+all that producing tokens involves (the cache's size, sampling, stop tokens, text decoded as
+it grows, chat templates) is here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from llamatrain.data import ChatTemplate
+from llamatrain.data.examples import prompt_ids
+from llamatrain.model import KVCache, Llama
+from llamatrain.sampling import SamplingParams, sample_next
+from llamatrain.tokenizer import Tokenizer
+
+__all__ = ["chat", "generate", "generate_stream", "generate_text"]
+
+
+@torch.no_grad()
+def generate_stream(
+    model: Llama,
+    tokens: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams | None = None,
+    seed: int | None = None,
+    stop_tokens: frozenset[int] = frozenset(),
+    allowed: torch.Tensor | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token (batch,) one step at a time, decoding with a KV cache.
+
+    A row stops at the first of ``stop_tokens`` it produces and from then on repeats that
+    token (padding) while the other rows go on; the stream ends when every row has stopped or
+    ``max_new_tokens`` have come. Like llama.cpp, generation goes on past the context the
+    model was trained for (rope extends to any position) and warns once when it does: what
+    comes out there is the model's, and llama.cpp's, best guess outside its training.
+    ``allowed``: see ``sampling.sample_next``.
+    """
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    if max_new_tokens < 1:
+        return
+    total = tokens.shape[1] + max_new_tokens
+    if total > model.cfg.max_seq_len:
+        warnings.warn(
+            f"generating {total} tokens, past the {model.cfg.max_seq_len} the model was "
+            "trained on (llama.context_length); llama.cpp continues too, quality may drop",
+            stacklevel=3,  # the line that asked for tokens (past the no_grad wrapper)
+        )
+    param = next(model.parameters())
+    cache = KVCache(model.cfg, tokens.shape[0], total, param.device, param.dtype)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=param.device).manual_seed(seed)
+    history = tokens.to(param.device)
+    stops = torch.tensor(sorted(stop_tokens), dtype=history.dtype, device=param.device)
+    stopped = torch.zeros(history.shape[0], dtype=torch.bool, device=param.device)
+    logits = model(history, cache=cache)[:, -1]
+    params = params or SamplingParams()
+    while True:
+        next_token = sample_next(logits, params, history, generator, allowed)
+        if stop_tokens:  # a row that stopped repeats its stop token
+            next_token = torch.where(stopped, history[:, -1], next_token)
+            stopped |= torch.isin(next_token, stops)
+        yield next_token
+        history = torch.cat((history, next_token[:, None]), dim=1)
+        if history.shape[1] >= total or (stop_tokens and bool(stopped.all())):
+            return
+        logits = model(next_token[:, None], cache=cache)[:, -1]
+
+
+def generate(
+    model: Llama,
+    tokens: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams | None = None,
+    seed: int | None = None,
+    stop_tokens: frozenset[int] = frozenset(),
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prompt + up to ``max_new_tokens`` sampled tokens (LongTensor, same batch shape): fewer
+    when every row has met one of ``stop_tokens`` (a row that stopped earlier is padded
+    with its stop token; see :func:`generate_stream`).
+
+    ``params`` defaults to llama.cpp's sampler settings; ``SamplingParams(temperature=0)``
+    is greedy decoding.
+    """
+    squeeze = tokens.dim() == 1
+    prompt = tokens[None] if squeeze else tokens
+    was_training = model.training
+    model.eval()
+    try:
+        stream = generate_stream(model, prompt, max_new_tokens, params, seed, stop_tokens, allowed)
+        new = list(stream)
+    finally:
+        model.train(was_training)
+    out = torch.cat([prompt.to(model.token_embd.weight.device)] + [t[:, None] for t in new], 1)
+    return out[0] if squeeze else out
+
+
+def generate_text(
+    model: Llama,
+    tokenizer: Tokenizer,
+    prompt: str,
+    *,
+    max_tokens: int = 128,
+    params: SamplingParams | None = None,
+    seed: int | None = None,
+    allowed: torch.Tensor | None = None,
+) -> Iterator[str]:
+    """Stream the decoded continuation of ``prompt`` piece by piece (stops at EOS).
+
+    ``params`` defaults to llama.cpp's sampler settings (``SamplingParams()``); ``allowed``
+    restricts the vocabulary (e.g. to ``llamatrain.api.seen_tokens``).
+    """
+    ids = tokenizer.encode(prompt, bos=True)
+    stop = frozenset({tokenizer.eos_id})
+    return _continuation(model, tokenizer, ids, stop, max_tokens, params, seed, allowed)
+
+
+def _continuation(
+    model: Llama,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    stop: frozenset[int],
+    max_tokens: int,
+    params: SamplingParams | None,
+    seed: int | None,
+    allowed: torch.Tensor | None = None,
+) -> Iterator[str]:
+    """The text after ``prompt_ids``, decoded as it grows, until a ``stop`` token."""
+    model.eval()
+    prompt = torch.tensor([prompt_ids])
+    stream = generate_stream(model, prompt, max_tokens, params, seed, stop, allowed)
+    new: list[int] = []
+    shown = tokenizer.decode(prompt_ids)
+    for token in stream:
+        if token.item() in stop:
+            break
+        new.append(token.item())
+        text = tokenizer.decode(prompt_ids + new)
+        if text.endswith("\ufffd"):
+            continue  # a multi-byte character is still arriving byte token by byte token
+        yield text[len(shown) :]
+        shown = text
+
+
+def chat(
+    model: Llama,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    message: str,
+    *,
+    max_tokens: int = 128,
+    params: SamplingParams | None = None,
+    seed: int | None = None,
+) -> Iterator[str]:
+    """Stream the model's reply to one user ``message``, rendered with ``template`` as its
+    training conversations were, up to the template's end-of-turn marker (or EOS).
+
+    The marker is one control token in a chat model's vocabulary (``<|im_end|>``,
+    ``<|eot_id|>``) and generation stops on it; where the vocabulary spells it in several
+    tokens, the reply is cut where its text appears.
+    """
+    prompt = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+    marker = template.end_of_turn
+    marker_ids = tokenizer.encode(marker, special=True)
+    stop = {tokenizer.eos_id} | ({marker_ids[0]} if len(marker_ids) == 1 else set())
+    pieces = _continuation(
+        model, tokenizer, prompt_ids(tokenizer, prompt), frozenset(stop), max_tokens, params, seed
+    )
+    return _reply(pieces, marker)
+
+
+def _reply(pieces: Iterator[str], marker: str) -> Iterator[str]:
+    """The assistant's words in ``pieces``: without the whitespace the template puts before a
+    reply (llama-2's ``[/INST] ``), up to the first ``marker``; the last ``len(marker) - 1``
+    characters are held back until they cannot be the start of it."""
+    held, started = "", False
+    for piece in pieces:
+        held += piece
+        if not started:
+            held = held.lstrip()
+            started = bool(held)
+        at = held.find(marker)
+        if at >= 0:
+            if held[:at]:
+                yield held[:at]
+            return
+        keep = len(marker) - 1
+        if len(held) > keep:
+            yield held[: len(held) - keep]
+            held = held[len(held) - keep :]
+    if held:
+        yield held

@@ -1,0 +1,106 @@
+"""What a path names, when a user hands llamatrain a model: a GGUF model, a training
+checkpoint, a LoRA run's checkpoint (an adapter that records its base), a run folder (its
+latest checkpoint) or an HF checkpoint folder.
+
+The answer is needed at several layers (``fit --resume``, ``model.init_from``, ``generate``,
+``export``), so it has one home here, below the checkpoint reader and the model builder that
+act on it. This module reads headers, never weights: the one exception is the base's sha256,
+which is what a LoRA run records to refuse being applied over any other base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llamatrain.errors import CheckpointError
+from llamatrain.gguf.file import read_gguf_metadata
+from llamatrain.hf.weights import weight_files
+
+__all__ = [
+    "BASE_PATH_KEY",
+    "BASE_SHA256_KEY",
+    "LATEST",
+    "LoraBase",
+    "base_sha256",
+    "checkpoint_dir",
+    "describe_base",
+    "is_hf_folder",
+    "is_lora_checkpoint",
+    "model_file",
+    "records_a_base",
+]
+
+LATEST = "latest.gguf"
+"""The stable name of a run's newest checkpoint (a symlink in ``checkpoints/``)."""
+BASE_PATH_KEY = "training.lora.base"
+BASE_SHA256_KEY = "training.lora.base_sha256"
+"""The keys a LoRA run's checkpoint records its frozen base under: its path and content hash."""
+
+
+@dataclass(frozen=True)
+class LoraBase:
+    """The frozen model a LoRA run adapts: its absolute path and the sha256 of its content
+    (:func:`base_sha256`), which a resume or load checks before using the adapter on it."""
+
+    path: str
+    sha256: str
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    """Where a run folder keeps its checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A folder that is not a run folder (one without ``checkpoints/``) is read as an HF
+    checkpoint folder."""
+    path = Path(path)
+    return path.is_dir() and not checkpoint_dir(path).is_dir()
+
+
+def model_file(path: str | Path) -> Path:
+    """A run folder means its latest checkpoint; anything else names a file."""
+    path = Path(path)
+    if path.is_dir():
+        path = checkpoint_dir(path) / LATEST
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; pass a checkpoint, a GGUF or a run folder")
+    return path
+
+
+def is_lora_checkpoint(path: str | Path) -> bool:
+    """Whether a GGUF is a LoRA run's checkpoint (an adapter that records its base)."""
+    return records_a_base(read_gguf_metadata(path))
+
+
+def records_a_base(metadata: Mapping[str, Any]) -> bool:
+    """Whether a GGUF's keys are a LoRA run's checkpoint's: an adapter that records its base."""
+    return metadata.get("general.type") == "adapter" and BASE_PATH_KEY in metadata
+
+
+def base_sha256(path: str | Path) -> str:
+    """sha256 of a model source's content: a GGUF file's bytes (a run folder's latest
+    checkpoint's), or an HF folder's weight files' in order."""
+    files = weight_files(path) if is_hf_folder(path) else [model_file(path).resolve()]
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_base(path: str | Path, adapter: str | Path = "the LoRA run") -> LoraBase:
+    """The base ``adapter`` adapts, as its checkpoints record it; CheckpointError if it is
+    gone."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"the base model {path} of {adapter} does not exist; put it back or point "
+            "model.init_from at a copy of it"
+        )
+    return LoraBase(str(path.resolve()), base_sha256(path))

@@ -1,0 +1,288 @@
+"""The two op sets a model runs on, as objects with named methods, and the reference
+attentions they choose among.
+
+``GgmlOps`` calls our autograd Functions (ggml's backward formulas); ``TorchOps`` calls plain
+PyTorch (F.embedding, F.rms_norm, F.silu, F.cross_entropy), so each can check the other.
+Attention is a choice of its own, held by the op set: ``flash`` (memory-efficient: our
+blockwise ``flash_attn`` with the 2023 ``flash_attn_back``, or SDPA for the torch op set),
+``softmax`` (the 2023 program's non-flash graph: scores, ``diag_mask_inf``, ``soft_max``) or
+``sdpa`` (PyTorch's fused kernels, the fast choice on CUDA).
+
+:func:`op_set` is the one place the choice is made: the model's modules and LoRA's adapted
+projections call the methods of the object it returns. Tensor math only, like the rest of
+``llamatrain.ops``: the choice comes in as two strings, not as a config.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llamatrain import ops as ggml
+from llamatrain.ops.lora import torch_lora_linear
+
+OPS = ("ggml", "torch")
+ATTENTIONS = ("flash", "softmax", "sdpa")
+IGNORE_INDEX = -100
+"""A target of this value is not scored (PyTorch's convention, and every loss op's default)."""
+
+
+@dataclass(frozen=True)
+class OpSet(ABC):
+    """The functions a model calls, for one op set and one attention choice (``attend``, one
+    of :data:`ATTENTIONS`). Shapes: x (..., dim); q (batch, heads, t, head_dim); k, v (batch,
+    kv_heads, t_kv, head_dim), each kv head shared by heads / kv_heads query heads."""
+
+    attend: str = "flash"
+
+    def __post_init__(self) -> None:
+        if self.attend not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attend!r}")
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Causal attention (batch, heads, t, head_dim), the mask aligned to the end of the
+        keys (queries are their last rows, as when decoding against a KV cache).
+        ``documents`` (batch, t): packed document ids; a query sees its own document only."""
+        if self.attend == "sdpa":
+            return sdpa_attention(q, k, v, documents)
+        if self.attend == "softmax":
+            return self.softmax_attention(q, k, v, documents)
+        return self.flash_attention(q, k, v, documents)
+
+    @abstractmethod
+    def embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``table`` (vocab, dim) that ``ids`` name."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x / sqrt(mean(x²) + eps) over the last dimension, without a weight."""
+
+    @abstractmethod
+    def rope(
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        *,
+        theta: float,
+        freq_scale: float,
+        freq_factors: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Adjacent-pair (llama.cpp NORM) rope of x (batch, t, heads, head_dim) at ``pos``."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x·Wᵀ for W (out, in)."""
+
+    @abstractmethod
+    def lora_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scale: float,
+        adapter_input: torch.Tensor | None,
+        *,
+        qtype: str | None = None,
+    ) -> torch.Tensor:
+        """x·Wᵀ + scale·B·A·x' (``ops.lora.lora_linear``): a LoRA-adapted projection."""
+
+    @abstractmethod
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate)·up."""
+
+    @abstractmethod
+    def flash_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`attention` for ``attend == "flash"``."""
+
+    @abstractmethod
+    def softmax_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`attention` for ``attend == "softmax"``: the scores as one tensor."""
+
+    @abstractmethod
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of ``logits`` (..., vocab) over the targets that are not IGNORE_INDEX."""
+
+    @abstractmethod
+    def head_loss(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """``cross_entropy(linear(hidden, weight), targets)``, however the set computes it."""
+
+
+class GgmlOps(OpSet):
+    """llamatrain's autograd Functions, whose backward is ggml's."""
+
+    def embedding(self, table, ids):
+        return ggml.get_rows(table, ids)
+
+    def rms_norm(self, x, eps):
+        return ggml.rms_norm(x, eps)
+
+    def rope(self, x, pos, *, theta, freq_scale, freq_factors):
+        return ggml.rope(
+            x, pos, mode="norm", theta=theta, freq_scale=freq_scale, freq_factors=freq_factors
+        )
+
+    def linear(self, x, weight):
+        return ggml.mul_mat(x, weight)
+
+    def lora_linear(self, x, weight, lora_a, lora_b, scale, adapter_input, *, qtype=None):
+        return ggml.lora_linear(x, weight, lora_a, lora_b, scale, adapter_input, qtype=qtype)
+
+    def swiglu(self, gate, up):
+        return ggml.swiglu(gate, up)
+
+    def flash_attention(self, q, k, v, documents):
+        return ggml.flash_attn(q, k, v, documents=documents)
+
+    def softmax_attention(self, q, k, v, documents):
+        return ggml_softmax_attention(q, k, v, documents)
+
+    def cross_entropy(self, logits, targets):
+        return ggml.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+
+    def head_loss(self, hidden, weight, targets):
+        """Fused over row chunks: the (tokens x vocab) logits never exist at once."""
+        return ggml.linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE_INDEX)
+
+
+class TorchOps(OpSet):
+    """Plain PyTorch, whose backward autograd derives."""
+
+    def embedding(self, table, ids):
+        return F.embedding(ids, table)
+
+    def rms_norm(self, x, eps):
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+    def rope(self, x, pos, *, theta, freq_scale, freq_factors):
+        return torch_rope(x, pos, theta=theta, freq_scale=freq_scale, freq_factors=freq_factors)
+
+    def linear(self, x, weight):
+        return F.linear(x, weight)
+
+    def lora_linear(self, x, weight, lora_a, lora_b, scale, adapter_input, *, qtype=None):
+        return torch_lora_linear(x, weight, lora_a, lora_b, scale, adapter_input, qtype=qtype)
+
+    def swiglu(self, gate, up):
+        return F.silu(gate) * up
+
+    def flash_attention(self, q, k, v, documents):
+        return sdpa_attention(q, k, v, documents)
+
+    def softmax_attention(self, q, k, v, documents):
+        return torch_softmax_attention(q, k, v, documents)
+
+    def cross_entropy(self, logits, targets):
+        rows = logits.flatten(0, -2)
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+        return F.cross_entropy(rows, targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    def head_loss(self, hidden, weight, targets):
+        return self.cross_entropy(F.linear(hidden, weight), targets)
+
+
+def op_set(ops: str, attention: str = "flash") -> OpSet:
+    """The op set ``ops`` (one of :data:`OPS`) with the attention choice ``attention``."""
+    return {"ggml": GgmlOps, "torch": TorchOps}[ops](attention)
+
+
+# ---- the reference implementations the op sets call -------------------------------------
+
+
+def torch_rope(
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    theta: float,
+    freq_scale: float = 1.0,
+    freq_factors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Adjacent-pair (llama.cpp NORM) rope written with differentiable PyTorch ops."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / (2 * half))
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    angles = (pos.to(torch.float64) * freq_scale)[..., None] * inv_freq  # (..., T, half)
+    if angles.dim() == 2:
+        angles = angles[None]
+    cos = angles.cos().to(compute)[:, :, None, :]
+    sin = angles.sin().to(compute)[:, :, None, :]
+    pairs = x.to(compute).unflatten(-1, (half, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def _document_visible(documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean: query i sees key j iff j <= i in the same document (reference)."""
+    same = documents[:, :, None] == documents[:, None, :]
+    return same.tril_()[:, None]
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SDPA with causal masking aligned to the end (queries are the last rows of the keys)."""
+    t, t_kv = q.shape[-2], k.shape[-2]
+    if documents is not None:
+        mask = _document_visible(documents)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if t == t_kv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    rows = torch.arange(t, device=q.device)[:, None] + (t_kv - t)
+    mask = torch.arange(t_kv, device=q.device)[None, :] <= rows
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Q·Kᵀ with the G query heads of a group sharing one kv head (ggml's broadcasting)."""
+    group = q.shape[1] // k.shape[1]
+    return q @ k.repeat_interleave(group, dim=1).transpose(-1, -2)
+
+
+def _values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return p @ v.repeat_interleave(p.shape[1] // v.shape[1], dim=1)
+
+
+def ggml_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The 2023 graph without flash attention: KQ, diag_mask_inf, soft_max(scale), KQV.
+
+    Packed documents add soft_max's additive mask (-inf across documents), as ggml's
+    ``soft_max_ext`` takes a KQ mask.
+    """
+    masked = ggml.diag_mask_inf(_scores(q, k), n_past=k.shape[-2] - q.shape[-2])
+    mask = None
+    if documents is not None:
+        hidden = ~_document_visible(documents)
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            hidden, float("-inf")
+        )
+    return _values(ggml.soft_max(masked, mask, scale=1.0 / math.sqrt(q.shape[-1])), v)
+
+
+def torch_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The same graph in PyTorch: scores, a -inf mask, torch.softmax."""
+    t, t_kv = q.shape[-2], k.shape[-2]
+    scores = _scores(q, k) / math.sqrt(q.shape[-1])
+    if documents is not None:
+        hidden = ~_document_visible(documents)
+    else:
+        hidden = torch.ones(t, t_kv, dtype=torch.bool, device=q.device).triu_(t_kv - t + 1)
+    return _values(torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1), v)
