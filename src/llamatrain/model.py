@@ -31,6 +31,9 @@ from llamatrain.ops.sets import ATTENTIONS, OPS, OpSet, op_set
 from llamatrain.ops.sets import IGNORE_INDEX as IGNORE_INDEX  # for the data and the losses
 from llamatrain.settings import check_rules, divisors, setting
 
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+"""A block's linear layers, by their llama.cpp names (``blk.N.<name>.weight``): the one list
+the name map, LoRA's targets and the adapter format use."""
 RUN_CHOICES = ("ops", "attention", "init_from")
 """Fields that choose how a model is built or run, not what the network computes."""
 
@@ -154,15 +157,16 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, e)}
     if cfg.rope_freq_factors:
         shapes["rope_freqs.weight"] = (cfg.head_dim // 2,)
-    projections = {  # name: (out, in, has a bias)
-        "attn_q": (q, e, cfg.attention_bias),
-        "attn_k": (kv, e, cfg.attention_bias),
-        "attn_v": (kv, e, cfg.attention_bias),
-        "attn_output": (e, q, cfg.attention_bias),
-        "ffn_gate": (f, e, cfg.mlp_bias),
-        "ffn_up": (f, e, cfg.mlp_bias),
-        "ffn_down": (e, f, cfg.mlp_bias),
-    }
+    sides = (  # (out, in, has a bias) of each of PROJECTIONS, in order
+        (q, e, cfg.attention_bias),
+        (kv, e, cfg.attention_bias),
+        (kv, e, cfg.attention_bias),
+        (e, q, cfg.attention_bias),
+        (f, e, cfg.mlp_bias),
+        (f, e, cfg.mlp_bias),
+        (e, f, cfg.mlp_bias),
+    )
+    projections = dict(zip(PROJECTIONS, sides, strict=True))
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
         shapes[b + "attn_norm.weight"] = (e,)

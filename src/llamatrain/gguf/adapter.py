@@ -44,6 +44,7 @@ from llamatrain.gguf.file import (
     write_gguf,
 )
 from llamatrain.gguf.llama import CHECKPOINT_TENSOR_PREFIXES
+from llamatrain.model import PROJECTIONS
 
 __all__ = [
     "ALL_TARGETS",
@@ -57,7 +58,7 @@ __all__ = [
     "write_lora_adapter",
 ]
 
-ALL_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+ALL_TARGETS = PROJECTIONS
 """The projections of a block LoRA can adapt (their llama.cpp names), all by default. Here,
 below the config, so that ``[lora] targets`` is checked against the same names."""
 LORA_SUFFIXES = (".lora_a", ".lora_b")
