@@ -190,14 +190,14 @@ def _fit_locked(
     if not parallel.is_main():
         return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path=None)
     adapter_path = None
-    if cfg.lora.rank:
+    if run.lora_base is not None:  # a LoRA run: its adapter, and the merged model
         adapter_path = write_lora_adapter(
             run_dir / "adapter-f32.gguf", model, alpha=cfg.lora.alpha, inherited=inherited
         )
     export_path = None
     if cfg.output.export:
         export_path = export_gguf(
-            merge_lora(model) if cfg.lora.rank else model,
+            merge_lora(model) if run.lora_base is not None else model,
             run.tokenizer,
             run_dir / f"model-{cfg.output.export_type}.gguf",
             type=cfg.output.export_type,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from llamatrain import parallel
-from llamatrain.data import check_text_file, read_text
+from llamatrain.data import Batch, check_text_file, read_text
 from llamatrain.errors import DataError
 from llamatrain.model import IGNORE_INDEX, Llama
 from llamatrain.tokenizer import Tokenizer
@@ -37,15 +37,15 @@ def validation_metrics(
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> dict[str, float]:
     """Mean loss, perplexity and next-token accuracy over the scored targets of ``batches``
-    (``(inputs, targets)`` or ``(inputs, targets, documents)``; targets -100 are not scored),
-    each batch weighted by its scored count."""
+    (``llamatrain.data.Batch``; targets -100 are not scored), each batch weighted by its
+    scored count."""
     was_training = model.training
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     try:
-        for inputs, targets, *rest in batches:
-            inputs, targets = inputs.to(device), targets.to(device)
-            documents = rest[0].to(device) if rest else None
+        for batch in (Batch(*b) for b in batches):  # a plain (inputs, targets[, documents]) too
+            inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+            documents = None if batch.documents is None else batch.documents.to(device)
             with autocast or contextlib.nullcontext(), parallel.root_weights(model):
                 hidden = model.hidden_states(inputs, documents=documents)
                 sums = _head_scores(model, hidden, targets)

@@ -205,7 +205,7 @@ def apply_lora(
         n_out, n_in = getattr(blocks[0], target).weight.shape[0], _in_features(blocks[0], target)
         if rank > min(n_in, n_out):
             raise ConfigError(
-                f"lora rank {rank} exceeds {target}'s smaller side min({n_in}, {n_out}) = "
+                f"lora.rank = {rank} exceeds {target}'s smaller side min({n_in}, {n_out}) = "
                 f"{min(n_in, n_out)}; choose a rank of at most {min(n_in, n_out)}"
             )
     model.requires_grad_(False)

@@ -298,14 +298,14 @@ class Trainer:
     def _step(self, bar: tqdm) -> float:
         """One optimizer step on the next batch, counted, timed and logged; returns its loss."""
         t = self.cfg.train
-        inputs, targets, *documents = self.data.sampler.next_batch()
+        batch = self.data.sampler.next_batch()
         started = time.perf_counter()
-        loss = self.train_step(inputs, targets, *documents)
+        loss = self.train_step(*batch)
         elapsed = time.perf_counter() - started
         self.step_seconds.append(elapsed)
         self.state.step += 1
-        self.state.samples += inputs.shape[0]
-        self.state.tokens += scored_count(targets)
+        self.state.samples += batch.inputs.shape[0]
+        self.state.tokens += scored_count(batch.targets)
         record = {
             "step": self.state.step,
             "loss": loss,

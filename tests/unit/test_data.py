@@ -24,7 +24,7 @@ def test_sonnets_with_bos_prefixed_windows(tmp_path, monkeypatch, char_tokenizer
     split = n - round(n * 0.05)
     assert len(td.train) == split - 64 + 1 and len(td.val) == (n - split - 64) // 64 + 1
     assert td.n_seq == 8
-    x, y = td.sampler.next_batch()
+    x, y, _ = td.sampler.next_batch()
     assert x.shape == y.shape == (8, 64)
     assert x[:, 0].eq(tok.bos_id).all() and torch.equal(x[:, 1:], y[:, :-1])
     assert tok.bos_id not in td.tokens  # BOS only as the window prefix
@@ -37,7 +37,7 @@ def test_plain_windows_put_bos_in_the_stream(tmp_path, char_tokenizer):
     tok = char_tokenizer()
     td = build_train_data(cfg, tok, progress=False)
     assert td.tokens[0] == tok.bos_id and td.tokens[-1] == tok.eos_id and td.train.span == 65
-    x, y = td.sampler.next_batch()
+    x, y, _ = td.sampler.next_batch()
     assert x.shape == (2, 64) and torch.equal(x[:, 1:], y[:, :-1])
 
 

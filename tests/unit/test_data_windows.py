@@ -48,11 +48,11 @@ def test_no_train_window_touches_validation(mode, bos_id):
 def test_window_inputs_targets_and_bos():
     tokens = stream(200)
     plain, _ = split_windows(tokens, n_ctx=8, val_fraction=0.0)
-    x, y = plain.batch(np.array([5]))
+    x, y, _ = plain.batch(np.array([5]))
     assert x.dtype == torch.long and x.shape == (1, 8)
     assert x[0].tolist() == tokens[5:13].tolist() and y[0].tolist() == tokens[6:14].tolist()
     bos, _ = split_windows(tokens, n_ctx=8, val_fraction=0.0, bos_id=1)
-    x, y = bos.batch(np.array([5]))
+    x, y, _ = bos.batch(np.array([5]))
     assert x[0].tolist() == [1, *tokens[5:12].tolist()] and y[0].tolist() == tokens[5:13].tolist()
 
 
@@ -154,7 +154,7 @@ def test_resume_gives_identical_batches():
     resumed = sampler(seed=999)  # the stored seed wins
     resumed.load_state_dict(dict(state))
     got += [resumed.next_batch() for _ in range(n)]
-    for (x1, y1), (x2, y2) in zip(expected, got, strict=True):
+    for (x1, y1, _), (x2, y2, _) in zip(expected, got, strict=True):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert resumed.state_dict() == straight.state_dict() | {"seed": 7}
 

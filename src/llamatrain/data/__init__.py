@@ -48,6 +48,7 @@ from llamatrain.data.sources import (
     resolve_inputs,
 )
 from llamatrain.data.windows import (
+    Batch,
     BatchSampler,
     TokenWindows,
     line_end_ids,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
+    "Batch",
     "SHAKESPEARE",
     "SONNETS",
     "SONNETS_PATH",

@@ -39,6 +39,7 @@ from llamatrain.data.jsonl import (
     numbered_lines,
     parse_line,
 )
+from llamatrain.data.windows import Batch
 from llamatrain.errors import ConfigError, DataError
 from llamatrain.model import IGNORE_INDEX
 
@@ -247,15 +248,15 @@ class ExampleRows:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(inputs, targets, documents)`` of shape ``(len(indices), n_ctx)``."""
+    def batch(self, indices: np.ndarray) -> Batch:
+        """Inputs, targets and documents (None unless packed), each ``(len(indices), n_ctx)``."""
         rows = torch.from_numpy(self.tokens[indices])
         scored = torch.from_numpy(self.scored[indices])
         targets = torch.where(scored[:, 1:], rows[:, 1:], IGNORE_INDEX)
         documents = None
         if self.documents is not None:
             documents = torch.from_numpy(self.documents[indices][:, :-1])
-        return rows[:, :-1].contiguous(), targets, documents
+        return Batch(rows[:, :-1].contiguous(), targets, documents)
 
     def seen_tokens(self, vocab_size: int) -> torch.Tensor:
         """(vocab_size,) bool: the tokens the rows hold, padding left out."""

@@ -19,7 +19,7 @@ the uninterrupted run would have.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
+    "Batch",
     "BatchSampler",
     "Rows",
     "TokenWindows",
@@ -39,14 +40,25 @@ __all__ = [
 ]
 
 
+class Batch(NamedTuple):
+    """One batch of rows, each ``(n_seq, n_ctx)``: what the model reads and what it is scored
+    against (``IGNORE_INDEX`` where a target is not scored)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    documents: torch.Tensor | None = None
+    """Packed rows only: each token's document id, which masks attention between documents
+    and restarts positions; None for windows of one text."""
+
+
 class Rows(Protocol):
     """What the sampler draws batches from: :class:`TokenWindows`, or the rows of JSONL
     examples (``llamatrain.data.examples.ExampleRows``, whose batches add ``documents``)."""
 
     def __len__(self) -> int: ...
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor | None, ...]:
-        """``(inputs, targets, ...)`` of the rows ``indices``."""
+    def batch(self, indices: np.ndarray) -> Batch:
+        """The rows ``indices``."""
         ...
 
 
@@ -88,10 +100,10 @@ class TokenWindows:
             rows = np.concatenate([np.full((len(rows), 1), self.bos_id, np.int64), rows], 1)
         return rows
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)`` LongTensors of shape ``(len(indices), n_ctx)``."""
+    def batch(self, indices: np.ndarray) -> Batch:
+        """Inputs and targets, LongTensors of shape ``(len(indices), n_ctx)``."""
         w = torch.from_numpy(self.windows(indices))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        return Batch(w[:, :-1].contiguous(), w[:, 1:].contiguous())
 
 
 def line_end_ids(tokenizer: Tokenizer) -> np.ndarray:
@@ -214,9 +226,8 @@ class BatchSampler:
         self.samples += self.n_seq
         return np.concatenate(parts)
 
-    def next_batch(self) -> tuple[torch.Tensor | None, ...]:
-        """``(inputs, targets)`` LongTensors of shape ``(n_seq, n_ctx)`` (and ``documents``
-        for JSONL rows)."""
+    def next_batch(self) -> Batch:
+        """The next ``n_seq`` rows (``documents`` set for packed JSONL rows)."""
         return self.windows.batch(self.next_indices())
 
     def state_dict(self) -> dict[str, int]:
@@ -258,9 +269,7 @@ class BatchSampler:
         return self._perm[1]
 
 
-def val_batches(
-    windows: Rows | None, n_seq: int, max_batches: int = 0
-) -> Iterator[tuple[torch.Tensor | None, ...]]:
+def val_batches(windows: Rows | None, n_seq: int, max_batches: int = 0) -> Iterator[Batch]:
     """The first ``max_batches`` (0 = all) validation batches, always the same ones, in order.
 
     The last batch may hold fewer than ``n_seq`` windows: weight batch losses by their scored
