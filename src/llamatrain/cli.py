@@ -111,12 +111,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from llamatrain import api
+    from llamatrain.gguf.file import STATE_SHA256_KEY, read_gguf_metadata
 
     print(api.describe_gguf(args.file))
     if args.verify:
         checked = api.verify_gguf(args.file)  # a damaged tensor raises: one line, exit 1
+        state = STATE_SHA256_KEY in read_gguf_metadata(args.file)  # since checkpoint version 2
         print(
-            f"verify: all {checked} tensors match their sha256"
+            f"verify: {'the training.*/optimizer.* keys and ' * state}all {checked} tensors "
+            "match their sha256"
             if checked
             else "verify: no sha256 recorded (only checkpoints carry them); every tensor read"
         )

@@ -299,8 +299,9 @@ class Trainer:
         """One optimizer step on the next batch, counted, timed and logged; returns its loss."""
         t = self.cfg.train
         batch = self.data.sampler.next_batch()
+        packed = () if batch.documents is None else (batch.documents,)  # as train_step takes it
         started = time.perf_counter()
-        loss = self.train_step(*batch)
+        loss = self.train_step(batch.inputs, batch.targets, *packed)
         elapsed = time.perf_counter() - started
         self.step_seconds.append(elapsed)
         self.state.step += 1

@@ -17,8 +17,8 @@ import torch
 
 from llamatrain import api
 from llamatrain.checkpoint import PICKLED_KEYS, CheckpointManager, load_checkpoint
-from llamatrain.errors import CheckpointError, OutputError
-from llamatrain.gguf.file import read_gguf, typed_value, write_gguf
+from llamatrain.errors import CheckpointError, LlamatrainError, OutputError
+from llamatrain.gguf.file import STATE_SHA256_KEY, read_gguf, typed_value, write_gguf
 
 SRC = Path(api.__file__).parent
 QUICK = {"train.steps": 2, "train.save_every": 2, "train.eval_every": 0, "output.export": "false"}
@@ -56,11 +56,14 @@ class _WritesMarker:
         return (open, (str(self.marker), "w"))
 
 
-def with_keys(path: Path, extra: dict[str, object]) -> None:
-    """Rewrite the GGUF at ``path`` with ``extra`` keys added (the rest as stored)."""
+def with_keys(path: Path, extra: dict[str, object], keep_state_digest: bool = False) -> None:
+    """Rewrite the GGUF at ``path`` with ``extra`` keys added (the rest as stored), without the
+    state keys' sha256 unless ``keep_state_digest`` (a checkpoint from before it existed)."""
     contents = read_gguf(path)
     metadata = {k: typed_value(contents, k) for k in contents.metadata}
     arch = metadata.pop("general.architecture")
+    if not keep_state_digest:
+        metadata.pop(STATE_SHA256_KEY)
     metadata.update(extra)
     tensors = {name: (t, "f32") for name, t in contents.tensors.items()}
     path.unlink()
@@ -150,6 +153,37 @@ def test_damaged_rng_layout_is_one_checkpoint_error(quick_run, tiny_overrides):
     with pytest.raises(CheckpointError, match="RNG state is damaged"):
         api.fit("tiny", overrides=tiny_overrides(**{**QUICK, "train.steps": 4}),
                 resume="latest", progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [{"training.iteration_count": 7}, {"training.data_state": '{"epoch": 3}'},
+     {"optimizer.type": "lbfgs"}, {"training.rng.layout": '{"value": 1}'}],
+)  # fmt: skip
+def test_an_edited_training_key_is_damage_named_in_one_line(quick_run, tiny_overrides, edit):
+    """The checksum covers the training.*/optimizer.* keys: an edit (or a flipped byte) in the
+    state is refused on resume and by ``info --verify``, never believed."""
+    latest = (quick_run.run_dir / "checkpoints" / "latest.gguf").resolve()
+    with_keys(latest, edit, keep_state_digest=True)
+    with pytest.raises(LlamatrainError, match="training state keys .* do not match the sha256"):
+        api.fit("tiny", overrides=tiny_overrides(**{**QUICK, "train.steps": 4}),
+                resume="latest", progress=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "llamatrain", "info", "--verify", str(latest)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and "training state keys" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_info_verify_says_what_it_covers(quick_run):
+    latest = quick_run.run_dir / "checkpoints" / "latest.gguf"
+    done = subprocess.run(
+        [sys.executable, "-m", "llamatrain", "info", "--verify", str(latest)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0
+    assert "verify: the training.*/optimizer.* keys and all" in done.stdout
 
 
 # ---- 2. writes only where owned ------------------------------------------------------------

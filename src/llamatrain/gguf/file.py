@@ -54,6 +54,7 @@ __all__ = [
     "GGUF_KIND",
     "INTEGER_TYPES",
     "QUANT_BLOCK",
+    "STATE_SHA256_KEY",
     "TENSOR_SHA256_KEY",
     "GGUFContents",
     "GGUFSource",
@@ -82,6 +83,11 @@ INTEGER_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
 }
 """Integer tensor types: read back with their own dtype, never dequantized to float."""
 
+STATE_SHA256_KEY = "training.state_sha256"
+"""sha256 of a checkpoint's other ``training.*`` / ``optimizer.*`` keys (counters, cursors,
+config, RNG and optimizer layouts), written with ``TENSOR_SHA256_KEY``: a flipped byte in the
+state is refused as damage like one in a tensor, never believed or met as a traceback."""
+STATE_KEY_PREFIXES = ("training.", "optimizer.")
 TENSOR_SHA256_KEY = "training.tensor_sha256"
 """Key of the JSON map tensor name -> sha256 (hex) of its stored bytes. A ``training.*`` key
 because only checkpoints carry it: an exported model keeps exactly the keys it had."""
@@ -166,6 +172,8 @@ def write_gguf(
     if checksums:
         digests = {name: _sha256(array) for name, (array, _) in encoded_tensors.items()}
         encoded_metadata[TENSOR_SHA256_KEY] = _encode_value(TENSOR_SHA256_KEY, json.dumps(digests))
+        state_digest = _state_sha256(metadata)
+        encoded_metadata[STATE_SHA256_KEY] = _encode_value(STATE_SHA256_KEY, state_digest)
     writer = GGUFWriter(None, architecture)
     for key, (value, value_type, item_type) in encoded_metadata.items():
         writer.add_key_value(key, value, value_type, sub_type=item_type)
@@ -173,6 +181,26 @@ def write_gguf(
         writer.add_tensor(name, array, raw_dtype=raw_type)
     _write_atomically(writer, path)
     return path
+
+
+def _state_sha256(metadata: Mapping[str, Any]) -> str:
+    """sha256 of the ``STATE_KEY_PREFIXES`` keys (not the checksums) as plain values: the same
+    from the values written and from the values read back."""
+    state = {
+        key: _plain(value)
+        for key, value in metadata.items()
+        if key.startswith(STATE_KEY_PREFIXES) and key not in (TENSOR_SHA256_KEY, STATE_SHA256_KEY)
+    }
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    """A metadata value as the reader returns it: numpy scalars and arrays as Python values."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _sha256(data: np.ndarray) -> str:
@@ -399,19 +427,20 @@ def load_tensor_data(contents: GGUFContents) -> GGUFContents:
     return contents
 
 
-def _located(source: GGUFSource) -> tuple[Path, dict[str, TensorInfo]]:
-    """A file's path and tensor locations: from ``source`` when parsed, else parsed now."""
+def _parsed(source: GGUFSource) -> tuple[Path, dict[str, Any], dict[str, TensorInfo]]:
+    """A file's path, keys and tensor locations: from ``source`` when parsed, else parsed now."""
     if isinstance(source, GGUFContents):
-        return source.path, source.infos
+        return source.path, source.metadata, source.infos
     p = Path(source)
-    return p, {info.name: info for info in parse_header(p)[1]}
+    meta, infos, _ = parse_header(p)
+    return p, meta, {info.name: info for info in infos}
 
 
 def read_tensors_into(source: GGUFSource, targets: Mapping[str, torch.Tensor]) -> None:
     """Read the named tensors of a GGUF into ``targets`` (float32, or an integer tensor's own
     dtype; each of the stored shape), e.g. ``model.state_dict()``: each is dequantized into
     place a chunk at a time, so the cost beyond the targets is a few MiB, not a copy of them."""
-    p, infos = _located(source)
+    p, _, infos = _parsed(source)
     missing = [name for name in targets if name not in infos]
     if missing:
         raise GGUFError(
@@ -425,7 +454,7 @@ def read_stored_into(source: GGUFSource, targets: Mapping[str, torch.Tensor]) ->
     """Copy the named tensors' stored bytes, as they are, into ``targets`` of the same byte
     size (a quantized tensor's blocks as uint8 (rows, row_bytes), an F16 one as float16…):
     a frozen base kept in the file's own type (QLoRA) is read without a float copy."""
-    p, infos = _located(source)
+    p, _, infos = _parsed(source)
     with open(p, "rb") as f:
         for name, target in targets.items():
             info = infos.get(name)
@@ -455,11 +484,16 @@ def verify_gguf(source: GGUFSource) -> int:
     """Check every tensor's stored bytes against the sha256 recorded when the file was written.
 
     Returns how many tensors were checked: 0 for a file without ``TENSOR_SHA256_KEY`` (models
-    and vocabularies; only checkpoints carry it). Raises GGUFError naming the damaged tensors.
+    and vocabularies; only checkpoints carry it). Raises GGUFError naming the damaged tensors,
+    or the training state keys when ``STATE_SHA256_KEY`` is recorded and they differ.
     The bytes are hashed 16 MiB at a time, so checking costs no memory however large the file.
     """
-    p, located = _located(source)
-    meta = source.metadata if isinstance(source, GGUFContents) else read_gguf_metadata(p)
+    p, meta, located = _parsed(source)
+    if STATE_SHA256_KEY in meta and meta[STATE_SHA256_KEY] != _state_sha256(meta):
+        raise GGUFError(
+            f"{p} is damaged: its training state keys (training.*, optimizer.*) do not match "
+            f"the sha256 recorded when it was written; {_DAMAGED_FIX}"
+        )
     if TENSOR_SHA256_KEY not in meta:
         return 0
     infos = list(located.values())
