@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import fields
 
-from llamatrain.errors import ConfigError, LlamatrainError
+from llamatrain.errors import ConfigError, GGUFError, LlamatrainError
 from llamatrain.gguf.export_types import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
 from llamatrain.sampling import SamplingParams
 
@@ -111,17 +111,25 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from llamatrain import api
-    from llamatrain.gguf.file import STATE_SHA256_KEY, read_gguf_metadata
+    from llamatrain.gguf.file import STATE_SHA256_KEY, nonfinite_tensors, read_gguf_metadata
 
     print(api.describe_gguf(args.file))
     if args.verify:
         checked = api.verify_gguf(args.file)  # a damaged tensor raises: one line, exit 1
         state = STATE_SHA256_KEY in read_gguf_metadata(args.file)  # since checkpoint version 2
+        bad = nonfinite_tensors(args.file)
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            raise GGUFError(
+                f"{args.file}: tensor {bad[0]}{more} holds NaN or infinite values (a diverged "
+                "run, or damage); use an earlier checkpoint or lower optim.lr"
+            )
         print(
-            f"verify: {'the training.*/optimizer.* keys and ' * state}all {checked} tensors "
-            "match their sha256"
+            f"verify: every value finite; {'the training.*/optimizer.* keys and ' * state}all "
+            f"{checked} tensors match their sha256"
             if checked
-            else "verify: no sha256 recorded (only checkpoints carry them); every tensor read"
+            else "verify: no sha256 recorded (only checkpoints carry them); every tensor read, "
+            "every value finite"
         )
     return 0
 

@@ -183,7 +183,31 @@ def test_info_verify_says_what_it_covers(quick_run):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0
-    assert "verify: the training.*/optimizer.* keys and all" in done.stdout
+    assert "verify: every value finite; the training.*/optimizer.* keys and all" in done.stdout
+
+
+def test_info_escapes_what_a_file_supplies_and_verify_names_nan_weights(quick_run, tmp_path):
+    """A key or value holding ESC/CR/newlines is shown escaped, one line per key; a model with
+    a NaN weight is named by info --verify in one line."""
+    model = tmp_path / "model.gguf"
+    assert export_cli(str(quick_run.run_dir), "-o", str(model)).returncode == 0
+    contents = read_gguf(model)
+    metadata = {k: typed_value(contents, k) for k in contents.metadata}
+    arch = metadata.pop("general.architecture")
+    metadata["general.name"] = "evil\x1b[2J\rforged line\nverify: all fine"
+    tensors = {name: (t, "f32") for name, t in contents.tensors.items()}
+    tensors["output_norm.weight"][0][3] = float("nan")
+    model.unlink()
+    write_gguf(model, arch, metadata, tensors)
+    done = subprocess.run(
+        [sys.executable, "-m", "llamatrain", "info", "--verify", str(model)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "\x1b" not in done.stdout and "\r" not in done.stdout
+    assert "general.name: evil\\x1b[2J\\rforged line\\nverify: all fine" in done.stdout
+    assert done.returncode == 1
+    assert "output_norm.weight holds NaN or infinite values" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 # ---- 2. writes only where owned ------------------------------------------------------------

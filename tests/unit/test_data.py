@@ -28,7 +28,7 @@ def test_sonnets_with_bos_prefixed_windows(tmp_path, monkeypatch, char_tokenizer
     assert x.shape == y.shape == (8, 64)
     assert x[:, 0].eq(tok.bos_id).all() and torch.equal(x[:, 1:], y[:, :-1])
     assert tok.bos_id not in td.tokens  # BOS only as the window prefix
-    vx, vy = next(td.val_batches(1))
+    vx, vy, _ = next(td.val_batches(1))
     assert vx.shape == (8, 64) and vy[0].tolist() == td.tokens[split : split + 64].tolist()
 
 

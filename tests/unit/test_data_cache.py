@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -120,3 +122,50 @@ def test_errors(tmp_path, char_tokenizer):
     with pytest.raises(DataError, match="tokenize to zero tokens"):
         load_tokens([write(tmp_path / "e.txt", "")], char_tokenizer(), tmp_path, doc_eos=False)
     assert not list((tmp_path / "tokens").glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("flip", "does not match its recorded sha256"),
+        ("count", "number of tokens"),
+        ("dtype", "other settings"),
+        ("json", "unreadable description"),
+        ("id", "outside the"),
+    ],
+)
+def test_a_damaged_or_edited_cache_entry_is_rebuilt(tmp_path, char_tokenizer, damage, reason):
+    """Nothing in the cache is believed unchecked: a flipped byte, an edited description or
+    an id past the vocabulary makes the run tokenize again (with a warning), never train on
+    what the entry holds."""
+    a = tmp_path / "a.txt"
+    a.write_text("to be or not to be\n" * 20)
+    cache = tmp_path / "cache"
+    tok = char_tokenizer()
+    first = np.array(load_tokens([a], tok, cache))
+    folder = cache / "tokens"
+    (bin_path,) = folder.glob("*.bin")
+    meta_path = bin_path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    if damage == "flip":
+        data = bytearray(bin_path.read_bytes())
+        data[3] ^= 1
+        bin_path.write_bytes(bytes(data))
+    elif damage == "count":
+        meta["n_tokens"] -= 1
+        meta_path.write_text(json.dumps(meta))
+    elif damage == "dtype":
+        meta["dtype"] = "uint32"
+        meta_path.write_text(json.dumps(meta))
+    elif damage == "json":
+        meta_path.write_text("{" * 100_000)
+    else:  # an id past the vocabulary, with a description that agrees with the bytes
+        ids = np.fromfile(bin_path, dtype=meta["dtype"])
+        ids[0] = np.iinfo(ids.dtype).max
+        ids.tofile(bin_path)
+        meta["sha256"] = hashlib.sha256(ids.tobytes()).hexdigest()
+        meta_path.write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match=reason):
+        again = np.array(load_tokens([a], tok, cache))
+    np.testing.assert_array_equal(again, first)
+    assert np.array_equal(load_tokens([a], tok, cache), first)  # rebuilt: no warning

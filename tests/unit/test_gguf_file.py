@@ -362,7 +362,8 @@ def test_a_type_no_library_dequantizes_is_one_error_naming_tensor_type_and_fix(
     tmp_path: Path, capsys
 ) -> None:
     """Q8_K is a real GGML type (llama.cpp's activation format) that gguf cannot dequantize;
-    the header still reads, the data fails with one line, and so does the CLI (exit 1)."""
+    the header still reads (and ``info`` shows it), the data fails with one line, and so does
+    ``info --verify`` (exit 1)."""
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_K]
     path = write_raw_tensor(
         tmp_path / "q8_k.gguf", GGMLQuantizationType.Q8_K, np.zeros((2, type_size), np.uint8)
@@ -373,7 +374,9 @@ def test_a_type_no_library_dequantizes_is_one_error_naming_tensor_type_and_fix(
     message = r"tensor x.weight has type Q8_K, which llamatrain cannot dequantize; convert"
     with pytest.raises(GGUFError, match=message):
         read_gguf(path)
-    assert main(["info", str(path)]) == 1
+    assert main(["info", str(path)]) == 0  # a summary reads the header alone
+    assert "Q8_K" in capsys.readouterr().out
+    assert main(["info", "--verify", str(path)]) == 1  # verifying reads every value
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "x.weight" in err and "Q8_K" in err and "convert" in err
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +114,15 @@ def load_tokens(
     folder = Path(cache_dir).expanduser() / "tokens"
     bin_path, meta_path = folder / f"{key}.bin", folder / f"{key}.json"
 
-    cached = _open_cached(bin_path, meta_path)
+    dtype = token_dtype(tokenizer.vocab_size)
+    expected = {**key_src, "dtype": dtype.name}
+    cached = _open_cached(bin_path, meta_path, expected, tokenizer.vocab_size)
     if cached is not None:
         return cached
     folder.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(tokenizer.vocab_size)
     n_tokens = _write_stream(bin_path, paths, tokenizer, layout, dtype, progress)
-    meta = {"n_tokens": n_tokens, "dtype": dtype.name, **key_src}
+    digest, _ = _scan(np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,)))
+    meta = {"n_tokens": n_tokens, "sha256": digest, **expected}
     meta["paths"] = [str(p) for p in paths]  # for people reading the cache; not in the key
     _write_json(meta_path, meta)
     return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
@@ -153,14 +156,60 @@ def _sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _open_cached(bin_path: Path, meta_path: Path) -> np.ndarray | None:
-    """The cached stream, or None when there is none or its file has the wrong size."""
+def _open_cached(
+    bin_path: Path, meta_path: Path, expected: dict[str, Any], vocab_size: int
+) -> np.ndarray | None:
+    """The cached stream, or None (with a warning when an entry was there) to rebuild it.
+
+    Nothing in the cache is believed unchecked: its description must be the one this run
+    would write (key fields, dtype), the file exactly ``n_tokens`` long, its bytes the
+    recorded sha256 and every id inside the vocabulary. An edited or damaged entry would
+    otherwise train silently on garbage; rebuilding costs one tokenization.
+    """
     if not (meta_path.is_file() and bin_path.is_file()):
         return None
-    meta = json.loads(meta_path.read_text())
-    if bin_path.stat().st_size != meta["n_tokens"] * np.dtype(meta["dtype"]).itemsize:
+    problem, stream = _checked_stream(bin_path, meta_path, expected, vocab_size)
+    if problem:
+        warnings.warn(f"token cache {bin_path} {problem}; tokenizing again", stacklevel=4)
         return None
-    return np.memmap(bin_path, dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
+    return stream
+
+
+def _checked_stream(
+    bin_path: Path, meta_path: Path, expected: dict[str, Any], vocab_size: int
+) -> tuple[str | None, np.ndarray | None]:
+    """(what is wrong with a cache entry or None, its stream when nothing is)."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return "has an unreadable description", None
+    if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in expected.items()):
+        return "is described for other settings than this run's", None
+    n_tokens = meta.get("n_tokens")
+    dtype = np.dtype(expected["dtype"])
+    if type(n_tokens) is not int or bin_path.stat().st_size != n_tokens * dtype.itemsize:
+        return "does not hold the number of tokens its description says", None
+    if n_tokens == 0:
+        return "is empty", None
+    if "sha256" not in meta:
+        return "was written before caches recorded their sha256", None
+    stream = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+    digest, top = _scan(stream)
+    if digest != meta.get("sha256"):
+        return "does not match its recorded sha256", None
+    if top >= vocab_size:
+        return f"holds id {top}, outside the {vocab_size}-token vocabulary", None
+    return None, stream
+
+
+def _scan(stream: np.ndarray, chunk: int = 1 << 24) -> tuple[str, int]:
+    """(sha256 of the stream's bytes, its largest id), in one pass of ``chunk`` ids."""
+    digest, top = hashlib.sha256(), 0
+    for start in range(0, len(stream), chunk):
+        part = np.asarray(stream[start : start + chunk])
+        digest.update(part.tobytes())
+        top = max(top, int(part.max()))
+    return digest.hexdigest(), top
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -34,8 +34,13 @@ _TOKENIZER_FLAGS = ("add_bos_token", "add_eos_token", "add_space_prefix")
 
 
 def describe_gguf(path: str | os.PathLike[str]) -> str:
-    """A human-readable summary: architecture, hyper-parameters, tokenizer, tensors, counters."""
-    contents = read_gguf(path)
+    """A human-readable summary: architecture, hyper-parameters, tokenizer, tensors, counters.
+
+    Only the header is read (a summary of a 7B model costs no 7B read). Every character a file
+    supplies is shown printable (:func:`_printable`): a file cannot clear the screen or forge
+    lines of the report.
+    """
+    contents = read_gguf(path, tensor_data=False)
     meta = contents.metadata
     arch = meta.get("general.architecture")
     total = sum(contents.tensor_nbytes.values())
@@ -58,7 +63,15 @@ def describe_gguf(path: str | os.PathLike[str]) -> str:
     ]
     if contents.tensors:
         lines += _tensor_table(contents, total)
-    return "\n".join(lines)
+    return "\n".join(_printable(line) for line in lines)
+
+
+def _printable(text: str) -> str:
+    """``text`` with every non-printable character (ESC, CR, newlines, BiDi controls…) escaped
+    as Python would write it (``\\x1b``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def _kind(contents: GGUFContents) -> str:

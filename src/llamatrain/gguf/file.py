@@ -60,6 +60,7 @@ __all__ = [
     "GGUFSource",
     "TensorToWrite",
     "load_tensor_data",
+    "nonfinite_tensors",
     "read_gguf",
     "read_gguf_metadata",
     "read_stored_into",
@@ -512,6 +513,21 @@ def verify_gguf(source: GGUFSource) -> int:
             f"it was written; {_DAMAGED_FIX}"
         )
     return len(infos)
+
+
+def nonfinite_tensors(source: GGUFSource) -> list[str]:
+    """The float tensors holding a NaN or an infinity (a diverged run saved, or damage), read
+    one at a time: memory for the largest tensor, not the model."""
+    p, _, infos = _parsed(source)
+    bad = []
+    with open(p, "rb") as f:
+        for info in infos.values():
+            target = torch.empty(info.np_shape, dtype=_dtype(info))
+            if target.is_floating_point():
+                _read_into(p, f, info, target)
+                if not bool(torch.isfinite(target).all()):
+                    bad.append(info.name)
+    return bad
 
 
 def _stored_sha256(p: Path, f: BinaryIO, info: TensorInfo) -> str:
