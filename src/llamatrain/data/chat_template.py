@@ -2,36 +2,58 @@
 parts of the text are trained.
 
 A chat template is the Jinja2 source a model ships (``tokenizer.chat_template`` in GGUF,
-``chat_template`` in tokenizer_config.json); it sees ``messages`` (``role``/``content``),
-``add_generation_prompt``, ``bos_token`` and ``eos_token``. It comes from a file, so it is
-untrusted code: it only ever runs in Jinja's immutable sandbox, set up as transformers sets it
-up (same whitespace handling and helpers), so a template renders here exactly as it does there.
+``chat_template`` in tokenizer_config.json); it sees ``messages``, ``add_generation_prompt``,
+``bos_token``, ``eos_token``, ``tools``, ``documents`` and any extra variables (``enable_thinking``
+for Qwen3 and SmolLM3, ``xml_tools``...). A message has a ``role`` and a string ``content``; an
+assistant message may carry ``tool_calls`` and ``reasoning_content`` (its thinking), a ``tool``
+message (a tool's result) a ``name`` and ``tool_call_id``. The template comes from a file, so it
+is untrusted code: it only ever runs in Jinja's immutable sandbox, set up as transformers sets it
+up (same whitespace handling, extensions and helpers: ``tojson``, ``raise_exception``,
+``strftime_now``, loop controls, ``{% generation %}``), and sees only plain JSON data, so a
+template renders here byte for byte as ``apply_chat_template`` renders it.
 
 Which text is trained is found without knowing the template: what assistant message ``i`` adds
 is the render of the first ``i + 1`` messages minus the render of the first ``i`` with the
 generation prompt (the assistant header the model is prompted with). Templates that render a
-conversation turn by turn make each such render a prefix of the next; others are refused.
+conversation turn by turn make each such render a prefix of the next; others are refused, as
+are conversations a template rewrites once they go on (Qwen3's drops the thinking of assistant
+turns before the last user message, so such a turn is not trained as the model writes it).
 """
 
 from __future__ import annotations
 
 import json
+import keyword
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache, cached_property
 from typing import Any, NoReturn
 
+from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from llamatrain.errors import DataError
 
 __all__ = ["BUILTIN_TEMPLATES", "ROLES", "ChatTemplate", "Segment", "chat_template_for"]
 
-ROLES = ("system", "user", "assistant")
-"""The roles a message may have."""
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a message may have (``tool``: a tool's result, which templates with tools read)."""
+
+_OPTIONAL_KEYS = {
+    "assistant": {"tool_calls": list, "reasoning_content": str},
+    "tool": {"name": str, "tool_call_id": str},
+}
+"""Keys a message of a role may have besides ``role`` and ``content``, with their JSON type."""
+
+_RESERVED = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"}
+)
+"""Template variables set from :meth:`ChatTemplate.render`'s own arguments."""
 
 BUILTIN_TEMPLATES: dict[str, str] = {
     # ChatML as SmolLM-Instruct and Qwen ship it, without a default system prompt.
@@ -122,22 +144,39 @@ class ChatTemplate:
             ) from None
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **variables: Any,
     ) -> str:
         """The conversation as the model reads it; with ``add_generation_prompt``, followed by
-        what prompts the model for the next assistant turn."""
-        return self._render(_checked(messages), add_generation_prompt)
+        what prompts the model for the next assistant turn. ``tools`` (JSON schemas of the
+        functions the model may call), ``documents`` and ``variables`` (``enable_thinking=False``)
+        reach the template as ``apply_chat_template``'s keyword arguments do; DataError for a
+        value that is not plain JSON data."""
+        context = _context(tools, documents, variables)
+        return self._render(_checked(messages), add_generation_prompt, context)
 
-    def segments(self, messages: Sequence[Mapping[str, Any]]) -> list[Segment]:
-        """The rendered conversation cut into alternating untrained and trained pieces that
-        join back into :meth:`render` exactly. Text after an assistant turn's end-of-turn
-        marker (chatml's newline) is untrained: the model stops before it. A conversation
-        without an assistant turn is one untrained piece."""
-        chat = _checked(messages)
-        whole = self._render(chat, False)
+    def segments(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **variables: Any,
+    ) -> list[Segment]:
+        """The rendered conversation (as :meth:`render` renders it with the same arguments) cut
+        into alternating untrained and trained pieces that join back into it exactly. Text
+        after an assistant turn's end-of-turn marker (chatml's newline) is untrained: the model
+        stops before it. A conversation without an assistant turn is one untrained piece."""
+        chat, context = _checked(messages), _context(tools, documents, variables)
+        whole = self._render(chat, False, context)
         pieces: list[Segment] = []
         done = 0
-        for start, end in self._assistant_spans(chat, whole):
+        for start, end in self._assistant_spans(chat, whole, context):
             _append(pieces, whole[done:start], trained=False)
             cut = self._turn_end(whole[start:end])
             _append(pieces, whole[start : start + cut], trained=True)
@@ -162,8 +201,8 @@ class ChatTemplate:
     @cached_property
     def _marker(self) -> str:
         """What follows the probe reply in its turn, without whitespace; "" if nothing."""
-        whole = self._render(_PROBE, False)
-        (start, end), *_ = self._assistant_spans(_PROBE, whole)
+        whole = self._render(_PROBE, False, _context(None, None, {}))
+        (start, end), *_ = self._assistant_spans(_PROBE, whole, _context(None, None, {}))
         turn, reply = whole[start:end], _PROBE[-1]["content"]
         at = turn.rfind(reply)
         return turn[at + len(reply) :].strip() if at >= 0 else ""
@@ -174,18 +213,29 @@ class ChatTemplate:
         at = turn.rfind(self._marker) if self._marker else -1
         return at + len(self._marker) if at >= 0 else len(turn)
 
-    def _assistant_spans(self, chat: list[dict[str, str]], whole: str) -> list[tuple[int, int]]:
+    def _assistant_spans(
+        self, chat: list[dict[str, Any]], whole: str, context: dict[str, Any]
+    ) -> list[tuple[int, int]]:
         """``(start, end)`` in ``whole`` of the text each assistant message adds, found by
         rendering prefixes of the conversation."""
         spans, done = [], 0
         for i, message in enumerate(chat):
             if message["role"] != "assistant":
                 continue
-            before = self._render(chat[:i], True)
-            after = self._render(chat[: i + 1], False)
-            if not (whole.startswith(before) and whole.startswith(after)) or not (
-                done <= len(before) <= len(after)
-            ):
+            before = self._render(chat[:i], True, context)
+            after = self._render(chat[: i + 1], False, context)
+            if whole.startswith(before) and len(before) <= len(after) and done <= len(before):
+                if not whole.startswith(after):
+                    raise DataError(
+                        f"{self.name} does not render a conversation turn by turn: it writes "
+                        f"assistant message {i + 1} differently once later messages follow "
+                        "(Qwen3's template drops the thinking of turns before the last user "
+                        "message), so that turn would not be trained as the model writes it; "
+                        "end the conversation at that turn (one line per turn), or for Qwen3 "
+                        "give each assistant turn after the last user message a "
+                        "reasoning_content"
+                    )
+            else:
                 raise DataError(
                     f"{self.name} does not render a conversation turn by turn (its render of "
                     f"the first {i} messages with the generation prompt does not begin its "
@@ -196,16 +246,16 @@ class ChatTemplate:
             done = len(after)
         return spans
 
-    def _render(self, chat: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(
+        self, chat: list[dict[str, Any]], add_generation_prompt: bool, context: dict[str, Any]
+    ) -> str:
         try:
             return self._template.render(
+                **context,
                 messages=chat,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                # Defined as transformers defines them: templates test `tools is not none`.
-                tools=None,
-                documents=None,
             )
         except _TemplateRefused as e:
             raise DataError(f"{self.name} refused the conversation: {_one_line(e)}") from None
@@ -268,21 +318,105 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _Generation(Extension):
+    """``{% generation %}...{% endgeneration %}``, which transformers' templates use to mark
+    the assistant's text for ``return_assistant_tokens_mask`` (SmolLM3's): renders its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (Jinja's own class attribute)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+class _Namespace(Namespace):
+    """``namespace(...)`` that, as transformers', refuses underscore-named attributes (a way
+    towards Python internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Namespace's signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+
+class _Dict:
+    """``dict(...)`` and ``dict.fromkeys(...)`` without the ``dict`` type itself (whose
+    attributes lead to Python internals), as transformers provides them."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
 @cache
 def _sandbox() -> ImmutableSandboxedEnvironment:
     """The environment every template compiles in: immutable sandbox (no attribute access to
     Python internals, no mutating the messages), with transformers' settings and helpers."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _Dict()
+    env.globals["namespace"] = _Namespace
     return env
 
 
-def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Fresh plain copies of the messages (so a template sees nothing but strings); DataError
+def _context(
+    tools: Sequence[Mapping[str, Any]] | None,
+    documents: Sequence[Mapping[str, Any]] | None,
+    variables: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The template variables besides the messages, as plain JSON data: ``tools`` and
+    ``documents`` (None when not given: templates test ``tools is not none``) and the extra
+    variables, whose names must not shadow the others'."""
+    for name in variables:
+        if name in _RESERVED or not name.isidentifier() or keyword.iskeyword(name):
+            raise DataError(f"{name!r} cannot be a chat template variable")
+    context = {"tools": tools, "documents": documents, **variables}
+    for name in ("tools", "documents"):
+        value = context[name]
+        if value is not None and not (
+            isinstance(value, Sequence)
+            and not isinstance(value, str | bytes)
+            and all(isinstance(item, Mapping) for item in value)
+        ):
+            raise DataError(f"{name} must be a list of JSON objects, not a {type(value).__name__}")
+    return {name: _plain(value, name) for name, value in context.items()}
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A fresh copy of ``value`` made of JSON types only (dict with string keys, list, str,
+    int, float, bool, None), so a template reaches no Python object's methods; DataError naming
+    ``where`` for anything else."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        if not all(type(key) is str for key in value):
+            raise DataError(f"{where} has a key that is not a string")
+        return {key: _plain(item, f"{where}[{key!r}]") for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise DataError(f"{where} is of type {type(value).__name__}, which is not JSON data")
+
+
+def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Fresh plain copies of the messages (so a template sees nothing but JSON data); DataError
     for an empty conversation or a malformed message."""
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
         raise DataError(f"a conversation is a list of messages, not a {type(messages).__name__}")
@@ -291,26 +425,38 @@ def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
     return [_checked_message(number, m) for number, m in enumerate(messages, start=1)]
 
 
-def _checked_message(number: int, message: object) -> dict[str, str]:
-    """A message is exactly ``{"role": str, "content": str}``: another key (a ``weight``, a
-    ``name``) would be silently ignored, so it is refused instead."""
+def _checked_message(number: int, message: object) -> dict[str, Any]:
+    """A message is ``{"role": str, "content": str}`` plus the optional keys of its role
+    (:data:`_OPTIONAL_KEYS`): another key (a ``weight``) would be silently ignored, so it is
+    refused instead. A ``reasoning_content`` is also given as ``thinking`` (which gpt-oss
+    templates read), as transformers gives it."""
     if not isinstance(message, Mapping):
         raise DataError(
             f'message {number} is a {type(message).__name__}, not {{"role": ..., "content": ...}}'
         )
-    if set(message) != {"role", "content"}:
-        keys = ", ".join(map(repr, message)) or "none"
-        raise DataError(
-            f'message {number} has keys {keys}; a message has exactly "role" and "content"'
-        )
-    role, content = message["role"], message["content"]
+    role = message.get("role")
     if type(role) is not str or role not in ROLES:
         raise DataError(f"message {number} has role {role!r}; a role is one of {', '.join(ROLES)}")
-    if type(content) is not str:
+    optional = _OPTIONAL_KEYS.get(role, {})
+    if not {"role", "content"} <= set(message) <= {"role", "content", *optional}:
+        keys = ", ".join(map(repr, message)) or "none"
+        extra = f" (and optionally {', '.join(map(repr, optional))})" if optional else ""
         raise DataError(
-            f"message {number} has content of type {type(content).__name__}; content is a string"
+            f"message {number} has keys {keys}; {'an' if role == 'assistant' else 'a'} {role} "
+            f'message has "role" and "content"{extra}'
         )
-    return {"role": role, "content": content}
+    for key, kind in {"content": str, **optional}.items():
+        if key in message and type(message[key]) is not kind:
+            raise DataError(
+                f"message {number} has {key} of type {type(message[key]).__name__}; "
+                f"{key} is a {'string' if kind is str else 'list'}"
+            )
+    if any(not isinstance(call, Mapping) for call in message.get("tool_calls", ())):
+        raise DataError(f"message {number} has a tool call that is not a JSON object")
+    checked = _plain(dict(message), f"message {number}")
+    if "reasoning_content" in checked:  # transformers' _alias_reasoning_fields, key order too
+        checked = {"thinking": checked["reasoning_content"], **checked}
+    return checked
 
 
 def _append(pieces: list[Segment], text: str, *, trained: bool) -> None:
