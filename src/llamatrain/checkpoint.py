@@ -204,6 +204,7 @@ def _save_lora_checkpoint(
         path,
         lora_state_dict(model),
         alpha=first.alpha,
+        base_architecture=model.cfg.arch,
         inherited=state.inherited,
         extra_kv=extra_kv,
         extra_tensors=extra_tensors,

@@ -3,7 +3,15 @@
 Parameter names *are* llama.cpp's GGUF tensor names (``token_embd.weight``,
 ``blk.0.attn_q.weight``, ...): the module tree is laid out so that ``state_dict()`` keys need
 no translation, which makes :func:`tensor_shapes` the single name map that export and import
-consult. Rope uses llama.cpp's NORM convention (adjacent pairs), so Q/K are exported unpermuted.
+consult. Rope uses llama.cpp's convention for the family (NORM, adjacent pairs, for llama and
+smollm3; NEOX, pairs i and i + head_dim/2, for qwen2 and qwen3), so Q/K are stored as
+llama.cpp's GGUF stores them.
+
+One decoder serves every family in :data:`FAMILIES` (llama.cpp's ``general.architecture``):
+they differ from llama by a few switches (:class:`Family`) — the rope's pairing, rope left out
+on some layers (NoPE), per-head q/k RMSNorm, q/k/v biases — which the modules read, never the
+family's name. llama.cpp fixes the switches by the architecture (its GGUF has no key for them),
+so ``ModelConfig.arch`` chooses them all at once.
 
 The same module runs on two interchangeable op sets, ``ops="ggml"`` (ggml's backward
 formulas) and ``ops="torch"`` (plain PyTorch), with three attention choices: the modules
@@ -38,14 +46,51 @@ RUN_CHOICES = ("ops", "attention", "init_from")
 """Fields that choose how a model is built or run, not what the network computes."""
 
 
+class Family(NamedTuple):
+    """How a model family's graph differs from llama's, as llama.cpp builds it
+    (``src/models/<arch>.cpp``); llama's row is all defaults."""
+
+    rope_mode: str = "norm"
+    """``"norm"``: rope turns adjacent pairs; ``"neox"``: element i with i + head_dim/2."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before rope (``blk.N.attn_q_norm`` / ``attn_k_norm``)."""
+    qkv_bias: bool = False
+    """q/k/v projections always carry biases (the output projection none)."""
+    no_rope_every: int = 0
+    """Rope is left out of layers il with (il + 1) % no_rope_every == 0 (0: none)."""
+    biases: bool = True
+    """llama.cpp's loader takes optional ``attention_bias`` / ``mlp_bias`` tensors."""
+    rope_freqs: bool = True
+    """llama.cpp's graph applies a ``rope_freqs.weight`` tensor."""
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "qwen2": Family(rope_mode="neox", qkv_bias=True, biases=False, rope_freqs=False),
+    "qwen3": Family(rope_mode="neox", qk_norm=True, biases=False, rope_freqs=False),
+    # smollm3's graph would add biases, but llama.cpp's loader takes none: it refuses such a file
+    "smollm3": Family(no_rope_every=4, biases=False, rope_freqs=False),
+}
+"""The families llamatrain trains, by llama.cpp's architecture name (``general.architecture``,
+also the prefix of the hyper-parameter keys: ``qwen3.block_count``)."""
+ARCHS = tuple(FAMILIES)
+
+
 def _nowhere(key: str) -> str:
     return ""
 
 
 @dataclass
 class ModelConfig:
-    """Architecture of a llama (ignored when ``init_from`` names a GGUF model)."""
+    """Architecture of a llama or a family derived from it (ignored when ``init_from`` is set)."""
 
+    arch: str = setting(
+        "llama",
+        "model family, llama.cpp's general.architecture: qwen2 = llama + q/k/v biases and "
+        "NEOX rope (Qwen2/2.5); qwen3 = llama + per-head q/k RMSNorm and NEOX rope; smollm3 "
+        "= llama without rope on every 4th layer",
+        choices=ARCHS,
+    )
     dim: int = setting(256, "embedding width (llama.embedding_length)", gt=0)
     n_layers: int = setting(4, "number of transformer blocks (llama.block_count)", gt=0)
     n_heads: int = setting(8, "attention heads; head_dim = dim / n_heads must be even", gt=0)
@@ -102,6 +147,21 @@ class ModelConfig:
         self.validate()
 
     @property
+    def family(self) -> Family:
+        """The graph's switches for ``arch``."""
+        return FAMILIES[self.arch]
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q/k/v carry biases (the family's, or ``attention_bias``'s)."""
+        return self.family.qkv_bias or self.attention_bias
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether block ``layer`` applies rope (NoPE families leave it out of some)."""
+        step = self.family.no_rope_every
+        return step == 0 or (layer + 1) % step != 0
+
+    @property
     def head_dim(self) -> int:
         return self.key_length or self.dim // self.n_heads
 
@@ -142,6 +202,24 @@ class ModelConfig:
                 f"{self.n_heads}{where('model.n_kv_heads')}; choose one of "
                 f"{divisors(self.n_heads)}"
             )
+        family = FAMILIES.get(self.arch)
+        if family is None:  # check_rules names the choices; a direct caller may skip them
+            raise ConfigError(f"model.arch = {self.arch!r} must be one of {list(ARCHS)}")
+        unsupported = [
+            name
+            for name, on, allowed in (
+                ("attention_bias", self.attention_bias, family.biases),
+                ("mlp_bias", self.mlp_bias, family.biases),
+                ("rope_freq_factors", self.rope_freq_factors, family.rope_freqs),
+            )
+            if on and not allowed
+        ]
+        if unsupported:
+            key = f"model.{unsupported[0]}"
+            raise ConfigError(
+                f"{key} = true{where(key)}: llama.cpp's {self.arch!r} architecture has no "
+                f"such tensors; set it to false or model.arch = 'llama'"
+            )
 
 
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -157,10 +235,11 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, e)}
     if cfg.rope_freq_factors:
         shapes["rope_freqs.weight"] = (cfg.head_dim // 2,)
+    qkv = cfg.qkv_bias
     sides = (  # (out, in, has a bias) of each of PROJECTIONS, in order
-        (q, e, cfg.attention_bias),
-        (kv, e, cfg.attention_bias),
-        (kv, e, cfg.attention_bias),
+        (q, e, qkv),
+        (kv, e, qkv),
+        (kv, e, qkv),
         (e, q, cfg.attention_bias),
         (f, e, cfg.mlp_bias),
         (f, e, cfg.mlp_bias),
@@ -175,6 +254,9 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{b}{name}.weight"] = (n_out, n_in)
             if bias:
                 shapes[f"{b}{name}.bias"] = (n_out,)
+            if name == "attn_k" and cfg.family.qk_norm:  # per-head norms of q and k
+                shapes[b + "attn_q_norm.weight"] = (cfg.head_dim,)
+                shapes[b + "attn_k_norm.weight"] = (cfg.head_dim,)
     shapes["output_norm.weight"] = (e,)
     if not cfg.tie_embeddings:
         shapes["output.weight"] = (v, e)
@@ -208,10 +290,16 @@ class Rope(NamedTuple):
     theta: float
     freq_scale: float = 1.0
     freq_factors: torch.Tensor | None = None
+    mode: str = "norm"
 
     def frequencies(self) -> dict:
         """The keyword arguments of ``OpSet.rope`` besides ``x`` and ``pos``."""
-        return dict(theta=self.theta, freq_scale=self.freq_scale, freq_factors=self.freq_factors)
+        return dict(
+            theta=self.theta,
+            freq_scale=self.freq_scale,
+            freq_factors=self.freq_factors,
+            mode=self.mode,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -276,19 +364,26 @@ class Block(nn.Module):
     """One transformer layer: x + attn(norm(x)), then h + ffn(norm(h)).
 
     The sub-layers hang directly off the block so that parameter names read exactly like
-    llama.cpp's (``blk.N.attn_q.weight``, ``blk.N.ffn_gate.weight``, ...).
+    llama.cpp's (``blk.N.attn_q.weight``, ``blk.N.ffn_gate.weight``, ...). The family's
+    switches (``cfg.family``) add q/k norms, q/k/v biases, or leave rope out of this layer.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, ops: OpSet) -> None:
         super().__init__()
         self.cfg, self.layer, self.ops = cfg, layer, ops
+        self.rotates = cfg.uses_rope(layer)
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        qkvo, mlp = cfg.attention_bias, cfg.mlp_bias
+        qkv, mlp = cfg.qkv_bias, cfg.mlp_bias
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
-        self.attn_q = Linear(cfg.dim, q_dim, ops, qkvo)
-        self.attn_k = Linear(cfg.dim, kv_dim, ops, qkvo)
-        self.attn_v = Linear(cfg.dim, kv_dim, ops, qkvo)
-        self.attn_output = Linear(q_dim, cfg.dim, ops, qkvo)
+        self.attn_q = Linear(cfg.dim, q_dim, ops, qkv)
+        self.attn_k = Linear(cfg.dim, kv_dim, ops, qkv)
+        self.attn_v = Linear(cfg.dim, kv_dim, ops, qkv)
+        self.attn_output = Linear(q_dim, cfg.dim, ops, cfg.attention_bias)
+        if cfg.family.qk_norm:  # per head, over head_dim (llama.cpp's build_norm on 3-d q/k)
+            self.attn_q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, ops)
+            self.attn_k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, ops)
+        else:
+            self.attn_q_norm = self.attn_k_norm = None
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.ffn_gate = Linear(cfg.dim, cfg.hidden_dim, ops, mlp)
         self.ffn_up = Linear(cfg.dim, cfg.hidden_dim, ops, mlp)
@@ -306,9 +401,12 @@ class Block(nn.Module):
         q = self.attn_q(x).view(b, t, self.cfg.n_heads, hd)
         k = self.attn_k(x).view(b, t, self.cfg.kv_heads, hd)
         v = self.attn_v(x).view(b, t, self.cfg.kv_heads, hd)
-        q = self.ops.rope(q, rope.pos, **rope.frequencies()).transpose(1, 2)
-        k = self.ops.rope(k, rope.pos, **rope.frequencies()).transpose(1, 2)
-        v = v.transpose(1, 2)
+        if self.attn_q_norm is not None:
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        if self.rotates:
+            q = self.ops.rope(q, rope.pos, **rope.frequencies())
+            k = self.ops.rope(k, rope.pos, **rope.frequencies())
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
         out = self.ops.attention(q, k, v, documents)  # (b, heads, t, hd), causal
@@ -345,7 +443,8 @@ class Blocks(nn.ModuleList):
 
 
 class Llama(nn.Module):
-    """A llama decoder. ``forward(tokens)`` gives logits; with ``targets`` also the loss."""
+    """A llama-family decoder (any of :data:`FAMILIES`). ``forward(tokens)`` gives logits; with
+    ``targets`` also the loss."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -393,7 +492,8 @@ class Llama(nn.Module):
     def rope_for(self, pos: torch.Tensor) -> Rope:
         """The rope settings for tokens at ``pos``, as every block receives them."""
         factors = None if self.rope_freqs is None else self.rope_freqs.weight
-        return Rope(pos, self.cfg.rope_theta, 1.0 / self.cfg.rope_scaling_factor, factors)
+        scale = 1.0 / self.cfg.rope_scaling_factor
+        return Rope(pos, self.cfg.rope_theta, scale, factors, self.cfg.family.rope_mode)
 
     def hidden_states(
         self,

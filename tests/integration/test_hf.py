@@ -347,7 +347,7 @@ def broken_folders(hf_models, root: Path) -> dict[str, tuple[Path, str]]:
     """HF folders with one thing wrong each, and what the error must name."""
     source, _ = hf_models["tied"]
     cases = {}
-    for case in ("no-weights", "no-config", "qwen2", "yarn"):
+    for case in ("no-weights", "no-config", "gemma", "yarn"):
         folder = root / case
         folder.mkdir()
         for path in source.iterdir():
@@ -356,7 +356,7 @@ def broken_folders(hf_models, root: Path) -> dict[str, tuple[Path, str]]:
     (cases["no-weights"] / "model.safetensors").unlink()
     (cases["no-config"] / "config.json").unlink()
     for case, change in (
-        ("qwen2", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}),
+        ("gemma", {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}),
         ("yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}),
     ):
         config = json.loads((cases[case] / "config.json").read_text())
@@ -364,7 +364,7 @@ def broken_folders(hf_models, root: Path) -> dict[str, tuple[Path, str]]:
     named = {
         "no-weights": "has no model.safetensors",
         "no-config": "has no config.json",
-        "qwen2": "'qwen2' (Qwen2ForCausalLM) model",
+        "gemma": "'gemma' (GemmaForCausalLM) model",
         "yarn": "'yarn' rope scaling",
     }
     return {case: (folder, named[case]) for case, folder in cases.items()}

@@ -397,7 +397,7 @@ def test_error_truncated(model_file: Path) -> None:
 def test_error_unsupported_architecture(model_file: Path, patch) -> None:
     length = struct.pack("<Q", 5)
     patch(model_file, length + b"llama", length + b"gemma")
-    with pytest.raises(GGUFError, match="'gemma' model; llamatrain supports the 'llama'"):
+    with pytest.raises(GGUFError, match="'gemma' model; llamatrain supports the architectures"):
         read_model(model_file)
 
 

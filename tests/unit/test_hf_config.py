@@ -85,8 +85,8 @@ def test_a_mistral_without_sliding_window_is_a_llama():
     "change, message",
     [
         (
-            {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
-            "'qwen2' (Qwen2ForCausalLM)",
+            {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
+            "'gemma' (GemmaForCausalLM)",
         ),
         ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window = 4096"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),

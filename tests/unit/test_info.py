@@ -95,7 +95,9 @@ def test_model_description(model: Llama, tok: SpmTokenizer, tmp_path: Path) -> N
     i = lines.index(TOKENIZER_LINES[0])
     assert lines[i : i + 2] == TOKENIZER_LINES
     (config_line,) = section(text, "other keys")
-    assert config_line.startswith('  llamatrain.model_config: {"attention_bias": false, "dim": 64')
+    assert config_line.startswith(
+        '  llamatrain.model_config: {"arch": "llama", "attention_bias": false, "dim": 64'
+    )
     assert len(config_line) == len("  llamatrain.model_config: ") + 100  # cut, with "..."
     assert config_line.endswith("...")
     assert "tokenizer.ggml.tokens" not in text  # summarised, not dumped

@@ -105,7 +105,7 @@ def write_lora_adapter(
     model: torch.nn.Module | Mapping[str, torch.Tensor],
     *,
     alpha: float,
-    base_architecture: str = "llama",
+    base_architecture: str | None = None,
     inherited: Mapping[str, Any] | None = None,
     extra_kv: Mapping[str, Any] | None = None,
     extra_tensors: Mapping[str, torch.Tensor] | None = None,
@@ -115,6 +115,8 @@ def write_lora_adapter(
     adapted model, or its ``lora_state_dict``, as a checkpoint holds it).
 
     ``alpha`` must be the one the adapters were applied with (the scale is alpha / rank);
+    ``base_architecture``: the base's ``general.architecture``, which llama.cpp requires the
+    adapter to repeat (unset: ``model.cfg.arch`` for a model, else ``"llama"``);
     ``inherited``: the base model's keys, of which the ``general.*`` ones (name, license …)
     are kept. ``extra_kv`` / ``extra_tensors`` / ``checksums`` make it a LoRA run's
     checkpoint, as ``write_model``'s do for a full one: keys of its own, state tensors under
@@ -140,6 +142,9 @@ def write_lora_adapter(
     tensors = {_file_name(name): (tensor, "f32") for name, tensor in adapter.items()}
     tensors.update({name: (tensor, "f32") for name, tensor in extra_tensors.items()})
     metadata.update(extra_kv)
+    if base_architecture is None:
+        cfg = getattr(model, "cfg", None)
+        base_architecture = getattr(cfg, "arch", "llama")
     return write_gguf(path, base_architecture, metadata, tensors, checksums=checksums)
 
 

@@ -1,8 +1,10 @@
 """The llama mapping of GGUF: which keys and tensors make a file llama.cpp runs as a llama.
 
-llama.cpp expects ``general.architecture = "llama"``, the ``llama.*`` hyper-parameter keys, the
-``tokenizer.ggml.*`` keys and *exactly* the model's tensors (an extra tensor makes it refuse the
-file). An exported model, a training checkpoint (the model plus ``training.*`` keys and
+llama.cpp expects ``general.architecture`` (``"llama"``, or another family of
+``llamatrain.model.FAMILIES``: ``"qwen2"``, ``"qwen3"``, ``"smollm3"``), the hyper-parameter
+keys under that name (``llama.block_count``, ``qwen3.block_count``, …), the
+``tokenizer.ggml.*`` keys and *exactly* the model's tensors (an extra tensor makes it refuse
+the file). An exported model, a training checkpoint (the model plus ``training.*`` keys and
 ``optimizer.*`` / ``training.*`` tensors) and a vocabulary are all written by ``write_model`` /
 ``write_vocab`` here, so a checkpoint is guaranteed to carry exactly what an exported model
 carries; ``read_model`` reads any of them, ours or llama.cpp's, back into a ``ModelConfig``, the
@@ -36,11 +38,12 @@ from llamatrain.gguf.file import (
     write_gguf,
 )
 from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
-from llamatrain.model import ModelConfig, tensor_shapes
+from llamatrain.model import ARCHS, ModelConfig, tensor_shapes
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
     "ARCHITECTURE",
+    "ARCHS",
     "CHECKPOINT_TENSOR_PREFIXES",
     "CONFIG_KEY",
     "LlamaFile",
@@ -55,18 +58,20 @@ __all__ = [
 ]
 
 ARCHITECTURE = "llama"
+"""The architecture of a vocab-only file, and the default family."""
 CONFIG_KEY = "llamatrain.model_config"
 """Our exact ModelConfig as JSON, so our files reload into the same config (llama.cpp ignores
-unknown keys); a foreign file's config is rebuilt from the ``llama.*`` keys alone."""
+unknown keys); a foreign file's config is rebuilt from the ``<arch>.*`` keys alone."""
 CHECKPOINT_TENSOR_PREFIXES = ("optimizer.", "training.")
 """Tensors under these prefixes are a checkpoint's training state, never model weights."""
 REQUIRED_MODEL_KEYS = (
-    "llama.context_length",
-    "llama.embedding_length",
-    "llama.block_count",
-    "llama.attention.head_count",
-    "llama.attention.layer_norm_rms_epsilon",
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "attention.head_count",
+    "attention.layer_norm_rms_epsilon",
 )
+"""Hyper-parameter keys every model file has, after its ``<arch>.`` prefix."""
 _DERIVED_FIELDS = {
     "vocab_size": "the tokenizer's vocabulary size",
     "max_seq_len": "the context length the model is trained for",
@@ -86,7 +91,7 @@ _INTEGER_TYPE_NAMES = {dtype: qtype.name for qtype, dtype in INTEGER_TYPES.items
 
 
 def model_metadata(cfg: ModelConfig) -> dict[str, Any]:
-    """The ``llama.*`` keys (the set llama.cpp's own model saver writes) and ``CONFIG_KEY``.
+    """The ``<arch>.*`` keys (the set llama.cpp's own model saver writes) and ``CONFIG_KEY``.
 
     Values carry the numpy types llama.cpp reads them as (UINT32, FLOAT32).
     """
@@ -95,148 +100,164 @@ def model_metadata(cfg: ModelConfig) -> dict[str, Any]:
             raise GGUFError(
                 f"the model config has no {name}; a GGUF records it — set it to {meaning}"
             )
-    u32, f32 = np.uint32, np.float32
+    u32, f32, a = np.uint32, np.float32, cfg.arch
     metadata = {
-        "llama.context_length": u32(cfg.max_seq_len),
-        "llama.embedding_length": u32(cfg.dim),
-        "llama.block_count": u32(cfg.n_layers),
-        "llama.feed_forward_length": u32(cfg.hidden_dim),
-        "llama.attention.head_count": u32(cfg.n_heads),
-        "llama.attention.head_count_kv": u32(cfg.kv_heads),
-        "llama.attention.layer_norm_rms_epsilon": f32(cfg.norm_eps),
-        "llama.rope.freq_base": f32(cfg.rope_theta),
-        "llama.rope.dimension_count": u32(cfg.head_dim),
-        "llama.vocab_size": u32(cfg.vocab_size),
+        a + ".context_length": u32(cfg.max_seq_len),
+        a + ".embedding_length": u32(cfg.dim),
+        a + ".block_count": u32(cfg.n_layers),
+        a + ".feed_forward_length": u32(cfg.hidden_dim),
+        a + ".attention.head_count": u32(cfg.n_heads),
+        a + ".attention.head_count_kv": u32(cfg.kv_heads),
+        a + ".attention.layer_norm_rms_epsilon": f32(cfg.norm_eps),
+        a + ".rope.freq_base": f32(cfg.rope_theta),
+        a + ".rope.dimension_count": u32(cfg.head_dim),
+        a + ".vocab_size": u32(cfg.vocab_size),
         CONFIG_KEY: json.dumps(cfg.architecture(), sort_keys=True),
     }
     if cfg.key_length is not None:
-        metadata["llama.attention.key_length"] = u32(cfg.key_length)
-        metadata["llama.attention.value_length"] = u32(cfg.key_length)
+        metadata[a + ".attention.key_length"] = u32(cfg.key_length)
+        metadata[a + ".attention.value_length"] = u32(cfg.key_length)
     if cfg.rope_scaling_factor != 1.0:
-        metadata["llama.rope.scaling.type"] = "linear"
-        metadata["llama.rope.scaling.factor"] = f32(cfg.rope_scaling_factor)
+        metadata[a + ".rope.scaling.type"] = "linear"
+        metadata[a + ".rope.scaling.factor"] = f32(cfg.rope_scaling_factor)
     return metadata
 
 
 def model_config_from_metadata(contents: GGUFContents) -> ModelConfig:
-    """The ModelConfig a llama GGUF describes: ours from ``CONFIG_KEY``, checked against the
-    ``llama.*`` keys and tensor shapes; a foreign file's from those alone."""
+    """The ModelConfig a model GGUF describes: ours from ``CONFIG_KEY``, checked against the
+    ``<arch>.*`` keys and tensor shapes; a foreign file's from those alone."""
     meta, p = contents.metadata, contents.path
-    _check_required_keys(meta, p)
-    _check_dense(meta, p)
-    derived = _architecture_from_llama_keys(contents)
+    arch = _check_architecture(meta, p)
+    hp = _hyper_parameters(meta, arch)
+    _check_required_keys(hp, arch, p)
+    _check_dense(hp, arch, p)
+    derived = _architecture_from_keys(contents, arch, hp)
     try:
         if CONFIG_KEY in meta:
-            cfg = _config_from_json(meta[CONFIG_KEY], derived, p)
+            cfg = _config_from_json(meta[CONFIG_KEY], derived, arch, p)
         else:
             cfg = ModelConfig(**derived)
         cfg.validate()
     except (ConfigError, TypeError, ValueError) as e:
-        raise GGUFError(f"{p} describes an invalid llama model: {e}") from e
+        raise GGUFError(f"{p} describes an invalid {arch} model: {e}") from e
     return cfg
 
 
-def _check_required_keys(meta: Mapping[str, Any], p: Path) -> None:
-    missing = [k for k in REQUIRED_MODEL_KEYS if k not in meta]
+def _hyper_parameters(meta: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The ``<arch>.*`` keys without their prefix (``qwen3.block_count`` -> ``block_count``)."""
+    prefix = arch + "."
+    return {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}
+
+
+def _check_required_keys(hp: Mapping[str, Any], arch: str, p: Path) -> None:
+    missing = [f"{arch}.{k}" for k in REQUIRED_MODEL_KEYS if k not in hp]
     if missing:
         raise GGUFError(
-            f"{p} lacks the required key(s) {', '.join(missing)}; it is not a complete llama "
+            f"{p} lacks the required key(s) {', '.join(missing)}; it is not a complete {arch} "
             "model — re-export it with llamatrain or llama.cpp's converter"
         )
 
 
-def _check_dense(meta: Mapping[str, Any], p: Path) -> None:
-    if int(meta.get("llama.expert_count", 0) or 0) > 0:
-        raise GGUFError(f"{p} is a mixture-of-experts llama; llamatrain supports dense models only")
+def _check_dense(hp: Mapping[str, Any], arch: str, p: Path) -> None:
+    if int(hp.get("expert_count", 0) or 0) > 0:
+        raise GGUFError(
+            f"{p} is a mixture-of-experts {arch}; llamatrain supports dense models only"
+        )
 
 
-def _rope_scaling_factor(meta: Mapping[str, Any], p: Path) -> float:
+def _rope_scaling_factor(hp: Mapping[str, Any], arch: str, p: Path) -> float:
     """The linear rope scaling factor, read as llama.cpp reads it.
 
     llama.cpp's own saver writes type "linear" with factor 0, which means no scaling; older
-    files say ``llama.rope.scale_linear``. YaRN and the other extrapolation schemes change the
+    files say ``<arch>.rope.scale_linear``. YaRN and the other extrapolation schemes change the
     attention itself; llamatrain does not train them.
     """
-    scaling = meta.get("llama.rope.scaling.type", "linear")
-    factor = float(meta.get("llama.rope.scaling.factor", 0.0) or 0.0)
+    scaling = hp.get("rope.scaling.type", "linear")
+    factor = float(hp.get("rope.scaling.factor", 0.0) or 0.0)
     if scaling not in ("none", "linear"):
         raise GGUFError(
-            f"{p} uses {scaling!r} rope scaling; llamatrain supports linear scaling and "
-            "rope_freqs frequency factors only — finetune a model without it"
+            f"{p} uses {scaling!r} rope scaling ({arch}.rope.scaling.type); llamatrain "
+            "supports linear scaling and rope_freqs frequency factors only — finetune a model "
+            "without it"
         )
     if scaling == "none" or factor == 0.0:
-        factor = float(meta.get("llama.rope.scale_linear", 1.0) or 1.0)
+        factor = float(hp.get("rope.scale_linear", 1.0) or 1.0)
     return factor
 
 
-def _architecture_from_llama_keys(contents: GGUFContents) -> dict[str, Any]:
-    """ModelConfig keyword arguments from the ``llama.*`` keys, the vocabulary and tensors."""
+def _architecture_from_keys(
+    contents: GGUFContents, arch: str, hp: Mapping[str, Any]
+) -> dict[str, Any]:
+    """ModelConfig keyword arguments from the ``<arch>.*`` keys, the vocabulary and tensors."""
     meta, p, tensors = contents.metadata, contents.path, contents.tensors
-    dim = int(meta["llama.embedding_length"])
-    n_heads = int(meta["llama.attention.head_count"])
-    key_length = _key_length(meta, dim, n_heads, p)
-    if "llama.feed_forward_length" in meta:
-        ffn_dim = int(meta["llama.feed_forward_length"])
+    dim = int(hp["embedding_length"])
+    n_heads = int(hp["attention.head_count"])
+    key_length = _key_length(hp, arch, dim, n_heads, p)
+    if "feed_forward_length" in hp:
+        ffn_dim = int(hp["feed_forward_length"])
     elif "blk.0.ffn_gate.weight" in tensors:
         ffn_dim = int(tensors["blk.0.ffn_gate.weight"].shape[0])
     else:
-        raise GGUFError(f"{p} lacks llama.feed_forward_length and blk.0.ffn_gate.weight")
+        raise GGUFError(f"{p} lacks {arch}.feed_forward_length and blk.0.ffn_gate.weight")
     if "tokenizer.ggml.tokens" not in meta:
         raise GGUFError(f"{p} has no vocabulary (tokenizer.ggml.tokens); re-export the model")
     return dict(
+        arch=arch,
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         dim=dim,
-        n_layers=int(meta["llama.block_count"]),
+        n_layers=int(hp["block_count"]),
         n_heads=n_heads,
-        n_kv_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
+        n_kv_heads=int(hp.get("attention.head_count_kv", n_heads)),
         ffn_dim=ffn_dim,
-        max_seq_len=int(meta["llama.context_length"]),
-        norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        rope_scaling_factor=_rope_scaling_factor(meta, p),
+        max_seq_len=int(hp["context_length"]),
+        norm_eps=float(hp["attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(hp.get("rope.freq_base", 10000.0)),
+        rope_scaling_factor=_rope_scaling_factor(hp, arch, p),
         rope_freq_factors="rope_freqs.weight" in tensors,
         key_length=key_length,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_output.bias" in tensors,
         mlp_bias="blk.0.ffn_gate.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
     )
 
 
-def _key_length(meta: Mapping[str, Any], dim: int, n_heads: int, p: Path) -> int | None:
+def _key_length(hp: Mapping[str, Any], arch: str, dim: int, n_heads: int, p: Path) -> int | None:
     """The head width when it is not ``dim / n_heads`` (None when it is).
 
-    llama.cpp's llama takes ``attention.key_length`` for it; values must be as wide as keys
-    and rope must turn the whole head, as in every llama-architecture model.
+    llama.cpp takes ``<arch>.attention.key_length`` for it; values must be as wide as keys
+    and rope must turn the whole head, as in every model of these families.
     """
     if n_heads < 1:
         raise GGUFError(f"{p}: head_count {n_heads} must be positive")
-    width = int(meta.get("llama.attention.key_length", 0) or 0)
+    width = int(hp.get("attention.key_length", 0) or 0)
     if not width:
         if dim % n_heads:
             raise GGUFError(
                 f"{p}: embedding_length {dim} is not divisible by head_count {n_heads} and "
-                "the file gives no llama.attention.key_length"
+                f"the file gives no {arch}.attention.key_length"
             )
         width = dim // n_heads
-    for key in ("llama.rope.dimension_count", "llama.attention.value_length"):
-        if key in meta and int(meta[key]) != width:
+    for key in ("rope.dimension_count", "attention.value_length"):
+        if key in hp and int(hp[key]) != width:
             raise GGUFError(
-                f"{p}: {key} = {meta[key]} differs from the head width {width}; llamatrain "
-                "supports full-width rope and values as wide as keys only"
+                f"{p}: {arch}.{key} = {hp[key]} differs from the head width {width}; "
+                "llamatrain supports full-width rope and values as wide as keys only"
             )
     return None if width * n_heads == dim else width
 
 
-def _config_from_json(text: str, derived: Mapping[str, Any], p: Path) -> ModelConfig:
-    """Our recorded config, which must agree with what the llama.* keys say.
+def _config_from_json(text: str, derived: Mapping[str, Any], arch: str, p: Path) -> ModelConfig:
+    """Our recorded config, which must agree with what the ``<arch>.*`` keys say.
 
     Only architecture fields are taken: a file may predate a field's removal, and run choices
     (which op set, which attention) belong to the run that loads the file, not to the file.
+    A file from before ``arch`` existed records none: it is a llama.
     """
     architecture_fields = ModelConfig().architecture().keys()
     recorded = {k: v for k, v in json.loads(text).items() if k in architecture_fields}
     cfg = ModelConfig(**recorded)
     ours = dict(
+        arch=cfg.arch,
         vocab_size=cfg.vocab_size,
         dim=cfg.dim,
         n_layers=cfg.n_layers,
@@ -254,8 +275,8 @@ def _config_from_json(text: str, derived: Mapping[str, Any], p: Path) -> ModelCo
     disagreeing = [k for k, v in ours.items() if derived[k] != v]
     if disagreeing:
         raise GGUFError(
-            f"{p}: {CONFIG_KEY} disagrees with the llama.* keys/tensors on {disagreeing}; the "
-            "file was edited inconsistently — re-export it"
+            f"{p}: {CONFIG_KEY} disagrees with the {arch}.* keys/tensors on {disagreeing}; "
+            "the file was edited inconsistently — re-export it"
         )
     return cfg
 
@@ -344,7 +365,7 @@ def write_model(
     _check_extras(metadata, extra_kv, extra_tensors)
     to_write: dict[str, TensorToWrite] = {name: (t, type) for name, t in tensors.items()}
     to_write.update({name: (t, "f32") for name, t in extra_tensors.items()})
-    return write_gguf(path, ARCHITECTURE, {**metadata, **extra_kv}, to_write, checksums=checksums)
+    return write_gguf(path, cfg.arch, {**metadata, **extra_kv}, to_write, checksums=checksums)
 
 
 def _check_extras(
@@ -431,14 +452,17 @@ def inherited_metadata(contents: GGUFContents) -> dict[str, Any]:
     }
 
 
-def _check_architecture(meta: Mapping[str, Any], p: Path) -> None:
+def _check_architecture(meta: Mapping[str, Any], p: Path) -> str:
+    """The file's ``general.architecture``, one of ``ARCHS``; GGUFError naming them otherwise."""
     if "general.architecture" not in meta:
         raise GGUFError(f"{p} lacks the required key general.architecture; it is not a model")
-    if meta["general.architecture"] != ARCHITECTURE:
+    arch = meta["general.architecture"]
+    if arch not in ARCHS:
         raise GGUFError(
-            f"{p} is a {meta['general.architecture']!r} model; llamatrain supports the "
-            f"{ARCHITECTURE!r} architecture only"
+            f"{p} is a {arch!r} model; llamatrain supports the architectures "
+            f"{', '.join(repr(a) for a in ARCHS)}"
         )
+    return arch
 
 
 def read_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

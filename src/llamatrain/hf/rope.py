@@ -56,9 +56,10 @@ def _rope_dict(hf: Mapping[str, Any]) -> dict[str, Any]:
     return dict(params) if isinstance(params, Mapping) else {}
 
 
-def rope_theta_of(hf: Mapping[str, Any]) -> float:
-    """The rope frequency base; transformers' default 10000 when the config has none."""
-    return float(_rope_dict(hf).get("rope_theta", hf.get("rope_theta", 10000.0)))
+def rope_theta_of(hf: Mapping[str, Any], default: float = 10000.0) -> float:
+    """The rope frequency base; ``default`` (transformers' for the model type: 10000 for a
+    llama) when the config has none."""
+    return float(_rope_dict(hf).get("rope_theta", hf.get("rope_theta", default)))
 
 
 def rope_scaling_of(hf: Mapping[str, Any], source: str) -> dict[str, Any] | None:

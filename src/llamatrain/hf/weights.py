@@ -5,8 +5,9 @@ Names: HF's ``model.layers.N.self_attn.q_proj.weight`` is our (llama.cpp's)
 ``tensor_shapes``, the one list of a model's tensors, so it cannot drift from the model.
 
 Row order: HF applies rope with ``rotate_half`` (NEOX: element i of a head pairs with element
-i + head_dim/2), llama.cpp's ``llama`` architecture and our model rotate adjacent pairs (2i,
-2i+1). The two are the same network once the rows of q_proj and k_proj (and their biases) are
+i + head_dim/2), llama.cpp's ``llama`` (and ``smollm3``) architecture and our model rotate
+adjacent pairs (2i, 2i+1); the NEOX families (qwen2, qwen3) rotate as HF does and keep HF's
+order. The two are the same network once the rows of q_proj and k_proj (and their biases) are
 reordered within each head, which is what llama.cpp's converter does on import
 (``LlamaModel.permute``): :func:`to_adjacent_pairs`; export undoes it with
 :func:`to_rotate_half`.
@@ -49,6 +50,8 @@ _BLOCK = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -69,7 +72,10 @@ def hf_tensor_name(name: str) -> str:
 
 
 def _rope_heads(name: str, cfg: ModelConfig) -> int | None:
-    """How many rope heads a tensor's rows hold (q: n_heads, k: kv_heads); None if not q/k."""
+    """How many rope heads a tensor's rows hold (q: n_heads, k: kv_heads) when they need
+    permuting; None if not q/k, or when the family's rope is NEOX (HF's own order)."""
+    if cfg.family.rope_mode == "neox":
+        return None
     module = name.rpartition(".")[0].rpartition(".")[2]
     return {"attn_q": cfg.n_heads, "attn_k": cfg.kv_heads}.get(module)
 
@@ -138,7 +144,8 @@ def read_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     unexpected = sorted(n for n in present - set(ours) if not n.endswith(_IGNORED_SUFFIXES))
     if missing or unexpected:
         raise CheckpointError(
-            f"{folder}: the weights are not those of the llama config.json describes (missing: "
+            f"{folder}: the weights are not those of the {cfg.arch} config.json describes "
+            f"(missing: "
             f"{_first_few(missing)}; unexpected: {_first_few(unexpected)}); re-save the model"
         )
     shapes = tensor_shapes(cfg)

@@ -21,6 +21,19 @@ Packed documents: with ``documents`` (B, T) ids, non-decreasing along each row, 
 ``S_ij = Q_i·K_jᵀ·scale`` if ``j <= i`` and ``doc_i == doc_j``, else ``-inf``. Each block builds
 that mask as one (B, block, kv) bias tile from the ids (never T×T), and its kv columns start at
 the first document its rows belong to: earlier documents are invisible to all of them.
+
+Sliding window: with ``window`` = w, query i (at kv position ``i + seq_kv - seq``) sees key j
+only if ``i - w < j <= i`` -- itself and the w - 1 keys before it. That is llama.cpp's
+``LLAMA_SWA_TYPE_STANDARD`` (``llama_hparams::is_masked_swa``: key p0 is masked for query p1
+when ``p1 - p0 >= n_swa``) and HF's ``sliding_window``. A block of rows [i0, i1) then needs only
+kv columns [i0 - w + 1, i1): the columns before that are never multiplied, which is where the
+speed comes from (each block's tile is ``block + w - 1`` columns wide instead of up to T). The
+window composes with documents (a key must be in the window *and* in the same document) and
+with GQA, and the backward walks the same trimmed tiles.
+
+Soft-capping (Gemma 2's ``attn_logit_softcapping``): ``S = cap·tanh(Q·Kᵀ·scale / cap)`` before
+the mask, as ggml's ``flash_attn_ext`` applies ``logit_softcap``. The backward rebuilds
+``t = tanh(·)`` per tile and multiplies dS by ``1 − t²``.
 """
 
 from __future__ import annotations
@@ -91,6 +104,8 @@ class _FlashAttn(torch.autograd.Function):
         scale: float,
         block: int,
         documents: torch.Tensor | None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
@@ -106,17 +121,19 @@ class _FlashAttn(torch.autograd.Function):
         kv_starts = None if documents is None else _block_kv_starts(documents, block)
         out = torch.empty(B, Hkv, G, T, D, dtype=cdt, device=q.device)
         lse = torch.empty(B, Hkv, G, T, 1, dtype=cdt, device=q.device)
+        cap2 = None if softcap is None else softcap * _LOG2E  # the cap in base-2 units
         for i0 in range(0, T, block):
             i1 = min(i0 + block, T)
             n = i1 - i0
             kv_end = i1 + off if causal else S  # causal: later columns are all masked
             qb = q2[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
             kv_start = 0 if kv_starts is None else kv_starts[i0 // block]
+            if window is not None:  # columns before the first row's window: never multiplied
+                kv_start = max(kv_start, i0 + off - window + 1)
             s = torch.matmul(qb, kt[..., kv_start:kv_end])  # (B, Hkv, G·n, kv), base-2 scores
-            if documents is not None:
-                s.view(B, Hkv, G, n, -1).add_(_document_bias(documents, i0, i1, kv_start, cdt))
-            elif causal:
-                s[..., kv_end - n :] += _causal_bias(n, G, cdt, q.device)
+            if cap2 is not None:
+                s = s.div_(cap2).tanh_().mul_(cap2)
+            _mask_tile(s, documents, causal, window, i0, i1, off, kv_start, G, cdt)
             m = s.amax(dim=-1, keepdim=True)
             p = s.sub_(m).exp2_()  # unnormalised softmax
             denom = p.sum(dim=-1, keepdim=True)
@@ -131,6 +148,8 @@ class _FlashAttn(torch.autograd.Function):
         ctx.causal = causal
         ctx.scale = scale
         ctx.block = block
+        ctx.window = window
+        ctx.softcap = softcap
         return out
 
     @staticmethod
@@ -145,19 +164,24 @@ class _FlashAttn(torch.autograd.Function):
             dV += Pᵀ·dO_b                        dP = dO_b·Vᵀ
             D_b = rowsum(dO_b ⊙ O_b)             dS = P ⊙ (dP − D_b)·scale
             dQ_b = dS·K                          dK += dSᵀ·Q_b
-        as ggml's 2023 ``flash_attn_back``; no T×T matrix outlives its block.
+        as ggml's 2023 ``flash_attn_back``; no T×T matrix outlives its block. With a window
+        the kv columns are the same trimmed range the forward used; with soft-capping
+        ``S = cap·t``, ``t = tanh(Q_b·Kᵀ·scale/cap)`` and dS is multiplied by ``1 − t²``.
         """
         q, k, v, out, lse, documents = ctx.saved_tensors
         kv_starts: list[int] | None = ctx.kv_starts
         causal: bool = ctx.causal
         scale: float = ctx.scale
         block: int = ctx.block
+        window: int | None = ctx.window
+        softcap: float | None = ctx.softcap
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         G = H // Hkv
         cdt = compute_dtype(q.dtype)
         off = S - T
         dev = q.device
+        cap2 = None if softcap is None else softcap * _LOG2E
 
         # Row terms are folded into the matmuls by appending one column to each operand:
         #   [Q2 | −lse2]·[K | 1]ᵀ = S2 − lse2   and   [dO | −D]·[V | 1]ᵀ = dP − D,
@@ -184,14 +208,20 @@ class _FlashAttn(torch.autograd.Function):
             n = i1 - i0
             kv_end = i1 + off if causal else S
             kv_start = 0 if kv_starts is None else kv_starts[i0 // block]
+            if window is not None:
+                kv_start = max(kv_start, i0 + off - window + 1)
             qab = qa[:, :, :, i0:i1].reshape(B, Hkv, G * n, D + 1)
             doab = doa[:, :, :, i0:i1].reshape(B, Hkv, G * n, D + 1)
-            # S − lse, with S = Q·Kᵀ·scale (base 2), masked to -inf where causality hides a key.
-            p = torch.matmul(qab, ka_t[..., kv_start:kv_end])
-            if documents is not None:
-                p.view(B, Hkv, G, n, -1).add_(_document_bias(documents, i0, i1, kv_start, cdt))
-            elif causal:
-                p[..., kv_end - n :] += _causal_bias(n, G, cdt, dev)
+            tanh = None
+            if cap2 is None:
+                # S − lse, with S = Q·Kᵀ·scale (base 2), masked to -inf where a key is hidden.
+                p = torch.matmul(qab, ka_t[..., kv_start:kv_end])
+            else:
+                # The cap sits between the scores and the lse: t = tanh(S_raw/cap), S = cap·t.
+                tanh = torch.matmul(qab[..., :D], ka_t[..., :D, kv_start:kv_end])
+                tanh.div_(cap2).tanh_()
+                p = torch.mul(tanh, cap2).add_(qab[..., D:])  # cap·t − lse (base 2)
+            _mask_tile(p, documents, causal, window, i0, i1, off, kv_start, G, cdt)
             # P = exp(S − lse): the forward softmax, rebuilt from the saved log-sum-exp.
             p.exp2_()
             # dV += Pᵀ·dO (the G heads sharing a kv head are rows of P, so this sums them).
@@ -201,6 +231,8 @@ class _FlashAttn(torch.autograd.Function):
                 continue
             # dP = dO·Vᵀ, and dS = P ⊙ (dP − D)·scale (the scale is applied to dQ, dK below).
             ds = torch.matmul(doab, va_t[..., kv_start:kv_end]).mul_(p)
+            if tanh is not None:  # through the cap: dS_raw = dS·(1 − t²)
+                ds = torch.ops.aten.tanh_backward(ds, tanh)
             # dQ = dS·K
             if need_q:
                 dq_b = torch.matmul(ds, kc[:, :, kv_start:kv_end])
@@ -218,7 +250,64 @@ class _FlashAttn(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
+
+
+def _mask_tile(
+    s: torch.Tensor,
+    documents: torch.Tensor | None,
+    causal: bool,
+    window: int | None,
+    i0: int,
+    i1: int,
+    off: int,
+    kv_start: int,
+    groups: int,
+    dtype: torch.dtype,
+) -> None:
+    """Add -inf, in place, to the score tile ``s`` (B, Hkv, G·n, kv) wherever a key is hidden.
+
+    The tile holds query rows [i0, i1) and kv columns [kv_start, i1 + off) (all of seq_kv when
+    not causal). Without a window this is the mask the op always had, added the same way.
+    """
+    n = i1 - i0
+    if documents is not None:
+        bias = _document_bias(documents, i0, i1, kv_start, dtype, window)
+        s.view(*s.shape[:2], groups, n, -1).add_(bias)
+    elif causal:
+        cols = s.shape[-1]
+        s[..., cols - n :] += _causal_bias(n, groups, dtype, s.device)
+        if window is not None:
+            # Row r (query i0 + r) hides column c (key kv_start + c) when c - r <= lo; those
+            # entries lie in the first n + lo columns.
+            lo = i0 + off - window - kv_start
+            width = min(cols, n + lo)
+            if width > 0:
+                s[..., :width] += _window_bias(n, width, lo, groups, dtype, s.device)
+
+
+_window_cache: dict[tuple[int, int, int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _window_bias(
+    rows: int, cols: int, lo: int, groups: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive (groups·rows, cols) tile, -inf where ``c - r <= lo`` (keys left of the window).
+
+    Blocks whose window start lies inside the kv sequence all have ``lo = -1``, so one tile
+    serves them; only the first few blocks (window clipped at column 0) differ.
+    """
+    key = (rows, cols, lo, groups, dtype, device)
+    bias = None if torch.compiler.is_compiling() else _window_cache.get(key)
+    if bias is None:
+        hidden = torch.ones(rows, cols, dtype=torch.bool, device=device).tril_(lo)
+        bias = torch.zeros(rows, cols, dtype=dtype, device=device).masked_fill_(hidden, -math.inf)
+        bias = bias.repeat(groups, 1)
+        if not torch.compiler.is_compiling():
+            _window_cache[key] = bias
+    return bias
 
 
 def _accumulate(
@@ -249,9 +338,15 @@ def _block_kv_starts(documents: torch.Tensor, block: int) -> list[int]:
 
 
 def _document_bias(
-    documents: torch.Tensor, i0: int, i1: int, kv_start: int, dtype: torch.dtype
+    documents: torch.Tensor,
+    i0: int,
+    i1: int,
+    kv_start: int,
+    dtype: torch.dtype,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Additive (B, 1, 1, rows, kv) mask of a packed block: -inf unless same document and j <= i.
+    """Additive (B, 1, 1, rows, kv) mask of a packed block: -inf unless same document and j <= i
+    (and ``i - window < j`` with a window).
 
     Broadcast over the kv heads and the G query heads of the block's rows; B·block·kv
     elements, never T×T.
@@ -263,6 +358,10 @@ def _document_bias(
     hidden |= torch.ones(i1 - i0, i1 - kv_start, dtype=torch.bool, device=documents.device).triu_(
         1 + i0 - kv_start
     )
+    if window is not None:  # key kv_start + c is w or more before query i0 + r: c - r <= lo
+        hidden |= torch.ones(
+            i1 - i0, i1 - kv_start, dtype=torch.bool, device=documents.device
+        ).tril_(i0 - kv_start - window)
     bias = torch.zeros(hidden.shape, dtype=dtype, device=documents.device)
     return bias.masked_fill_(hidden, -math.inf)[:, None, None]
 
@@ -329,6 +428,8 @@ def flash_attn(
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
     documents: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention ``softmax(Q·Kᵀ·scale + mask)·V`` without storing the attention matrix.
 
@@ -341,12 +442,20 @@ def flash_attn(
             query row i sees kv positions ``j <= i + (seq_kv - seq)``, which is what
             incremental decoding against a KV cache needs (for seq_kv == seq it is the usual
             lower triangle).
-        scale: score scale; defaults to ``1/sqrt(head_dim)``.
+        scale: score scale; defaults to ``1/sqrt(head_dim)``. Gemma passes
+            ``query_pre_attn_scalar ** -0.5`` (llama.cpp's ``f_attention_scale``).
         block_size: query rows per block; only memory and speed depend on it, never the
             result beyond rounding.
         documents: (batch, seq) integer ids of the packed documents each token belongs to,
             non-decreasing along seq; query i then sees key j only if ``j <= i`` and both are
             in the same document. Needs ``causal`` and seq_kv == seq.
+        window: sliding-window size w >= 1 (needs ``causal``): query i sees key j only if
+            ``i - w < j <= i`` (positions end-aligned as for ``causal``), i.e. itself and the
+            w - 1 keys before it -- llama.cpp's standard SWA (masked iff ``p1 - p0 >= n_swa``)
+            and HF's ``sliding_window``. kv columns left of a block's window are skipped, not
+            masked. ``None``, or w >= seq_kv, is plain causal attention.
+        softcap: ``S = softcap·tanh(S / softcap)`` before the mask (Gemma 2's
+            ``attn_logit_softcapping``; ggml ``flash_attn_ext``'s ``logit_softcap``).
 
     Returns:
         (batch, n_heads, seq, head_dim) in q's dtype. bf16/fp16 inputs are computed with
@@ -360,4 +469,18 @@ def flash_attn(
     block = int(block_size)
     if block < 1:
         raise ValueError(f"block_size must be positive; got {block}")
-    return _FlashAttn.apply(q, k, v, causal, float(scale), block, documents)
+    if window is not None:
+        if isinstance(window, bool) or int(window) != window or window < 1:
+            raise ValueError(f"window must be a positive integer; got {window!r}")
+        if not causal:
+            raise ValueError("window needs causal attention")
+        window = int(window)
+        if window >= k.shape[2]:
+            window = None  # every visible key is inside it: plain causal
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (0.0 < softcap < math.inf):
+            raise ValueError(f"softcap must be a positive finite number; got {softcap}")
+    if window is None and softcap is None:
+        return _FlashAttn.apply(q, k, v, causal, float(scale), block, documents)
+    return _FlashAttn.apply(q, k, v, causal, float(scale), block, documents, window, softcap)

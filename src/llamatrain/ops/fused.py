@@ -24,6 +24,10 @@ chunk of logits. The cost: the gradient work is done even if backward is never c
 the function computes it only when grad mode is on and an input requires grad. Double
 backward is not supported (the backward is ``once_differentiable``).
 
+With ``softcap`` (Gemma's ``final_logit_softcapping``) the chunk's logits are capped,
+``Z' = cap·tanh(Z/cap)`` (``ops.softcap``), before the loss, and the chunk's gradient is taken
+through the cap as ``dZ = dZ'·(1 − t²)``, ``t = tanh(Z/cap)``: one more chunk-sized buffer.
+
 Scores are computed in base 2 (h is pre-scaled by log2(e), ``exp2`` replaces ``exp``): the
 softmax is identical, and on CPU ``torch.exp`` takes a slow path for inputs that underflow
 while ``exp2`` does not (the same trick as ``ops/attention.py``).
@@ -74,10 +78,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         chunk_rows: int,
         with_grad: bool,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         with torch.autocast(h.device.type, enabled=False):
             return _LinearCrossEntropy._forward(
-                ctx, h, weight, targets, ignore_index, chunk_rows, with_grad
+                ctx, h, weight, targets, ignore_index, chunk_rows, with_grad, softcap
             )
 
     @staticmethod
@@ -89,6 +94,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         chunk_rows: int,
         with_grad: bool,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         cdt = compute_dtype(h.dtype, weight.dtype)
         dim = h.shape[-1]
@@ -113,12 +119,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss2 = torch.zeros((), dtype=cdt, device=h.device)  # Σ (lse2 − Z2[target]) over rows
         # One logits buffer serves every chunk: no allocator round trip per chunk.
         z_buffer = torch.empty(min(chunk_rows, rows), w.shape[0], dtype=cdt, device=h.device)
+        # Soft-capping keeps t = tanh(Z/cap) per chunk for the gradient; in base 2 the cap is
+        # cap·log2(e): Z2' = cap2·tanh(Z2/cap2).
+        cap2 = None if softcap is None else softcap * _LOG2E
+        t_buffer = None if cap2 is None else torch.empty_like(z_buffer)
 
         for r0 in range(0, rows, chunk_rows):
             r1 = min(r0 + chunk_rows, rows)
             hc = h2[r0:r1]
             # mul_mat forward: this chunk's logits (base 2)
             z = torch.mm(hc, w.t(), out=z_buffer[: r1 - r0])
+            t = None
+            if t_buffer is not None:  # softcap forward: Z' = cap·tanh(Z/cap)
+                t = torch.div(z, cap2, out=t_buffer[: r1 - r0]).tanh_()
+                z = torch.mul(t, cap2, out=z)
             picked = z.gather(-1, safe[r0:r1]).squeeze(-1)
             m = z.amax(dim=-1, keepdim=True)
             p = z.sub_(m).exp2_()  # unnormalised softmax, in the logits' buffer
@@ -132,6 +146,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = row_scale[r0:r1].unsqueeze(-1)
             dz = p.mul_(scale / denom)
             dz.scatter_add_(-1, safe[r0:r1], -scale)
+            if t is not None:  # softcap backward: dZ = dZ'·(1 − t²)
+                dz.mul_(t.mul_(t).neg_().add_(1.0))
             # mul_mat backward (ggml): dX = G·W, dW = out_prod(X, G) = Gᵀ·X. hc carries the
             # log2(e) factor, removed from dW at the end.
             if dh is not None:
@@ -169,7 +185,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     "was computed"
                 )
             d_w = (dw * grad.to(dw.dtype)).to(ctx.w_dtype)
-        return d_h, d_w, None, None, None, None
+        return d_h, d_w, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -178,6 +194,7 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     ignore_index: int = -100,
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``h @ weight.T`` against integer ``targets``, chunk by chunk.
 
@@ -190,6 +207,8 @@ def linear_cross_entropy(
         chunk_rows: rows of logits computed at once (default: ``default_chunk_rows``,
             about ``CHUNK_BYTES`` of float32 logits). Only memory and speed depend on it,
             never the result beyond rounding.
+        softcap: cap the logits first, ``cap·tanh(logits/cap)`` (``ops.softcap``), as
+            Gemma's ``final_logit_softcapping``; ``None`` for none.
 
     Returns:
         The scalar mean loss (float32, or float64 for float64 inputs), equal to
@@ -216,6 +235,13 @@ def linear_cross_entropy(
     if chunk_rows < 1:
         raise ValueError(f"linear_cross_entropy: chunk_rows must be positive, got {chunk_rows}")
     with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if softcap is None:
+        return _LinearCrossEntropy.apply(
+            h, weight, targets, int(ignore_index), int(chunk_rows), with_grad
+        )
+    softcap = float(softcap)
+    if not (0.0 < softcap < math.inf):
+        raise ValueError(f"linear_cross_entropy: softcap must be positive, finite; got {softcap}")
     return _LinearCrossEntropy.apply(
-        h, weight, targets, int(ignore_index), int(chunk_rows), with_grad
+        h, weight, targets, int(ignore_index), int(chunk_rows), with_grad, softcap
     )

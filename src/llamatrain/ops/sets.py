@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from llamatrain import ops as ggml
+from llamatrain.ops.gelu import geglu as ggml_geglu
 from llamatrain.ops.lora import torch_lora_linear
+from llamatrain.ops.softcap import softcap as ggml_softcap
 
 OPS = ("ggml", "torch")
 ATTENTIONS = ("flash", "softmax", "sdpa")
@@ -44,16 +46,25 @@ class OpSet(ABC):
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attend!r}")
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """Causal attention (batch, heads, t, head_dim), the mask aligned to the end of the
         keys (queries are their last rows, as when decoding against a KV cache).
-        ``documents`` (batch, t): packed document ids; a query sees its own document only."""
+        ``documents`` (batch, t): packed document ids; a query sees its own document only.
+        ``window``: sliding window w, query i sees keys ``i - w < j <= i`` (llama.cpp's
+        standard SWA); ``scale``: score scale, default ``1/sqrt(head_dim)``."""
         if self.attend == "sdpa":
-            return sdpa_attention(q, k, v, documents)
+            return sdpa_attention(q, k, v, documents, window=window, scale=scale)
         if self.attend == "softmax":
-            return self.softmax_attention(q, k, v, documents)
-        return self.flash_attention(q, k, v, documents)
+            return self.softmax_attention(q, k, v, documents, window=window, scale=scale)
+        return self.flash_attention(q, k, v, documents, window=window, scale=scale)
 
     @abstractmethod
     def embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -72,8 +83,10 @@ class OpSet(ABC):
         theta: float,
         freq_scale: float,
         freq_factors: torch.Tensor | None,
+        mode: str = "norm",
     ) -> torch.Tensor:
-        """Adjacent-pair (llama.cpp NORM) rope of x (batch, t, heads, head_dim) at ``pos``."""
+        """Rope of x (batch, t, heads, head_dim) at ``pos``: ``mode`` "norm" turns adjacent
+        pairs (llama.cpp NORM), "neox" element i with i + head_dim/2 (NEOX, HF's)."""
 
     @abstractmethod
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -98,14 +111,36 @@ class OpSet(ABC):
         """silu(gate)·up."""
 
     @abstractmethod
+    def geglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate)·up (Gemma's feed-forward)."""
+
+    @abstractmethod
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap·tanh(x / cap) (final-logit soft-capping)."""
+
+    @abstractmethod
     def flash_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """:meth:`attention` for ``attend == "flash"``."""
 
     @abstractmethod
     def softmax_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """:meth:`attention` for ``attend == "softmax"``: the scores as one tensor."""
 
@@ -115,9 +150,15 @@ class OpSet(ABC):
 
     @abstractmethod
     def head_loss(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``cross_entropy(linear(hidden, weight), targets)``, however the set computes it."""
+        """``cross_entropy(linear(hidden, weight), targets)``, however the set computes it;
+        with ``softcap`` the logits are ``softcap(linear(...), softcap)`` first."""
 
 
 class GgmlOps(OpSet):
@@ -129,9 +170,9 @@ class GgmlOps(OpSet):
     def rms_norm(self, x, eps):
         return ggml.rms_norm(x, eps)
 
-    def rope(self, x, pos, *, theta, freq_scale, freq_factors):
+    def rope(self, x, pos, *, theta, freq_scale, freq_factors, mode="norm"):
         return ggml.rope(
-            x, pos, mode="norm", theta=theta, freq_scale=freq_scale, freq_factors=freq_factors
+            x, pos, mode=mode, theta=theta, freq_scale=freq_scale, freq_factors=freq_factors
         )
 
     def linear(self, x, weight):
@@ -143,17 +184,29 @@ class GgmlOps(OpSet):
     def swiglu(self, gate, up):
         return ggml.swiglu(gate, up)
 
-    def flash_attention(self, q, k, v, documents):
-        return ggml.flash_attn(q, k, v, documents=documents)
+    def geglu(self, gate, up):
+        return ggml_geglu(gate, up)
 
-    def softmax_attention(self, q, k, v, documents):
-        return ggml_softmax_attention(q, k, v, documents)
+    def softcap(self, x, cap):
+        return ggml_softcap(x, cap)
+
+    def flash_attention(self, q, k, v, documents, *, window=None, scale=None):
+        if window is None and scale is None:
+            return ggml.flash_attn(q, k, v, documents=documents)
+        return ggml.flash_attn(q, k, v, documents=documents, window=window, scale=scale)
+
+    def softmax_attention(self, q, k, v, documents, *, window=None, scale=None):
+        return ggml_softmax_attention(q, k, v, documents, window=window, scale=scale)
 
     def cross_entropy(self, logits, targets):
         return ggml.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
-    def head_loss(self, hidden, weight, targets):
+    def head_loss(self, hidden, weight, targets, *, softcap=None):
         """Fused over row chunks: the (tokens x vocab) logits never exist at once."""
+        if softcap is not None:
+            return ggml.linear_cross_entropy(
+                hidden, weight, targets, ignore_index=IGNORE_INDEX, softcap=softcap
+            )
         return ggml.linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE_INDEX)
 
 
@@ -166,8 +219,10 @@ class TorchOps(OpSet):
     def rms_norm(self, x, eps):
         return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
-    def rope(self, x, pos, *, theta, freq_scale, freq_factors):
-        return torch_rope(x, pos, theta=theta, freq_scale=freq_scale, freq_factors=freq_factors)
+    def rope(self, x, pos, *, theta, freq_scale, freq_factors, mode="norm"):
+        return torch_rope(
+            x, pos, theta=theta, freq_scale=freq_scale, freq_factors=freq_factors, mode=mode
+        )
 
     def linear(self, x, weight):
         return F.linear(x, weight)
@@ -178,19 +233,28 @@ class TorchOps(OpSet):
     def swiglu(self, gate, up):
         return F.silu(gate) * up
 
-    def flash_attention(self, q, k, v, documents):
-        return sdpa_attention(q, k, v, documents)
+    def geglu(self, gate, up):
+        return F.gelu(gate, approximate="tanh") * up
 
-    def softmax_attention(self, q, k, v, documents):
-        return torch_softmax_attention(q, k, v, documents)
+    def softcap(self, x, cap):
+        return torch.tanh(x / cap) * cap
+
+    def flash_attention(self, q, k, v, documents, *, window=None, scale=None):
+        return sdpa_attention(q, k, v, documents, window=window, scale=scale)
+
+    def softmax_attention(self, q, k, v, documents, *, window=None, scale=None):
+        return torch_softmax_attention(q, k, v, documents, window=window, scale=scale)
 
     def cross_entropy(self, logits, targets):
         rows = logits.flatten(0, -2)
         rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
         return F.cross_entropy(rows, targets.flatten(), ignore_index=IGNORE_INDEX)
 
-    def head_loss(self, hidden, weight, targets):
-        return self.cross_entropy(F.linear(hidden, weight), targets)
+    def head_loss(self, hidden, weight, targets, *, softcap=None):
+        logits = F.linear(hidden, weight)
+        if softcap is not None:
+            logits = self.softcap(logits, softcap)
+        return self.cross_entropy(logits, targets)
 
 
 def op_set(ops: str, attention: str = "flash") -> OpSet:
@@ -208,8 +272,10 @@ def torch_rope(
     theta: float,
     freq_scale: float = 1.0,
     freq_factors: torch.Tensor | None = None,
+    mode: str = "norm",
 ) -> torch.Tensor:
-    """Adjacent-pair (llama.cpp NORM) rope written with differentiable PyTorch ops."""
+    """Rope written with differentiable PyTorch ops: adjacent pairs (llama.cpp NORM), or with
+    ``mode="neox"`` element i with i + head_dim/2 (HF's ``rotate_half``)."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / (2 * half))
     if freq_factors is not None:
@@ -220,6 +286,9 @@ def torch_rope(
         angles = angles[None]
     cos = angles.cos().to(compute)[:, :, None, :]
     sin = angles.sin().to(compute)[:, :, None, :]
+    if mode == "neox":
+        x0, x1 = x.to(compute).chunk(2, dim=-1)
+        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).to(x.dtype)
     pairs = x.to(compute).unflatten(-1, (half, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -232,19 +301,43 @@ def _document_visible(documents: torch.Tensor) -> torch.Tensor:
     return same.tril_()[:, None]
 
 
-def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+def _window_visible(
+    t: int, t_kv: int, window: int, documents: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
-    """SDPA with causal masking aligned to the end (queries are the last rows of the keys)."""
+    """Boolean (t, t_kv), or (B, 1, t, t_kv) with documents: query i (at kv position
+    i + t_kv - t) sees key j iff ``i - window < j <= i`` and, with documents, both are in the
+    same document. The explicit-mask form of ``flash_attn``'s ``window``."""
+    rows = torch.arange(t, device=device)[:, None] + (t_kv - t)
+    cols = torch.arange(t_kv, device=device)[None, :]
+    visible = (cols <= rows) & (cols > rows - window)
+    if documents is not None:
+        visible = (visible & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    return visible
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA with causal masking aligned to the end (queries are the last rows of the keys);
+    a sliding ``window`` is an explicit boolean mask."""
     t, t_kv = q.shape[-2], k.shape[-2]
+    if window is not None:
+        mask = _window_visible(t, t_kv, window, documents, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     if documents is not None:
         mask = _document_visible(documents)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     if t == t_kv:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     rows = torch.arange(t, device=q.device)[:, None] + (t_kv - t)
     mask = torch.arange(t_kv, device=q.device)[None, :] <= rows
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -258,30 +351,50 @@ def _values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def ggml_softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """The 2023 graph without flash attention: KQ, diag_mask_inf, soft_max(scale), KQV.
 
-    Packed documents add soft_max's additive mask (-inf across documents), as ggml's
-    ``soft_max_ext`` takes a KQ mask.
+    Packed documents and a sliding window add soft_max's additive mask (-inf across
+    documents and left of the window), as ggml's ``soft_max_ext`` takes a KQ mask.
     """
-    masked = ggml.diag_mask_inf(_scores(q, k), n_past=k.shape[-2] - q.shape[-2])
+    t, t_kv = q.shape[-2], k.shape[-2]
+    masked = ggml.diag_mask_inf(_scores(q, k), n_past=t_kv - t)
     mask = None
-    if documents is not None:
-        hidden = ~_document_visible(documents)
+    if documents is not None or window is not None:
+        if window is None:
+            hidden = ~_document_visible(documents)
+        else:
+            hidden = ~_window_visible(t, t_kv, window, documents, q.device)
         mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
             hidden, float("-inf")
         )
-    return _values(ggml.soft_max(masked, mask, scale=1.0 / math.sqrt(q.shape[-1])), v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _values(ggml.soft_max(masked, mask, scale=scale), v)
 
 
 def torch_softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """The same graph in PyTorch: scores, a -inf mask, torch.softmax."""
     t, t_kv = q.shape[-2], k.shape[-2]
-    scores = _scores(q, k) / math.sqrt(q.shape[-1])
-    if documents is not None:
+    scores = _scores(q, k) / math.sqrt(q.shape[-1]) if scale is None else _scores(q, k) * scale
+    if window is not None:
+        hidden = ~_window_visible(t, t_kv, window, documents, q.device)
+    elif documents is not None:
         hidden = ~_document_visible(documents)
     else:
         hidden = torch.ones(t, t_kv, dtype=torch.bool, device=q.device).triu_(t_kv - t + 1)
