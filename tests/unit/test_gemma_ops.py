@@ -1,4 +1,4 @@
-"""Gemma's element-wise ops: GEGLU (``ops.gelu``) and logit soft-capping (``ops.softcap``, and
+"""Gemma's element-wise ops: GEGLU (``ops.activation``) and logit soft-capping (``ops.softcap``, and
 inside the fused lm head + loss, ``linear_cross_entropy(softcap=...)``).
 
 Each Function's hand-written backward is checked by float64 ``gradcheck``, against the written
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from llamatrain.ops import cross_entropy, mul_mat
+from llamatrain.ops.activation import geglu, gelu
 from llamatrain.ops.fused import linear_cross_entropy
-from llamatrain.ops.gelu import geglu, gelu
 from llamatrain.ops.sets import op_set
 from llamatrain.ops.softcap import softcap
 

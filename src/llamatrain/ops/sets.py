@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from llamatrain import ops as ggml
-from llamatrain.ops.gelu import geglu as ggml_geglu
+from llamatrain.ops.activation import geglu as ggml_geglu
 from llamatrain.ops.lora import torch_lora_linear
 from llamatrain.ops.softcap import softcap as ggml_softcap
 
