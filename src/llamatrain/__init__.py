@@ -2,8 +2,11 @@
 
 from llamatrain.model import Llama, ModelConfig
 
-_API = (
+API = (
+    "FitResult",
+    "PerplexityResult",
     "chat",
+    "describe_gguf",
     "export",
     "export_adapter",
     "export_gguf",
@@ -15,18 +18,21 @@ _API = (
     "load_gguf",
     "load_tokenizer",
     "perplexity",
+    "seen_tokens",
+    "verify_gguf",
 )
-"""Entry points of ``llamatrain.api`` offered here; they load on first use. The one list of
-them: ``__all__`` and ``__getattr__`` derive from it, and tests/unit/test_public_api.py checks
-it against ``llamatrain.api.__all__`` and the calls README.md documents."""
+"""The public entry points of ``llamatrain.api``, offered here too, loaded on first use: the
+one list of them. ``llamatrain.api.__all__``, this package's ``__all__`` and ``__getattr__``
+derive from it; tests/unit/test_public_api.py checks it against the calls README.md
+documents."""
 
-__all__ = ["Llama", "ModelConfig", *_API]
+__all__ = ["Llama", "ModelConfig", *API]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     """Training and GGUF entry points load on first use, keeping ``import llamatrain`` light."""
-    if name in _API:
+    if name in API:
         from llamatrain import api
 
         return getattr(api, name)

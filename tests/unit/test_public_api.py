@@ -1,4 +1,4 @@
-"""``llamatrain``'s own entry points (``_API``) agree with ``llamatrain.api`` and the README.
+"""``llamatrain``'s own entry points (``API``) agree with ``llamatrain.api`` and the README.
 
 ``llamatrain/__init__.py`` keeps the one list of the ``llamatrain.api`` functions it offers,
 loaded on first use so that ``import llamatrain`` stays light; these checks keep that list, the
@@ -28,12 +28,16 @@ def documented_names() -> set[str]:
     return names
 
 
+def test_the_package_offers_exactly_the_api_modules_public_names():
+    assert sorted(llamatrain.API) == sorted(api.__all__)
+
+
 def test_every_entry_point_offered_is_in_api_all():
-    missing = [name for name in llamatrain._API if not hasattr(api, name)]
+    missing = [name for name in llamatrain.API if not hasattr(api, name)]
     assert not missing, f"llamatrain offers names llamatrain.api does not define: {missing}"
-    unlisted = [name for name in llamatrain._API if name not in api.__all__]
+    unlisted = [name for name in llamatrain.API if name not in api.__all__]
     assert not unlisted, f"llamatrain offers names missing from llamatrain.api.__all__: {unlisted}"
-    for name in llamatrain._API:
+    for name in llamatrain.API:
         assert getattr(llamatrain, name) is getattr(api, name)
         assert name in llamatrain.__all__
 
