@@ -102,7 +102,7 @@ from ops import (  # noqa: E402
 from llamatrain import activation_checkpointing  # noqa: E402
 from llamatrain.config import Config, OptimSection, validate  # noqa: E402
 from llamatrain.device import configure_process  # noqa: E402
-from llamatrain.model import Llama, ModelConfig  # noqa: E402
+from llamatrain.model import ARCHS, FAMILIES, Llama, ModelConfig  # noqa: E402
 from llamatrain.optim import build_optimizer  # noqa: E402
 from llamatrain.trainer import Trainer  # noqa: E402
 
@@ -138,6 +138,9 @@ CONFIGS = {
     # nanoGPT's CPU shakespeare_char config (nanoGPT's README: 4 layers, 4 heads, 128 dim,
     # block 64, batch 12), as a llama; nanoGPT's own speed on it: bench/README.md.
     "nanogpt-cpu": BenchConfig("nanogpt-cpu", _cfg(65, 128, 4, 4, None, 512, 64), 12, 64),
+    # One shape for every model family (--families): a small Qwen-like GQA model, a window
+    # half the context for the sliding-window families.
+    "family": BenchConfig("family", _cfg(32000, 256, 8, 8, 4, 768, 256), batch=4, ctx=256),
     # GPU only: a GPT-2-small-sized llama (~134M parameters, 85M of them in the blocks).
     "llama-124m": BenchConfig("llama-124m", _cfg(32000, 768, 12, 12, None, 2048, 1024), 8, 1024),
 }
@@ -550,6 +553,8 @@ def plan(args: argparse.Namespace, device: torch.device) -> list[list[Row]]:
             [Row(big, kind) for kind in nano_kinds]
             + [Row(big, kind, compile=True) for kind in ("ggml", "baseline")]
         )
+    if args.families:
+        groups.append([Row(family_config(arch), "ggml") for arch in ARCHS])
     if args.scaling:
         sweep = []
         for ctx in (256, 512, 1024, 2048, 4096):
@@ -573,11 +578,24 @@ def plan(args: argparse.Namespace, device: torch.device) -> list[list[Row]]:
     return groups
 
 
+def family_config(arch: str) -> BenchConfig:
+    """The ``family`` shape as ``arch``: the same widths, each family's own switches (a
+    sliding window of half the context where the family has one)."""
+    base = CONFIGS["family"]
+    changes: dict = {"arch": arch}
+    if FAMILIES[arch].swa_every:
+        changes["sliding_window"] = base.ctx // 2
+    return replace(base, name=f"family-{arch}", model=replace(base.model, **changes))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small configs, fewer steps")
     parser.add_argument("--scaling", action="store_true", help="add ctx and n_layers sweeps")
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows")
+    parser.add_argument(
+        "--families", action="store_true", help="add one row per model family at one shape"
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler table")
     parser.add_argument("--steps", type=int, default=None, help="least measured steps per row")
     add_common_arguments(parser, DEFAULT_JSON)

@@ -76,7 +76,7 @@ def _head_scores(
         n_scored = int(scored.sum())
         if n_scored == 0:
             continue
-        logits = model.ops.linear(h, head).float()
+        logits = model.head_logits(h).float()  # soft-capped as the model's
         loss_sum += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum").item()
         correct += int(((logits.argmax(-1) == t) & scored).sum())
         count += n_scored

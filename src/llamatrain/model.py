@@ -4,14 +4,15 @@ Parameter names *are* llama.cpp's GGUF tensor names (``token_embd.weight``,
 ``blk.0.attn_q.weight``, ...): the module tree is laid out so that ``state_dict()`` keys need
 no translation, which makes :func:`tensor_shapes` the single name map that export and import
 consult. Rope uses llama.cpp's convention for the family (NORM, adjacent pairs, for llama and
-smollm3; NEOX, pairs i and i + head_dim/2, for qwen2 and qwen3), so Q/K are stored as
+smollm3; NEOX, pairs i and i + head_dim/2, for qwen2, qwen3, gemma3), so Q/K are stored as
 llama.cpp's GGUF stores them.
 
 One decoder serves every family in :data:`FAMILIES` (llama.cpp's ``general.architecture``):
 they differ from llama by a few switches (:class:`Family`) — the rope's pairing, rope left out
 on some layers (NoPE), per-head q/k RMSNorm, q/k/v biases — which the modules read, never the
-family's name. llama.cpp fixes the switches by the architecture (its GGUF has no key for them),
-so ``ModelConfig.arch`` chooses them all at once.
+family's name (gemma3 adds scaled embeddings, sandwich norms, GELU gating and sliding-window
+layers with their own rope base). llama.cpp fixes the switches by the architecture (its GGUF
+has no key for them), so ``ModelConfig.arch`` chooses them all at once.
 
 The same module runs on two interchangeable op sets, ``ops="ggml"`` (ggml's backward
 formulas) and ``ops="torch"`` (plain PyTorch), with three attention choices: the modules
@@ -62,6 +63,19 @@ class Family(NamedTuple):
     """llama.cpp's loader takes optional ``attention_bias`` / ``mlp_bias`` tensors."""
     rope_freqs: bool = True
     """llama.cpp's graph applies a ``rope_freqs.weight`` tensor."""
+    embed_scale: bool = False
+    """The input embeddings (not the tied head) are multiplied by float32 sqrt(dim)."""
+    post_norms: bool = False
+    """Sandwich norms: the attention and feed-forward outputs are RMS-normed before their
+    residual add (``blk.N.post_attention_norm`` / ``blk.N.post_ffw_norm``)."""
+    activation: str = "swiglu"
+    """The feed-forward's gating: ``"swiglu"`` silu(gate)·up, ``"geglu"`` gelu_tanh(gate)·up."""
+    swa_every: int = 0
+    """Sliding-window attention on layers il with (il + 1) % swa_every != 0, full attention on
+    the others (0: none); the sliding layers rope with their own base, unscaled."""
+    scale_by_dim_at: int = 0
+    """A model of this many layers scales attention by 1/sqrt(dim / n_heads) instead of
+    1/sqrt(head_dim) (llama.cpp's Gemma 3 27B rule; 0: never)."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -70,10 +84,24 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(rope_mode="neox", qk_norm=True, biases=False, rope_freqs=False),
     # smollm3's graph would add biases, but llama.cpp's loader takes none: it refuses such a file
     "smollm3": Family(no_rope_every=4, biases=False, rope_freqs=False),
+    "gemma3": Family(
+        rope_mode="neox",
+        qk_norm=True,
+        biases=False,
+        rope_freqs=False,
+        embed_scale=True,
+        post_norms=True,
+        activation="geglu",
+        swa_every=6,
+        scale_by_dim_at=62,
+    ),
 }
 """The families llamatrain trains, by llama.cpp's architecture name (``general.architecture``,
 also the prefix of the hyper-parameter keys: ``qwen3.block_count``)."""
 ARCHS = tuple(FAMILIES)
+SWA_DEFAULTS = {"sliding_window": 4096, "rope_theta_swa": 10000.0}
+"""A sliding-window family's values for the fields a config leaves unset (transformers'
+Gemma 3 defaults; llama.cpp's rope base of the sliding layers)."""
 
 
 def _nowhere(key: str) -> str:
@@ -88,7 +116,8 @@ class ModelConfig:
         "llama",
         "model family, llama.cpp's general.architecture: qwen2 = llama + q/k/v biases and "
         "NEOX rope (Qwen2/2.5); qwen3 = llama + per-head q/k RMSNorm and NEOX rope; smollm3 "
-        "= llama without rope on every 4th layer",
+        "= llama without rope on every 4th layer; gemma3 = Gemma 3 (scaled embeddings, q/k "
+        "and sandwich norms, GELU gating, sliding-window attention on 5 of 6 layers)",
         choices=ARCHS,
     )
     dim: int = setting(256, "embedding width (llama.embedding_length)", gt=0)
@@ -112,6 +141,22 @@ class ModelConfig:
         False,
         "per-pair RoPE frequency divisors in a rope_freqs.weight tensor (Llama 3.1+ long "
         "context); kept as loaded, never trained",
+    )
+    sliding_window: int | None = setting(
+        None,
+        "gemma3: the sliding layers' attention window, keys i-w < j <= i "
+        "(gemma3.attention.sliding_window); unset = 4096",
+        gt=0,
+    )
+    rope_theta_swa: float | None = setting(
+        None,
+        "gemma3: RoPE base of the sliding layers (gemma3.rope.freq_base_swa); unset = 10000",
+        gt=0,
+    )
+    final_logit_softcap: float | None = setting(
+        None,
+        "gemma3: logits = c·tanh(logits / c) (gemma3.final_logit_softcapping); unset = none",
+        gt=0,
     )
     key_length: int | None = setting(
         None, "attention head width (llama.attention.key_length); unset = dim / n_heads", gt=0
@@ -144,6 +189,10 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        if FAMILIES.get(self.arch, FAMILIES["llama"]).swa_every:
+            for name, value in SWA_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, value)
         self.validate()
 
     @property
@@ -160,6 +209,29 @@ class ModelConfig:
         """Whether block ``layer`` applies rope (NoPE families leave it out of some)."""
         step = self.family.no_rope_every
         return step == 0 or (layer + 1) % step != 0
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether block ``layer`` attends within ``sliding_window`` (and ropes with
+        ``rope_theta_swa``) rather than to the whole context."""
+        step = self.family.swa_every
+        return step != 0 and (layer + 1) % step != 0
+
+    @property
+    def attention_scalar(self) -> int | None:
+        """Gemma's ``query_pre_attn_scalar`` as llama.cpp fixes it (it reads no key for it):
+        head_dim, or dim / n_heads in a model of ``scale_by_dim_at`` layers; None for the
+        families without it."""
+        if not self.family.swa_every:
+            return None
+        by_dim = self.n_layers == self.family.scale_by_dim_at
+        return self.dim // self.n_heads if by_dim else self.head_dim
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention's score scale, 1/sqrt(attention_scalar); None: the op's default
+        1/sqrt(head_dim)."""
+        scalar = self.attention_scalar
+        return None if scalar is None else 1.0 / math.sqrt(scalar)
 
     @property
     def head_dim(self) -> int:
@@ -214,11 +286,19 @@ class ModelConfig:
             )
             if on and not allowed
         ]
+        if not family.swa_every:
+            unsupported += [
+                name
+                for name in ("sliding_window", "rope_theta_swa", "final_logit_softcap")
+                if getattr(self, name) is not None
+            ]
         if unsupported:
             key = f"model.{unsupported[0]}"
+            value = getattr(self, unsupported[0])
+            shown = "true" if value is True else repr(value)
             raise ConfigError(
-                f"{key} = true{where(key)}: llama.cpp's {self.arch!r} architecture has no "
-                f"such tensors; set it to false or model.arch = 'llama'"
+                f"{key} = {shown}{where(key)}: llama.cpp's {self.arch!r} architecture has no "
+                f"such tensors or keys; leave it unset (false) or choose another model.arch"
             )
 
 
@@ -257,6 +337,9 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             if name == "attn_k" and cfg.family.qk_norm:  # per-head norms of q and k
                 shapes[b + "attn_q_norm.weight"] = (cfg.head_dim,)
                 shapes[b + "attn_k_norm.weight"] = (cfg.head_dim,)
+        if cfg.family.post_norms:
+            shapes[b + "post_attention_norm.weight"] = (e,)
+            shapes[b + "post_ffw_norm.weight"] = (e,)
     shapes["output_norm.weight"] = (e,)
     if not cfg.tie_embeddings:
         shapes["output.weight"] = (v, e)
@@ -291,9 +374,18 @@ class Rope(NamedTuple):
     freq_scale: float = 1.0
     freq_factors: torch.Tensor | None = None
     mode: str = "norm"
+    theta_swa: float | None = None
+    """The base of the sliding-window layers, which rope unscaled (llama.cpp's
+    ``rope_freq_base_train_swa`` / ``rope_freq_scale_train_swa = 1``)."""
 
-    def frequencies(self) -> dict:
-        """The keyword arguments of ``OpSet.rope`` besides ``x`` and ``pos``."""
+    def frequencies(self, sliding: bool = False) -> dict:
+        """The keyword arguments of ``OpSet.rope`` besides ``x`` and ``pos``, for a full or a
+        sliding-window layer."""
+        if sliding:
+            return dict(
+                theta=self.theta_swa, freq_scale=1.0, freq_factors=self.freq_factors,
+                mode=self.mode,
+            )  # fmt: skip
         return dict(
             theta=self.theta,
             freq_scale=self.freq_scale,
@@ -365,13 +457,18 @@ class Block(nn.Module):
 
     The sub-layers hang directly off the block so that parameter names read exactly like
     llama.cpp's (``blk.N.attn_q.weight``, ``blk.N.ffn_gate.weight``, ...). The family's
-    switches (``cfg.family``) add q/k norms, q/k/v biases, or leave rope out of this layer.
+    switches (``cfg.family``) add q/k norms, q/k/v biases, sandwich norms (x + post(attn(...)),
+    h + post(ffn(...))), GELU gating, a sliding window with its own rope base, or leave rope
+    out of this layer.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, ops: OpSet) -> None:
         super().__init__()
         self.cfg, self.layer, self.ops = cfg, layer, ops
         self.rotates = cfg.uses_rope(layer)
+        self.sliding = cfg.is_sliding(layer)
+        self.window = cfg.sliding_window if self.sliding else None
+        self.scale = cfg.attention_scale
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         qkv, mlp = cfg.qkv_bias, cfg.mlp_bias
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
@@ -384,10 +481,16 @@ class Block(nn.Module):
             self.attn_k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, ops)
         else:
             self.attn_q_norm = self.attn_k_norm = None
+        if cfg.family.post_norms:  # llama.cpp: attn_post_norm / ffn_post_norm
+            self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
+        else:
+            self.post_attention_norm = None
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.ffn_gate = Linear(cfg.dim, cfg.hidden_dim, ops, mlp)
         self.ffn_up = Linear(cfg.dim, cfg.hidden_dim, ops, mlp)
         self.ffn_down = Linear(cfg.hidden_dim, cfg.dim, ops, mlp)
+        self.post_ffw_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops) if cfg.family.post_norms else None
+        self.gating = ops.geglu if cfg.family.activation == "geglu" else ops.swiglu
 
     def attention(
         self,
@@ -404,16 +507,19 @@ class Block(nn.Module):
         if self.attn_q_norm is not None:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         if self.rotates:
-            q = self.ops.rope(q, rope.pos, **rope.frequencies())
-            k = self.ops.rope(k, rope.pos, **rope.frequencies())
+            q = self.ops.rope(q, rope.pos, **rope.frequencies(self.sliding))
+            k = self.ops.rope(k, rope.pos, **rope.frequencies(self.sliding))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        out = self.ops.attention(q, k, v, documents)  # (b, heads, t, hd), causal
+        if self.window is None and self.scale is None:
+            out = self.ops.attention(q, k, v, documents)  # (b, heads, t, hd), causal
+        else:  # within the window (and the document), Gemma's scale
+            out = self.ops.attention(q, k, v, documents, window=self.window, scale=self.scale)
         return self.attn_output(out.transpose(1, 2).reshape(b, t, -1))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn_down(self.ops.swiglu(self.ffn_gate(x), self.ffn_up(x)))
+        return self.ffn_down(self.gating(self.ffn_gate(x), self.ffn_up(x)))
 
     def forward(
         self,
@@ -423,8 +529,14 @@ class Block(nn.Module):
         documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``documents`` (B, T): packed document ids; attention stays within each document."""
-        h = x + self.attention(self.attn_norm(x), rope, cache, documents)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attn_norm(x), rope, cache, documents)
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a)
+        h = x + a
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffw_norm is not None:
+            f = self.post_ffw_norm(f)
+        return h + f
 
 
 class Blocks(nn.ModuleList):
@@ -489,11 +601,24 @@ class Llama(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.token_embd.weight if self.output is None else self.output.weight
 
+    @property
+    def embed_scale(self) -> float:
+        """sqrt(dim) rounded to float32, as ggml's ``sqrtf(n_embd)`` (families with
+        ``embed_scale``)."""
+        return float(torch.tensor(math.sqrt(self.cfg.dim), dtype=torch.float32))
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm head on final-normed hidden states, soft-capped when the config says so."""
+        logits = self.ops.linear(hidden, self.lm_head_weight)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else self.ops.softcap(logits, cap)
+
     def rope_for(self, pos: torch.Tensor) -> Rope:
         """The rope settings for tokens at ``pos``, as every block receives them."""
         factors = None if self.rope_freqs is None else self.rope_freqs.weight
         scale = 1.0 / self.cfg.rope_scaling_factor
-        return Rope(pos, self.cfg.rope_theta, scale, factors, self.cfg.family.rope_mode)
+        mode, swa = self.cfg.family.rope_mode, self.cfg.rope_theta_swa
+        return Rope(pos, self.cfg.rope_theta, scale, factors, mode, swa)
 
     def hidden_states(
         self,
@@ -515,6 +640,8 @@ class Llama(nn.Module):
         else:
             pos = document_positions(documents)
         x = self.ops.embedding(self.token_embd.weight, tokens)
+        if self.cfg.family.embed_scale:  # llama.cpp: ggml_scale by sqrtf(n_embd)
+            x = x * self.embed_scale
         x = self.blk(x, self.rope_for(pos), cache, documents)
         if cache is not None:
             cache.length += tokens.shape[1]
@@ -532,8 +659,7 @@ class Llama(nn.Module):
 
         ``documents``: see :meth:`hidden_states`.
         """
-        hidden = self.hidden_states(tokens, cache, documents)
-        logits = self.ops.linear(hidden, self.lm_head_weight)
+        logits = self.head_logits(self.hidden_states(tokens, cache, documents))
         if targets is None:
             return logits
         return logits, self.ops.cross_entropy(logits, targets)
@@ -549,4 +675,7 @@ class Llama(nn.Module):
         ``documents``: see :meth:`hidden_states`.
         """
         hidden = self.hidden_states(tokens, documents=documents)
-        return self.ops.head_loss(hidden, self.lm_head_weight, targets)
+        cap = self.cfg.final_logit_softcap
+        if cap is None:
+            return self.ops.head_loss(hidden, self.lm_head_weight, targets)
+        return self.ops.head_loss(hidden, self.lm_head_weight, targets, softcap=cap)

@@ -35,7 +35,7 @@ def model(arch: str, seed: int = 0, **changes) -> Llama:
 
 
 def test_the_families_are_llama_cpps_architectures() -> None:
-    assert ARCHS == ("llama", "qwen2", "qwen3", "smollm3")
+    assert ARCHS == ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
     assert FAMILIES["llama"] == FAMILIES["llama"]._make(FAMILIES["llama"]._field_defaults.values())
     assert ModelConfig().arch == "llama" and ModelConfig().family == FAMILIES["llama"]
 

@@ -1,8 +1,8 @@
 """The llama mapping of GGUF: which keys and tensors make a file llama.cpp runs as a llama.
 
 llama.cpp expects ``general.architecture`` (``"llama"``, or another family of
-``llamatrain.model.FAMILIES``: ``"qwen2"``, ``"qwen3"``, ``"smollm3"``), the hyper-parameter
-keys under that name (``llama.block_count``, ``qwen3.block_count``, …), the
+``llamatrain.model.FAMILIES``: ``"qwen2"``, ``"qwen3"``, ``"smollm3"``, ``"gemma3"``), the
+hyper-parameter keys under that name (``llama.block_count``, ``qwen3.block_count``, …), the
 ``tokenizer.ggml.*`` keys and *exactly* the model's tensors (an extra tensor makes it refuse
 the file). An exported model, a training checkpoint (the model plus ``training.*`` keys and
 ``optimizer.*`` / ``training.*`` tensors) and a vocabulary are all written by ``write_model`` /
@@ -38,7 +38,7 @@ from llamatrain.gguf.file import (
     write_gguf,
 )
 from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
-from llamatrain.model import ARCHS, ModelConfig, tensor_shapes
+from llamatrain.model import ARCHS, FAMILIES, ModelConfig, tensor_shapes
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
@@ -120,6 +120,11 @@ def model_metadata(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.rope_scaling_factor != 1.0:
         metadata[a + ".rope.scaling.type"] = "linear"
         metadata[a + ".rope.scaling.factor"] = f32(cfg.rope_scaling_factor)
+    if cfg.family.swa_every:  # the pattern itself is llama.cpp's for the architecture
+        metadata[a + ".attention.sliding_window"] = u32(cfg.sliding_window)
+        metadata[a + ".rope.freq_base_swa"] = f32(cfg.rope_theta_swa)
+    if cfg.final_logit_softcap is not None:
+        metadata[a + ".final_logit_softcapping"] = f32(cfg.final_logit_softcap)
     return metadata
 
 
@@ -201,7 +206,7 @@ def _architecture_from_keys(
         raise GGUFError(f"{p} lacks {arch}.feed_forward_length and blk.0.ffn_gate.weight")
     if "tokenizer.ggml.tokens" not in meta:
         raise GGUFError(f"{p} has no vocabulary (tokenizer.ggml.tokens); re-export the model")
-    return dict(
+    return _sliding_window_keys(hp, arch, p) | dict(
         arch=arch,
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         dim=dim,
@@ -218,6 +223,35 @@ def _architecture_from_keys(
         attention_bias="blk.0.attn_output.bias" in tensors,
         mlp_bias="blk.0.ffn_gate.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
+    )
+
+
+def _sliding_window_keys(hp: Mapping[str, Any], arch: str, p: Path) -> dict[str, Any]:
+    """ModelConfig's sliding-window fields from a sliding-window family's keys ({} for the
+    others): the window (required: without it llama.cpp runs every layer on the whole
+    context), the sliding layers' rope base (llama.cpp's default 10000) and the optional final
+    logit soft-cap. The layer pattern is the architecture's; a file that sets another is
+    refused."""
+    step = FAMILIES[arch].swa_every
+    if not step:
+        return {}
+    window = int(hp.get("attention.sliding_window", 0) or 0)
+    if window <= 0:
+        raise GGUFError(
+            f"{p} has no {arch}.attention.sliding_window; llamatrain's {arch} has "
+            "sliding-window layers — set the key to the model's window"
+        )
+    pattern = hp.get("attention.sliding_window_pattern", step)
+    if not isinstance(pattern, (int, np.integer)) or int(pattern) != step:
+        raise GGUFError(
+            f"{p}: {arch}.attention.sliding_window_pattern = {pattern!r}; llamatrain's {arch} "
+            f"has full attention on every {step}th layer only"
+        )
+    cap = float(hp.get("final_logit_softcapping", 0.0) or 0.0)
+    return dict(
+        sliding_window=window,
+        rope_theta_swa=float(hp.get("rope.freq_base_swa", 10000.0)),
+        final_logit_softcap=cap if cap > 0.0 else None,
     )
 
 
@@ -272,6 +306,14 @@ def _config_from_json(text: str, derived: Mapping[str, Any], arch: str, p: Path)
         attention_bias=cfg.attention_bias,
         mlp_bias=cfg.mlp_bias,
     )
+    if cfg.family.swa_every:
+        ours |= dict(
+            sliding_window=cfg.sliding_window,
+            rope_theta_swa=float(np.float32(cfg.rope_theta_swa)),
+            final_logit_softcap=None
+            if cfg.final_logit_softcap is None
+            else float(np.float32(cfg.final_logit_softcap)),
+        )
     disagreeing = [k for k, v in ours.items() if derived[k] != v]
     if disagreeing:
         raise GGUFError(

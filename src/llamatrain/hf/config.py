@@ -8,7 +8,12 @@ model transformers itself would build from it. Only what one of our families is 
 model_type ``llama``, ``mistral`` without sliding-window attention (then it is a llama),
 ``qwen2``, ``qwen3`` or ``smollm3`` without sliding windows (SmolLM3 with llama.cpp's NoPE
 pattern: no rope on every 4th layer), with SiLU feed-forwards and a rope llama.cpp runs (see
-``llamatrain.hf.rope``).
+``llamatrain.hf.rope``). Gemma 3 is model_type ``gemma3_text`` (``Gemma3ForCausalLM`` with a
+``Gemma3TextConfig``): GELU-tanh, llama.cpp's layer pattern (5 sliding-window layers, then a
+full one), its attention scale (``query_pre_attn_scalar`` = head_dim, or dim / n_heads at 62
+layers), a rope per layer type (``rope_parameters`` per type, or ``rope_theta`` +
+``rope_local_base_freq`` + ``rope_scaling``, linear scaling on the full layers only) and no
+attention-logit soft-capping.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 """The transformers class of each of our families (``ModelConfig.arch``; also its model_type)."""
-_MODEL_TYPES = {**{arch: arch for arch in HF_ARCHITECTURES}, "mistral": "llama"}
+HF_MODEL_TYPES = {**{arch: arch for arch in HF_ARCHITECTURES}, "gemma3": "gemma3_text"}
+"""Our arch -> config.json's model_type."""
+_MODEL_TYPES = {**{t: arch for arch, t in HF_MODEL_TYPES.items()}, "mistral": "llama"}
 """config.json's model_type -> our arch."""
 _REQUIRED = (
     "vocab_size",
@@ -61,6 +69,14 @@ _TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
     "smollm3": {"max_position_embeddings": 32768, "tie_word_embeddings": True},
+    "gemma3_text": {
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+    },
 }
 """Where another model type's config class defaults differently from ``LlamaConfig``."""
 _ROPE_THETA_DEFAULTS = {"smollm3": 2000000.0}
@@ -92,12 +108,23 @@ def model_config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
     model_type = hf["model_type"]
     arch = _MODEL_TYPES[model_type]
     given = {k: v for k, v in hf.items() if v is not None}
+    if "hidden_activation" in given:  # Gemma's name for it
+        given["hidden_act"] = given["hidden_activation"]
     get = {**_TRANSFORMERS_DEFAULTS, **_TYPE_DEFAULTS.get(model_type, {}), **given}.get
-    if get("hidden_act") != "silu":
+    act = "gelu_pytorch_tanh" if arch == "gemma3" else "silu"
+    if get("hidden_act") != act:
         raise CheckpointError(
-            f"{source} has hidden_act {get('hidden_act')!r}; a llama's feed-forward is 'silu'"
+            f"{source} has hidden_act {get('hidden_act')!r}; a {model_type}'s feed-forward is "
+            f"{act!r}"
         )
-    scaling = rope_scaling_of(hf, source) or {}
+    if arch == "gemma3":
+        gemma = _gemma3_fields(hf, get, source)
+        scaling = {"rope_type": "linear", "factor": gemma.pop("factor")}
+        theta = gemma.pop("rope_theta")
+    else:
+        gemma = {}
+        scaling = rope_scaling_of(hf, source) or {}
+        theta = rope_theta_of(hf, _ROPE_THETA_DEFAULTS.get(model_type, 10000.0))
     dim, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
     head_dim = get("head_dim")
     try:
@@ -111,19 +138,79 @@ def model_config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
             ffn_dim=int(get("intermediate_size")),
             max_seq_len=int(get("max_position_embeddings")),
             norm_eps=float(get("rms_norm_eps")),
-            rope_theta=rope_theta_of(hf, _ROPE_THETA_DEFAULTS.get(model_type, 10000.0)),
+            rope_theta=theta,
             rope_scaling_factor=float(scaling["factor"]) if _is(scaling, "linear") else 1.0,
             rope_freq_factors=_is(scaling, "llama3"),
             key_length=None if head_dim in (None, dim / n_heads) else int(head_dim),
             attention_bias=bool(get("attention_bias")),
             mlp_bias=bool(get("mlp_bias")),
             tie_embeddings=bool(get("tie_word_embeddings")),
+            **gemma,
         )
     except (ConfigError, TypeError, ValueError) as e:
         raise CheckpointError(f"{source} describes an invalid {model_type} model: {e}") from e
     if arch == "smollm3":
         _check_no_rope_layers(hf, cfg, source)
+    if arch == "gemma3":
+        _check_gemma3_layers(hf, get, cfg, source)
     return cfg
+
+
+def _gemma3_fields(hf: Mapping[str, Any], get: Any, source: str) -> dict[str, Any]:
+    """Gemma 3's rope bases and linear factor (full layers), window and final soft-cap."""
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if hf.get(key):
+            raise CheckpointError(
+                f"{source} sets {key} = {hf[key]!r}; llama.cpp's gemma3 has no such attention "
+                "— set it to null/false"
+            )
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        params = {}
+    full = params.get("full_attention") or {}
+    sliding = params.get("sliding_attention") or {}
+    if params and not (full or sliding):  # one dict for every layer type
+        full = params
+    legacy = hf.get("rope_scaling") or {}
+    kind = full.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
+    if kind not in ("default", "linear") or sliding.get("rope_type", "default") != "default":
+        raise CheckpointError(
+            f"{source} uses {kind!r} rope scaling ({sliding.get('rope_type')!r} on sliding "
+            "layers); llama.cpp's gemma3 runs linear scaling on the full-attention layers only"
+        )
+    factor = float(full.get("factor", legacy.get("factor", 1.0))) if kind == "linear" else 1.0
+    cap = hf.get("final_logit_softcapping")
+    return dict(
+        factor=factor,
+        rope_theta=float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+        rope_theta_swa=float(sliding.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))),
+        sliding_window=int(get("sliding_window")),
+        final_logit_softcap=None if cap is None else float(cap),
+    )
+
+
+def _check_gemma3_layers(hf: Mapping[str, Any], get: Any, cfg: ModelConfig, source: str) -> None:
+    """The layer types and attention scale must be those llama.cpp's gemma3 has."""
+    ours = [
+        "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)
+    ]
+    pattern = hf.get("layer_types")
+    if pattern is None:
+        step = int(hf.get("sliding_window_pattern") or cfg.family.swa_every)
+        pattern = [
+            "sliding_attention" if (i + 1) % step else "full_attention" for i in range(cfg.n_layers)
+        ]
+    if list(pattern) != ours:
+        raise CheckpointError(
+            f"{source} has the layer types {list(pattern)}; llama.cpp's gemma3 has sliding "
+            f"windows on 5 of every 6 layers, {ours}"
+        )
+    scalar, expected = get("query_pre_attn_scalar"), cfg.attention_scalar
+    if scalar != expected:
+        raise CheckpointError(
+            f"{source} has query_pre_attn_scalar = {scalar!r}; llama.cpp's gemma3 scales "
+            f"attention by 1/sqrt({expected}) for this model — set it to {expected}"
+        )
 
 
 def _check_no_rope_layers(hf: Mapping[str, Any], cfg: ModelConfig, source: str) -> None:
@@ -152,16 +239,16 @@ def _check_is_llama(hf: Mapping[str, Any], source: str) -> None:
         named = f"{model_type!r}" + (f" ({', '.join(architectures)})" if architectures else "")
         raise CheckpointError(
             f"{source} describes a {named} model; llamatrain imports the model types "
-            f"{', '.join(repr(t) for t in HF_ARCHITECTURES)} (and 'mistral' without "
+            f"{', '.join(repr(t) for t in HF_MODEL_TYPES.values())} (and 'mistral' without "
             "sliding-window attention)"
         )
-    if model_type != "mistral" and hf.get("use_sliding_window"):
+    if model_type not in ("mistral", "gemma3_text") and hf.get("use_sliding_window"):
         raise CheckpointError(
             f"{source} is a {model_type} with sliding-window attention (use_sliding_window = "
             "true); llamatrain's models attend to the whole context — set it to false"
         )
     window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None:
+    if model_type == "mistral" and window is not None:  # gemma3's window is its own
         raise CheckpointError(
             f"{source} is a mistral with sliding-window attention (sliding_window = {window}); "
             "llamatrain's llama attends to the whole context — only a mistral with "
@@ -181,7 +268,7 @@ def hf_config(
     """
     config: dict[str, Any] = {
         "architectures": [HF_ARCHITECTURES[cfg.arch]],
-        "model_type": cfg.arch,
+        "model_type": HF_MODEL_TYPES[cfg.arch],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.hidden_dim,
@@ -214,4 +301,28 @@ def hf_config(
     if cfg.arch == "smollm3":
         config["no_rope_layer_interval"] = cfg.family.no_rope_every
         config["no_rope_layers"] = [int(cfg.uses_rope(i)) for i in range(cfg.n_layers)]
+    if cfg.arch == "gemma3":
+        _gemma3_config(config, cfg, tokenizer)
     return config
+
+
+def _gemma3_config(config: dict[str, Any], cfg: ModelConfig, tokenizer: Tokenizer) -> None:
+    """Gemma3TextConfig's spelling (transformers 4 keys, which 5 reads too)."""
+    del config["hidden_act"], config["mlp_bias"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        pad_token_id=tokenizer.pad_id,
+        rope_local_base_freq=cfg.rope_theta_swa,
+        sliding_window=cfg.sliding_window,
+        sliding_window_pattern=cfg.family.swa_every,
+        layer_types=[
+            "sliding_attention" if cfg.is_sliding(i) else "full_attention"
+            for i in range(cfg.n_layers)
+        ],
+        query_pre_attn_scalar=cfg.attention_scalar,
+        final_logit_softcapping=cfg.final_logit_softcap,
+        attn_logit_softcapping=None,
+        use_bidirectional_attention=False,
+    )
+    if cfg.rope_scaling_factor != 1.0:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_scaling_factor}

@@ -12,6 +12,14 @@ reordered within each head, which is what llama.cpp's converter does on import
 (``LlamaModel.permute``): :func:`to_adjacent_pairs`; export undoes it with
 :func:`to_rotate_half`.
 
+Gemma 3: HF's ``post_attention_layernorm`` is llama.cpp's ``post_attention_norm`` (the sandwich
+norm), ``pre_feedforward_layernorm`` its ``ffn_norm`` and ``post_feedforward_layernorm`` its
+``post_ffw_norm`` (``_BLOCK_OF``). HF's Gemma RMSNorm multiplies by ``1 + w``; llama.cpp's GGUF
+and our model hold ``1 + w`` itself (llama.cpp's converter adds 1 to every ``*norm.weight``), so
+import adds 1 and export subtracts it (``NORM_SHIFT``), in float32: a GGUF value g >= 0.5 goes
+to HF and back bit for bit (g - 1 is exact there, Sterbenz), an HF value w comes back within
+one float32 rounding of 1 + w.
+
 Reading opens one shard at a time and converts one tensor at a time, so the float32 tensors
 returned are the only copy of the model in memory.
 """
@@ -57,18 +65,34 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_BLOCK_OF = {
+    "gemma3": {
+        **_BLOCK,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+"""A family's block names where they are not llama's."""
+NORM_SHIFT = {"gemma3": 1.0}
+"""What HF's norm weights of a family lack of ours (Gemma's ``1 + w``)."""
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers older transformers saved with the weights; they are recomputed, never loaded."""
 
 
-def hf_tensor_name(name: str) -> str:
-    """The HF name of one of our tensors: ``blk.3.attn_q.weight`` -> ``model.layers.3.
-    self_attn.q_proj.weight``."""
+def hf_tensor_name(name: str, arch: str = "llama") -> str:
+    """The HF name of one of our tensors in a model of family ``arch``: ``blk.3.attn_q.weight``
+    -> ``model.layers.3.self_attn.q_proj.weight``."""
     stem, _, kind = name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, module = stem.split(".")
-        return f"model.layers.{layer}.{_BLOCK[module]}.{kind}"
+        return f"model.layers.{layer}.{_BLOCK_OF.get(arch, _BLOCK)[module]}.{kind}"
     return f"{_TOP[stem]}.{kind}"
+
+
+def _norm_shift(name: str, cfg: ModelConfig) -> float:
+    """What to add to an HF tensor to get ours (0 but for a Gemma norm weight)."""
+    return NORM_SHIFT.get(cfg.arch, 0.0) if name.endswith("norm.weight") else 0.0
 
 
 def _rope_heads(name: str, cfg: ModelConfig) -> int | None:
@@ -134,7 +158,9 @@ def read_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     The tensor names and shapes are checked against ``cfg`` before anything is loaded: a
     missing or unexpected tensor is one CheckpointError naming it (with HF's name).
     """
-    ours = {hf_tensor_name(name): name for name in tensor_shapes(cfg) if name not in COMPUTED}
+    ours = {
+        hf_tensor_name(name, cfg.arch): name for name in tensor_shapes(cfg) if name not in COMPUTED
+    }
     files = weight_files(folder)
     stored = {path: _tensor_names(path) for path in files}
     present = {name for names in stored.values() for name in names}
@@ -178,12 +204,17 @@ def _converted(
     """One HF tensor as ours: shape checked, float32, q/k rows in adjacent-pair order."""
     if tuple(tensor.shape) != shape:
         raise CheckpointError(
-            f"{path}: {hf_tensor_name(name)} has shape {tuple(tensor.shape)} but config.json "
-            f"needs {shape}; the weights do not belong to this config"
+            f"{path}: {hf_tensor_name(name, cfg.arch)} has shape {tuple(tensor.shape)} but "
+            f"config.json needs {shape}; the weights do not belong to this config"
         )
     if not tensor.is_floating_point():
-        raise CheckpointError(f"{path}: {hf_tensor_name(name)} is {tensor.dtype}, not a float")
+        raise CheckpointError(
+            f"{path}: {hf_tensor_name(name, cfg.arch)} is {tensor.dtype}, not a float"
+        )
     tensor = tensor.float()
+    shift = _norm_shift(name, cfg)
+    if shift:
+        tensor = tensor + shift
     heads = _rope_heads(name, cfg)
     return tensor if heads is None else to_adjacent_pairs(tensor, heads)
 
@@ -204,8 +235,11 @@ def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict
         if name in COMPUTED:
             continue
         tensor = tensors[name].detach().float().cpu()
+        shift = _norm_shift(name, cfg)
+        if shift:
+            tensor = tensor - shift
         heads = _rope_heads(name, cfg)
-        state[hf_tensor_name(name)] = (
+        state[hf_tensor_name(name, cfg.arch)] = (
             tensor if heads is None else to_rotate_half(tensor, heads)
         ).contiguous()
     return state
