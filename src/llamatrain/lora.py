@@ -28,6 +28,7 @@ the adapter tensors alone.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -47,6 +48,7 @@ __all__ = [
     "BASE_DTYPES",
     "FrozenLinear",
     "LoraLinear",
+    "adapters_disabled",
     "apply_lora",
     "load_lora_state_dict",
     "lora_modules",
@@ -148,8 +150,15 @@ class LoraLinear(nn.Module):
         self.rank, self.alpha, self.dropout = rank, alpha, dropout
         self.scale = alpha / rank
         self.ops = ops
+        self.disabled = False
+        """Set by :func:`adapters_disabled`: compute the frozen base alone."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.disabled:  # the base's product through the same matmul, the update scaled by 0
+            y = self.ops.lora_linear(
+                x, self.weight, self.lora_a, self.lora_b, 0.0, None, qtype=self.qtype
+            )
+            return y if self.bias is None else y + self.bias
         dropped = F.dropout(x, self.dropout, self.training) if self.dropout else None
         y = self.ops.lora_linear(
             x, self.weight, self.lora_a, self.lora_b, self.scale, dropped, qtype=self.qtype
@@ -178,6 +187,23 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
             yield name, module
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within it, every adapted projection of ``model`` computes its frozen base alone (no
+    update, no dropout, no random numbers drawn): the model is its base, without a second
+    copy of it — the reference model of DPO over a LoRA run. Restored on exit."""
+    modules = [module for _, module in lora_modules(model)]
+    if not modules:
+        raise ConfigError("the model has no LoRA adapters to switch off; apply_lora first")
+    for module in modules:
+        module.disabled = True
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.disabled = False
 
 
 def apply_lora(

@@ -11,6 +11,11 @@ its share of sequences) and the gradients accumulated, so the step's loss is the
 batch's scored tokens and the update equals the full batch's up to float rounding whatever
 ``n_ubatch`` is. A batch is ``(inputs, targets)``, or ``(inputs, targets, documents)`` for
 packed examples (``documents`` None when each row holds one), all split alike by rows.
+
+A preference objective (``train.objective``: dpo, ipo, orpo; ``llamatrain.preference``) trains
+on rows of whole chosen/rejected pairs instead: each micro-batch's loss is its pairs' share of
+the step's mean over pairs, and each step also reports the reward margin and accuracy and the
+chosen and rejected log-probs.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from llamatrain.model import IGNORE_INDEX, Llama
 from llamatrain.model_source import LoraBase, checkpoint_dir
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
+from llamatrain.preference import PreferenceObjective
 from llamatrain.report import RunReport, measure
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
@@ -96,6 +102,10 @@ class Trainer:
         prepared = model if isinstance(model, PreparedModel) else prepare(model, cfg)
         self.model, self.device, self.parallel = prepared.model, prepared.device, prepared.parallel
         self.loss_fn = prepared.loss_fn
+        t = cfg.train
+        self.objective = None  # the next-token loss (sft), or a preference objective
+        if t.objective != "sft":
+            self.objective = PreferenceObjective(t.objective, t.beta, t.label_smoothing)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(
             config=config_to_dict(cfg), inherited=dict(inherited or {}), lora_base=lora_base
@@ -161,6 +171,8 @@ class Trainer:
         each rank weighs its micro-batches' scored shares of the whole batch ``ranks``-fold.
         """
         self.optimizer.zero_grad()
+        if self.objective is not None:
+            return self._accumulate_preference(inputs, targets, documents)
         batch_rows, batch_scored = len(targets), scored_count(targets)
         inputs, targets = self.parallel.rows(inputs), self.parallel.rows(targets)
         ranks = batch_rows // len(targets)
@@ -175,6 +187,37 @@ class Trainer:
                 loss.backward()
             total += loss.item()
         return parallel.average(total)
+
+    def _accumulate_preference(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None
+    ) -> float:
+        """:meth:`_accumulate_gradients` for a preference objective: micro-batches of whole
+        pairs (a pair is one row's two documents), each micro-batch's loss its share of the
+        step's mean over pairs; the step's metrics are kept in the objective."""
+        if documents is None:
+            raise TrainingError(
+                f"train.objective = {self.cfg.train.objective!r} trains on rows of preference "
+                "pairs (llamatrain.data.preferences), which carry documents; this batch has none"
+            )
+        objective = self.objective
+        objective.start_step()
+        counts = objective.batch_counts(targets, documents)
+        total = 0.0
+        parts = zip(
+            inputs.split(self.micro_batch),
+            targets.split(self.micro_batch),
+            documents.split(self.micro_batch),
+            strict=True,
+        )
+        for x, y, d in parts:
+            x, y, d = x.to(self.device), y.to(self.device), d.to(self.device)
+            reference = objective.reference_logps(self.model, x, y, d, self._autocast())
+            with self._autocast():
+                logits = self.model(x, documents=d)
+            loss = objective.loss(logits, y, d, reference, counts)
+            loss.backward()
+            total += loss.item()
+        return total
 
     def _clip(self) -> None:
         """Clip the global gradient norm; remember the norm before clipping when it is known
@@ -237,6 +280,9 @@ class Trainer:
     def evaluate(self) -> dict:
         """Validation loss, perplexity and next-token accuracy over the held-out windows."""
         batches = self.data.val_batches(self.cfg.train.eval_batches)
+        if self.objective is not None:
+            metrics = self.objective.evaluate(self.model, batches, self.device, self._autocast())
+            return {"step": self.state.step, **{f"val_{k}": v for k, v in metrics.items()}}
         metrics = validation_metrics(self.model, batches, self.device, self._autocast())
         return {"step": self.state.step, **metrics}
 
@@ -273,10 +319,17 @@ class Trainer:
         if self.data.val is None:
             return None  # data.val_fraction = 0: nothing held out to evaluate on
         record = self.evaluate()
-        lines = [
-            f"step {record['step']}: val_loss {record['val_loss']:.4f} "
-            f"ppl {record['val_ppl']:.2f} acc {record['val_acc']:.3f}"
-        ]
+        if self.objective is not None:
+            lines = [
+                f"step {record['step']}: val_loss {record['val_loss']:.4f} "
+                f"reward margin {record['val_reward_margin']:.4f} "
+                f"accuracy {record['val_reward_accuracy']:.3f}"
+            ]
+        else:
+            lines = [
+                f"step {record['step']}: val_loss {record['val_loss']:.4f} "
+                f"ppl {record['val_ppl']:.2f} acc {record['val_acc']:.3f}"
+            ]
         if self.cfg.train.sample_tokens > 0:
             record["sample"] = self.sample()
             self.history.samples.append(record["sample"])
@@ -315,12 +368,16 @@ class Trainer:
         }
         if self.grad_norm is not None:
             record["grad_norm"] = self.grad_norm
+        if self.objective is not None:
+            record |= self.objective.metrics()
         self.history.train.append(record)
         if self._every(t.log_every) or self.state.step == t.steps:
             self._log(record)
-        bar.set_postfix(
-            loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{t.n_batch / elapsed:.0f}"
-        )
+        postfix = {"loss": f"{loss:.4f}", "lr": f"{record['lr']:.2e}"}
+        if self.objective is not None:
+            postfix["margin"] = f"{record['reward_margin']:.3f}"
+            postfix["acc"] = f"{record['reward_accuracy']:.2f}"
+        bar.set_postfix(**postfix, tok_s=f"{t.n_batch / elapsed:.0f}")
         bar.update(1)
         return loss
 

@@ -92,7 +92,8 @@ class DataSection:
     format: str = setting(
         "text",
         "'text' = plain text files, one token stream; 'jsonl' = one example a line: "
-        '{"text"}, {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]}',
+        '{"text"}, {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]}; '
+        'preference pairs {"prompt", "chosen", "rejected"} for train.objective dpo/ipo/orpo',
         choices=("text", "jsonl"),
     )
     chat_template: str = setting(
@@ -231,6 +232,31 @@ class TrainSection:
         "the set is stored in each checkpoint for `llamatrain generate --seen-tokens-only`",
     )
     log_every: int = setting(10, "write a metrics line every this many steps", gt=0)
+    objective: str = setting(
+        "sft",
+        "what the loss trains: 'sft' = next-token loss on the data; preference tuning on "
+        'JSONL pairs {"prompt", "chosen", "rejected"} (text, or messages rendered with the '
+        "chat template; only the replies scored): 'dpo' = DPO's sigmoid loss (Rafailov et al. "
+        "2023), 'ipo' = IPO's squared loss on per-token mean log-probs (Azar et al. 2023), both "
+        "against the base (a LoRA run's adapters switched off); 'orpo' = ORPO (Hong et al. "
+        "2024): NLL of the chosen reply - beta x log-sigmoid of the log odds ratio, "
+        "reference-free",
+        choices=("sft", "dpo", "ipo", "orpo"),
+    )
+    beta: float = setting(
+        0.1,
+        "preference objectives: DPO/IPO's beta (how tightly the policy stays at the "
+        "reference; rewards are beta x log-ratio), ORPO's lambda (weight of the odds-ratio "
+        "term)",
+        gt=0,
+    )
+    label_smoothing: float = setting(
+        0.0,
+        "dpo: the assumed chance a pair's preference is flipped (conservative DPO, "
+        "Mitchell 2023); 0 = plain DPO",
+        ge=0,
+        lt=0.5,
+    )
 
 
 @dataclass

@@ -82,6 +82,46 @@ def _validate_parallel(cfg: Config) -> None:
         )
 
 
+def _validate_objective(cfg: Config) -> None:
+    """A preference objective trains on JSONL pairs, single-process and uncompiled for now;
+    DPO/IPO need a reference model, which only a LoRA run has (its adapters switched off)."""
+    t = cfg.train
+    objective = t.objective
+    if objective == "sft":
+        return
+    where = _set_in(cfg, "train.objective")
+    if cfg.data.format != "jsonl":
+        raise ConfigError(
+            f"train.objective = {objective!r} {where} trains on preference pairs; set "
+            'data.format = "jsonl" with one {"prompt", "chosen", "rejected"} object a line'
+        )
+    if cfg.data.train_on != "completion":
+        raise ConfigError(
+            f"train.objective = {objective!r} {where} scores the replies alone; "
+            "data.train_on = 'all' does not apply: set it to 'completion'"
+        )
+    if objective in ("dpo", "ipo") and cfg.lora.rank == 0:
+        raise ConfigError(
+            f"train.objective = {objective!r} {where} needs a reference model, which a LoRA run "
+            "has (the base with the adapters off) and full finetuning does not yet; set "
+            "lora.rank (e.g. 16) over model.init_from, or train.objective = 'orpo' "
+            "(reference-free)"
+        )
+    if t.label_smoothing and objective != "dpo":
+        raise ConfigError(
+            f"train.label_smoothing = {t.label_smoothing} "
+            f"{_set_in(cfg, 'train.label_smoothing', 'train.objective')} is conservative DPO's; "
+            f"train.objective = {objective!r} has none: set it to 0"
+        )
+    if t.parallel != "none" or t.compile:
+        key = "train.parallel" if t.parallel != "none" else "train.compile"
+        raise ConfigError(
+            f"train.objective = {objective!r} {_set_in(cfg, 'train.objective', key)} trains in "
+            "one process, uncompiled, for now; set train.parallel = 'none' and train.compile "
+            "= false"
+        )
+
+
 def validate(cfg: Config) -> Config:
     """Check every value and the rules that tie fields together; fill derived defaults.
 
@@ -94,6 +134,7 @@ def validate(cfg: Config) -> Config:
     _validate_model(cfg)
     _validate_lora(cfg)
     _validate_parallel(cfg)
+    _validate_objective(cfg)
     require_quantizer(cfg.output.export_type)
 
     d, o, t = cfg.data, cfg.optim, cfg.train

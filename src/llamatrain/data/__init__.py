@@ -11,6 +11,8 @@ Each step lives in its own module:
   (:mod:`~llamatrain.data.jsonl`), renders conversations with a chat template
   (:mod:`~llamatrain.data.chat_template`) and lays the tokens into rows whose targets score
   only what is trained (:mod:`~llamatrain.data.examples`); the same sampler draws them.
+- A preference objective (``train.objective`` other than ``"sft"``) reads JSONL pairs of a
+  chosen and a rejected reply (:mod:`~llamatrain.data.preferences`), laid whole into rows.
 
 :func:`build_train_data` wires them together the way ``cfg.data`` says.
 """
@@ -39,6 +41,7 @@ from llamatrain.data.examples import (
     truncate,
 )
 from llamatrain.data.jsonl import BadLines
+from llamatrain.data.preferences import PairEncoder, cut_pairs, pair_rows, read_pairs
 from llamatrain.data.sources import (
     SHAKESPEARE,
     SONNETS,
@@ -55,6 +58,7 @@ from llamatrain.data.windows import (
     split_windows,
     val_batches,
 )
+from llamatrain.errors import DataError
 
 if TYPE_CHECKING:
     from llamatrain.config import Config
@@ -142,6 +146,8 @@ def build_train_data(
     """
     d = cfg.data
     paths = list(paths) if paths is not None else resolve_inputs(d.path, d.cache_dir)
+    if cfg.train.objective != "sft":
+        return _preference_data(cfg, tokenizer, paths, model_template)
     if d.format == "jsonl":
         return _jsonl_data(cfg, tokenizer, paths, model_template)
     tokens = load_tokens(
@@ -184,6 +190,36 @@ def _jsonl_data(
     rows = pack_rows if d.packing else pad_rows
     train = rows(train_examples, span, tokenizer.eos_id)
     val = rows(val_examples, span, tokenizer.eos_id) if val_examples else None
+    n_seq = cfg.seqs_per_batch
+    sampler = BatchSampler(train, n_seq, cfg.train.seed)
+    return TrainData(paths, None, train, val, sampler, n_seq, chat_template=template)
+
+
+def _preference_data(
+    cfg: Config, tokenizer: Tokenizer, paths: list[Path], model_template: str | None
+) -> TrainData:
+    """Preference pairs read, encoded, cut to a row, split (whole pairs) and laid into rows;
+    skipped lines and cut pairs are reported as one warning each."""
+    d = cfg.data
+    template = resolve_chat_template(d.chat_template, model_template, tokenizer)
+    bad = BadLines(d.on_bad_line)
+    encoder = PairEncoder(LineEncoder(tokenizer, template, train_on="completion"))
+    span = d.n_ctx + 1
+    pairs, cut, dropped = cut_pairs(read_pairs(paths, encoder, bad), span)
+    notes = bad.summaries()
+    if cut:
+        lost = f"; {dropped} of them lost a whole reply and were left out" if dropped else ""
+        notes.append(
+            f"{cut} preference pairs were longer than data.n_ctx + 1 = {span} tokens (chosen "
+            f"+ rejected), cut to it{lost}"
+        )
+    for note in notes:
+        warnings.warn(note, stacklevel=3)
+    if not pairs:
+        raise DataError(f"no preference pair fits data.n_ctx + 1 = {span} tokens; raise n_ctx")
+    train_pairs, val_pairs = split_examples(pairs, d.val_fraction)
+    train = pair_rows(train_pairs, span, tokenizer.eos_id, packing=d.packing)
+    val = pair_rows(val_pairs, span, tokenizer.eos_id, packing=d.packing) if val_pairs else None
     n_seq = cfg.seqs_per_batch
     sampler = BatchSampler(train, n_seq, cfg.train.seed)
     return TrainData(paths, None, train, val, sampler, n_seq, chat_template=template)

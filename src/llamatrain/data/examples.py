@@ -119,6 +119,18 @@ class LineEncoder:
             segments = [Segment(line.text, True)]
         return self._example(segments, special=False, eos=True)
 
+    def encode_segments(
+        self, segments: Sequence[Segment], *, special: bool, eos: bool = False
+    ) -> Example:
+        """The :class:`Example` of pieces of text marked trained or not: ``special`` parses
+        control tokens (a rendered chat); ``eos`` ends it with EOS, trained as the last piece
+        is (a raw-text completion)."""
+        return self._example(segments, special=special, eos=eos)
+
+    def chat_template(self) -> ChatTemplate:
+        """The template conversations are rendered with; ConfigError if there is none."""
+        return self._chat_template()
+
     def _chat_template(self) -> ChatTemplate:
         if self.template is None:
             raise ConfigError(
