@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed-runtime
 TESTING := $(VENV)/.installed-test
 
-.PHONY: install run test test-all bench bench-ops lint clean
+.PHONY: install run test test-all fuzz bench bench-ops lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: $(TESTING)
 
 test-all: $(TESTING)
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+# The fuzz targets of tests/fuzz with many random examples each (FUZZ_EXAMPLES, default 5000;
+# `make test` runs the same targets derandomized with 40). Figures: README "Safety".
+fuzz: $(TESTING)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider -m fuzz tests/fuzz \
+		--hypothesis-show-statistics
 
 bench: $(RUNTIME)
 	$(BIN)/python bench/train.py

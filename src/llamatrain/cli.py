@@ -9,6 +9,7 @@ is imported inside the commands, so ``--help`` and argument errors answer at onc
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import warnings
@@ -17,7 +18,11 @@ from dataclasses import fields
 
 from llamatrain.errors import ConfigError, GGUFError, LlamatrainError
 from llamatrain.gguf.export_types import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
-from llamatrain.sampling import SamplingParams
+from llamatrain.sampling import SamplingError, SamplingParams
+
+MAX_NEW_TOKENS = 1 << 20
+"""Most tokens ``generate --max-tokens`` asks for: the KV cache is allocated for all of them."""
+MAX_SEED = (1 << 64) - 1
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -45,20 +50,28 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # every flag checked before the model is read
+    seed = generation_seed(args.seed)
+    if not 1 <= args.max_tokens <= MAX_NEW_TOKENS:
+        raise ConfigError(
+            f"--max-tokens {args.max_tokens}: must be between 1 and {MAX_NEW_TOKENS:,} (the "
+            "cache for every token is allocated up front)"
+        )
     from llamatrain import api
 
-    params = SamplingParams(**{f.name: getattr(args, f.name) for f in fields(SamplingParams)})
     if args.chat is not None:
         model, tokenizer, template = api.load_chat(args.checkpoint, args.chat_template)
+        check_cache_fits(model, args.max_tokens)
         reply = api.chat(
             model, tokenizer, template, args.chat, max_tokens=args.max_tokens, params=params,
-            seed=args.seed,
+            seed=seed,
         )  # fmt: skip
         for piece in reply:
             print(piece, end="", flush=True)
         print()
         return 0
     model, tokenizer = api.load(args.checkpoint)
+    check_cache_fits(model, args.max_tokens)
     allowed = api.seen_tokens(args.checkpoint) if args.seen_tokens_only else None
     stream = api.generate_text(
         model,
@@ -66,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.prompt,
         max_tokens=args.max_tokens,
         params=params,
-        seed=args.seed,
+        seed=seed,
         allowed=allowed,
     )
     for piece in stream:
@@ -75,7 +88,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampler flags as SamplingParams; a value out of range is one line naming its flag."""
+    try:
+        return SamplingParams(**{f.name: getattr(args, f.name) for f in fields(SamplingParams)})
+    except SamplingError as e:
+        raise ConfigError(f"--{e.field.replace('_', '-')} {e.value}: must be {e.rule}") from None
+
+
+def check_cache_fits(model, max_tokens: int) -> None:
+    """Refuse a --max-tokens whose KV cache (allocated up front) exceeds half the machine's
+    memory, before allocating it."""
+    cfg, param = model.cfg, next(model.parameters())
+    n_bytes = 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * max_tokens * param.element_size()
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: nothing to compare with
+        return
+    if n_bytes > memory // 2:
+        raise ConfigError(
+            f"--max-tokens {max_tokens}: the cache for that many tokens needs "
+            f"{n_bytes / 2**30:.1f} GiB, more than half of this machine's "
+            f"{memory / 2**30:.1f} GiB; ask for fewer tokens"
+        )
+
+
+def generation_seed(seed: int | None) -> int | None:
+    """``--seed``: -1 (or none) draws a random seed, as llama.cpp's ``--seed -1`` does."""
+    if seed is None or seed == -1:
+        return None
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed {seed}: must be between 0 and 2^64-1, or -1 for a random seed")
+    return seed
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.n_ctx is not None and args.n_ctx < 4:
+        raise ConfigError(
+            f"--n-ctx {args.n_ctx}: must be at least 4 (each chunk's second half is scored), "
+            "or left out for the model's context"
+        )
     from llamatrain import api
 
     model, tokenizer = api.load(args.checkpoint)

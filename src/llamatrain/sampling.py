@@ -7,9 +7,20 @@ penalty on the raw logits, then top-k, top-p, temperature, and a draw.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from llamatrain.errors import ConfigError
+
+
+class SamplingError(ConfigError):
+    """A sampling parameter out of its range: ``field`` names it, ``rule`` says the range."""
+
+    def __init__(self, field: str, value: object, rule: str) -> None:
+        super().__init__(f"{field} must be {rule}, got {value!r}")
+        self.field, self.value, self.rule = field, value, rule
 
 
 @dataclass(frozen=True)
@@ -29,14 +40,29 @@ class SamplingParams:
     repeat_last_n: int = 64
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repeat_penalty <= 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        """Every value in its range (NaN and infinities refused), as a SamplingError
+        (a ConfigError, so one line at the CLI) naming the field."""
+        if not _number(self.temperature) or not 0 <= self.temperature <= 1e6:
+            raise SamplingError("temperature", self.temperature, "a number in [0, 1e6], 0 = greedy")
+        if self.top_k is not None and (not _integer(self.top_k) or self.top_k < 1):
+            raise SamplingError("top_k", self.top_k, "an integer >= 1")
+        if self.top_p is not None and (not _number(self.top_p) or not 0 < self.top_p <= 1):
+            raise SamplingError("top_p", self.top_p, "a number in (0, 1] (1 = no top-p)")
+        if not _number(self.repeat_penalty) or not 0 < self.repeat_penalty <= 1e6:
+            raise SamplingError("repeat_penalty", self.repeat_penalty, "a number in (0, 1e6]")
+        if not _integer(self.repeat_last_n) or self.repeat_last_n < -1:
+            raise SamplingError(
+                "repeat_last_n", self.repeat_last_n, "an integer >= -1 (-1 or 0 = all tokens)"
+            )
+
+
+def _number(value: object) -> bool:
+    """A finite real number (bools are not numbers here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def apply_repeat_penalty(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import tomllib
 import typing
 from importlib import resources
@@ -22,6 +23,7 @@ from llamatrain.config.fields import (
     check_type,
     config_keys,
     convert,
+    one_line,
     type_hints,
     union_args,
 )
@@ -43,6 +45,7 @@ __all__ = [
 
 
 def unknown_key(section: str, name: str, where: str) -> ConfigError:
+    name = one_line(name)  # a file's key: shown escaped, never as lines of its own
     derived = {f.name: f for f in dataclasses.fields(SECTIONS[section])}.get(name)
     if derived is not None:
         return ConfigError(
@@ -65,6 +68,7 @@ def unknown_key(section: str, name: str, where: str) -> ConfigError:
 
 
 def unknown_section(name: str, where: str) -> ConfigError:
+    name = one_line(name)
     close = difflib.get_close_matches(name, list(SECTIONS), n=1, cutoff=0.5)
     hint = f"did you mean [{close[0]}]? " if close else ""
     for sec, cls in SECTIONS.items():
@@ -134,8 +138,8 @@ def _parse_override(raw: str, hint: Any) -> Any:
         return None
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
+    except (tomllib.TOMLDecodeError, RecursionError, ValueError):
+        return raw  # not TOML (or nested / long past what Python parses): the text itself
     if convert(value, hint) is NOT_CONVERTIBLE and convert(raw, hint) is not NOT_CONVERTIBLE:
         return raw  # e.g. train.sample_prompt=1984 is the string "1984"
     return value
@@ -145,9 +149,11 @@ def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     """Apply ``section.key=value`` strings in order (later wins); returns ``cfg``."""
     for item in overrides:
         key, sep, raw = item.partition("=")
-        where = f"--set {item}"
+        where = f"--set {one_line(item)}"
         if not sep or not key.strip():
-            raise ConfigError(f"--set expects section.key=value (like optim.lr=3e-4), got {item!r}")
+            raise ConfigError(
+                f"--set expects section.key=value (like optim.lr=3e-4), got {where[6:]!r}"
+            )
         sec_name, name = _split_key(key.strip(), where)
         _set(cfg, sec_name, name, raw.strip(), where, raw=True)
     return cfg
@@ -223,6 +229,16 @@ def load_config(spec: str | Path | None, overrides: typing.Iterable[str] = ()) -
             ) from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path} is not UTF-8 text ({e}); save it as UTF-8") from None
+        except RecursionError:
+            raise ConfigError(
+                f"{path} nests arrays or tables too deeply to read; a config is sections of "
+                "plain keys — fix the file"
+            ) from None
+        except ValueError as e:  # tomllib's int(): a number past Python's digit limit
+            raise ConfigError(
+                f"{path} holds a number of more than {sys.get_int_max_str_digits()} digits "
+                f"({str(e)[:60]}); fix the file"
+            ) from None
         cfg = config_from_dict(data, source=str(spec))
     apply_overrides(cfg, overrides)
     return validate(cfg)

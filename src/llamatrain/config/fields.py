@@ -7,6 +7,7 @@ hints, so no section writes its own parsing.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -14,7 +15,15 @@ from typing import Any
 from llamatrain.errors import ConfigError
 from llamatrain.settings import is_config_key, show
 
-__all__ = ["NOT_CONVERTIBLE", "check_type", "config_keys", "convert", "type_hints", "union_args"]
+__all__ = [
+    "NOT_CONVERTIBLE",
+    "check_type",
+    "config_keys",
+    "convert",
+    "one_line",
+    "type_hints",
+    "union_args",
+]
 
 
 def config_keys(section_cls: type) -> dict[str, dataclasses.Field]:
@@ -82,9 +91,45 @@ def convert(value: Any, hint: Any) -> Any:
 
 
 def check_type(section: str, name: str, value: Any, hint: Any, where: str) -> Any:
+    """``value`` converted for the field, or one ConfigError naming it: the wrong type, a NaN
+    (never a setting: every comparison with it is false, so no range check could refuse it),
+    or a string that is not text (a lone surrogate, from bytes that are not UTF-8 on a
+    command line)."""
     converted = convert(value, hint)
     if converted is NOT_CONVERTIBLE:
         raise ConfigError(
-            f"{section}.{name} in {where} must be {_describe(hint)}, got {show(value)}"
+            f"{section}.{name} in {where} must be {_describe(hint)}, got {_shown(value)}"
         )
+    for item in converted if isinstance(converted, list) else [converted]:
+        if isinstance(item, float) and math.isnan(item):
+            raise ConfigError(f"{section}.{name} in {where} is nan; give a number")
+        if isinstance(item, str) and not _is_text(item):
+            raise ConfigError(
+                f"{section}.{name} in {where} is not text (it holds {ascii(item)[:60]}, bytes "
+                "that are not UTF-8); give it as UTF-8 text"
+            )
     return converted
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(value: Any) -> str:
+    """``show(value)``, cut to one short line (a value may be a 100 kB string)."""
+    try:
+        text = show(value)
+    except ValueError:  # an int past Python's digit limit
+        return f"an integer of {value.bit_length()} bits"
+    return one_line(text)
+
+
+def one_line(text: str, limit: int = 80) -> str:
+    """``text`` for an error message: characters that are not printable text (newlines,
+    controls, lone surrogates) escaped, cut to ``limit`` characters."""
+    text = "".join(c if c.isprintable() and _is_text(c) else ascii(c)[1:-1] for c in text[:limit])
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -45,7 +45,7 @@ from gguf import quants as gguf_quants
 from llamatrain.errors import GGUFError
 from llamatrain.files import is_gguf, written_atomically
 from llamatrain.gguf.export_types import FILE_TYPES, check_export_type
-from llamatrain.gguf.header import TensorInfo, ValueType, parse_header
+from llamatrain.gguf.header import TensorInfo, ValueType, parse_header, shown
 
 GGUF_KIND = "GGUF file"
 """How refusals name what is being written (see :func:`llamatrain.files.check_target`)."""
@@ -341,8 +341,8 @@ def _read_into(p: Path, f: BinaryIO, info: TensorInfo, target: torch.Tensor) -> 
     type dequantized into it a chunk of rows at a time (see ``_CHUNK_VALUES``)."""
     if tuple(target.shape) != info.np_shape or target.dtype != _dtype(info):
         raise GGUFError(
-            f"{p}: tensor {info.name} is {info.qtype.name} {info.np_shape} but is read into a "
-            f"{target.dtype} {tuple(target.shape)} tensor; load it into the model this file "
+            f"{p}: tensor {shown(info.name)} is {info.qtype.name} {info.np_shape} but is read "
+            f"into a {target.dtype} {tuple(target.shape)} tensor; load it into the model this file "
             "describes (its header gives the config)"
         )
     if target.device.type != "cpu" or not target.is_contiguous():
@@ -351,7 +351,9 @@ def _read_into(p: Path, f: BinaryIO, info: TensorInfo, target: torch.Tensor) -> 
     if info.qtype in INTEGER_TYPES or info.qtype == _T.F32:
         f.seek(info.offset)
         if f.readinto(memoryview(array).cast("B")) != info.n_bytes:
-            raise GGUFError(f"{p} is truncated: tensor {info.name} ends past the end of the file")
+            raise GGUFError(
+                f"{p} is truncated: tensor {shown(info.name)} ends past the end of the file"
+            )
         return
     rows = array.reshape(-1, array.shape[-1] if array.ndim else 1)
     if rows.size == 0:
@@ -371,7 +373,9 @@ def _read_chunks(p: Path, f: BinaryIO, info: TensorInfo, chunk_bytes: int) -> It
         want = min(chunk_bytes, info.n_bytes - start)
         chunk = f.read(want)
         if len(chunk) != want:
-            raise GGUFError(f"{p} is truncated: tensor {info.name} ends past the end of the file")
+            raise GGUFError(
+                f"{p} is truncated: tensor {shown(info.name)} ends past the end of the file"
+            )
         yield chunk
 
 
@@ -384,7 +388,7 @@ def _dequantize(p: Path, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
         return gguf_quants.dequantize(raw, info.qtype)
     except NotImplementedError as e:
         raise GGUFError(
-            f"{p}: tensor {info.name} has type {info.qtype.name}, which llamatrain cannot "
+            f"{p}: tensor {shown(info.name)} has type {info.qtype.name}, which llamatrain cannot "
             "dequantize; convert the model to a type it reads (llama.cpp's llama-quantize to "
             "Q8_0, Q6_K or Q4_K_M, or f16) and load that"
         ) from e
@@ -445,8 +449,8 @@ def read_tensors_into(source: GGUFSource, targets: Mapping[str, torch.Tensor]) -
     missing = [name for name in targets if name not in infos]
     if missing:
         raise GGUFError(
-            f"{p} has no tensor {missing[0]} (of {len(missing)} missing); pass the model file "
-            "these tensors belong to"
+            f"{p} has no tensor {shown(missing[0])} (of {len(missing)} missing); pass the model "
+            "file these tensors belong to"
         )
     _read_all_into(p, [infos[name] for name in targets], targets)
 
@@ -461,12 +465,14 @@ def read_stored_into(source: GGUFSource, targets: Mapping[str, torch.Tensor]) ->
             info = infos.get(name)
             if info is None or target.nbytes != info.n_bytes or not target.is_contiguous():
                 raise GGUFError(
-                    f"{p} has no tensor {name} of {target.nbytes} stored bytes; pass the model "
-                    "file these tensors belong to"
+                    f"{p} has no tensor {shown(name)} of {target.nbytes} stored bytes; pass the "
+                    "model file these tensors belong to"
                 )
             f.seek(info.offset)
             if f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) != info.n_bytes:
-                raise GGUFError(f"{p} is truncated: tensor {name} ends past the end of the file")
+                raise GGUFError(
+                    f"{p} is truncated: tensor {shown(name)} ends past the end of the file"
+                )
 
 
 def _read_all_into(
@@ -509,8 +515,8 @@ def verify_gguf(source: GGUFSource) -> int:
     if damaged:
         more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
         raise GGUFError(
-            f"{p} is damaged: tensor {damaged[0]}{more} does not match the sha256 recorded when "
-            f"it was written; {_DAMAGED_FIX}"
+            f"{p} is damaged: tensor {shown(damaged[0])}{more} does not match the sha256 "
+            f"recorded when it was written; {_DAMAGED_FIX}"
         )
     return len(infos)
 

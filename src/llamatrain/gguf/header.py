@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from llamatrain.errors import GGUFError
 from llamatrain.gguf.export_types import EXPORT_TYPES
 
-__all__ = ["TensorInfo", "ValueType", "parse_header"]
+__all__ = ["TensorInfo", "ValueType", "parse_header", "shown"]
 
 _V = GGUFValueType
 
@@ -44,9 +44,20 @@ _SCALARS: dict[int, tuple[str, int]] = {
     int(_V.INT64): ("<q", 8),
     int(_V.FLOAT64): ("<d", 8),
 }
-_MAX_DIMS = 8
+_MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses a tensor of more
 _MAX_INT64 = (1 << 63) - 1  # ggml counts elements and bytes in int64
 _MIN_STRING_BYTES = 8  # a string's length field
+_MIN_KEY_BYTES = 8 + 4 + 1  # a key's name length, value type and the smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset (a 0-d tensor)
+_PREAMBLE_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key count
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """A name a file supplies (a key, a tensor name), as an error message shows it: characters
+    that are not printable escaped (``\\n``, ``\\x1b``), cut to ``limit``, so a crafted name
+    can neither break the one-line message nor bury it."""
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[: limit + 1])
+    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 class _Corrupt(Exception):
@@ -142,7 +153,7 @@ class _Parser:
         for _ in range(n_kv):
             key = self.string()
             if key in meta:
-                raise _Corrupt(f"key {key} appears twice")
+                raise _Corrupt(f"key {shown(key)} appears twice")
             vtype = self.scalar("<I", 4)
             item_type = self._peek_u32() if vtype == int(_V.ARRAY) else None
             meta[key] = self.value(vtype)
@@ -163,10 +174,14 @@ class _Parser:
         name = self.string()
         n_dims = self.scalar("<I", 4)
         if n_dims > _MAX_DIMS:
-            raise _Corrupt(f"tensor {name} claims {n_dims} dimensions")
+            raise _Corrupt(f"tensor {shown(name)} claims {n_dims} dimensions")
         dims = [self.scalar("<Q", 8) for _ in range(n_dims)]
         if math.prod(dims) > _MAX_INT64:
-            raise _Corrupt(f"tensor {name} claims {dims} elements, more than 2^63")
+            raise _Corrupt(f"tensor {shown(name)} claims {dims} elements, more than 2^63")
+        if 0 in dims:
+            # ggml's own reader divides by each dimension (its overflow check): a zero one
+            # cannot load in llama.cpp, and no model holds an empty tensor.
+            raise _Corrupt(f"tensor {shown(name)} claims dimensions {dims}, one of them zero")
         raw_type = self.scalar("<I", 4)
         offset = self.scalar("<Q", 8)
         return name, dims, raw_type, offset
@@ -202,8 +217,11 @@ def parse_header(p: Path) -> tuple[dict[str, Any], list[TensorInfo], dict[str, V
             raise GGUFError(f"{p} is GGUF version {version}; llamatrain reads versions 2 and 3")
         n_tensors = r.scalar("<Q", 8)
         n_kv = r.scalar("<Q", 8)
-        if n_tensors > size or n_kv > size:
-            raise _Corrupt(f"it claims {n_tensors} tensors and {n_kv} keys")
+        if n_tensors * _MIN_TENSOR_INFO_BYTES + n_kv * _MIN_KEY_BYTES > size - _PREAMBLE_BYTES:
+            raise _Corrupt(
+                f"it claims {n_tensors} tensors and {n_kv} keys, more than its {size} bytes "
+                "can describe"
+            )
         meta = r.metadata(n_kv)
         raw_infos = [r.tensor_info() for _ in range(n_tensors)]
         align = meta.get("general.alignment", 32)
@@ -225,31 +243,57 @@ def _tensor_infos(
     align: int,
     size: int,
 ) -> list[TensorInfo]:
-    """Resolve types, shapes and byte ranges, checking each tensor lies inside the file."""
+    """Resolve types, shapes and byte ranges, checking the data is laid out as llama.cpp's
+    loader requires (``gguf_init_from_file``): each tensor inside the file, on the alignment,
+    and exactly where the one before it ends (padded to the alignment), so tensors never
+    overlap and each type's byte size is the span the file gives it. After the last tensor
+    there may be its padding and nothing more: a type relabelled to a smaller one (an F32
+    tensor called Q4_0) leaves bytes no tensor accounts for, and is refused like llama.cpp
+    refuses it."""
     infos: list[TensorInfo] = []
     seen: set[str] = set()
+    expected = 0  # where the next tensor must start, relative to data_start
     for name, dims, raw_type, offset in raw_infos:
         try:
             qtype = GGMLQuantizationType(raw_type)
         except ValueError as e:
             raise GGUFError(
-                f"{p}: tensor {name} has unknown type id {raw_type}; the file is corrupt or "
+                f"{p}: tensor {shown(name)} has unknown type id {raw_type}; the file is corrupt or "
                 f"from a newer llama.cpp — re-export it as {', '.join(EXPORT_TYPES)}"
             ) from e
         if name in seen:
-            raise GGUFError(f"{p} is corrupt: tensor {name} appears twice")
+            raise GGUFError(f"{p} is corrupt: tensor {shown(name)} appears twice")
         seen.add(name)
         block, type_size = GGML_QUANT_SIZES[qtype]
         if (dims[0] if dims else 1) % block:
-            raise GGUFError(f"{p} is corrupt: tensor {name} rows are not whole {qtype.name} blocks")
+            raise GGUFError(
+                f"{p} is corrupt: tensor {shown(name)} rows are not whole {qtype.name} blocks"
+            )
         if offset % align:
-            raise GGUFError(f"{p} is corrupt: tensor {name} starts off the {align}-byte alignment")
+            raise GGUFError(
+                f"{p} is corrupt: tensor {shown(name)} starts off the {align}-byte alignment"
+            )
         n_bytes = math.prod(dims) // block * type_size
         start = data_start + offset
         if start + n_bytes > size:
             raise GGUFError(
-                f"{p} is truncated: tensor {name} ends at byte {start + n_bytes} but the file "
-                f"has {size}; re-export or re-download it"
+                f"{p} is truncated: tensor {shown(name)} ends at byte {start + n_bytes} but the "
+                f"file has {size}; re-export or re-download it"
             )
+        if offset != expected:
+            raise GGUFError(
+                f"{p} is corrupt: tensor {shown(name)} ({qtype.name} {dims}) starts at data offset "
+                f"{offset}, but the tensor before it ends at {expected}; overlapping, out of "
+                "order or mislabelled tensors (a type or shape edited) do not load in llama.cpp "
+                "— re-export the model"
+            )
+        expected += (n_bytes + align - 1) // align * align
         infos.append(TensorInfo(name, tuple(reversed(dims)), qtype, start, n_bytes))
+    if infos and size - data_start > expected:
+        last = infos[-1]
+        raise GGUFError(
+            f"{p} is corrupt: {size - data_start - expected} bytes follow the last tensor "
+            f"({shown(last.name)}, {last.qtype.name}, {last.n_bytes} bytes); a tensor's type or "
+            "shape was edited so that it no longer fits its data — re-export the model"
+        )
     return infos

@@ -281,7 +281,9 @@ def _key_length(hp: Mapping[str, Any], arch: str, dim: int, n_heads: int, p: Pat
 
 
 def _config_from_json(text: str, derived: Mapping[str, Any], arch: str, p: Path) -> ModelConfig:
-    """Our recorded config, which must agree with what the ``<arch>.*`` keys say.
+    """Our recorded config, which must agree with what the ``<arch>.*`` keys say on every field
+    they carry: an edit of the keys (gguf's metadata scripts) is refused, never silently
+    overruled by the record — and so never reverted by a later export.
 
     Only architecture fields are taken: a file may predate a field's removal, and run choices
     (which op set, which attention) belong to the run that loads the file, not to the file.
@@ -305,6 +307,8 @@ def _config_from_json(text: str, derived: Mapping[str, Any], arch: str, p: Path)
         key_length=None if cfg.head_dim * cfg.n_heads == cfg.dim else cfg.head_dim,
         attention_bias=cfg.attention_bias,
         mlp_bias=cfg.mlp_bias,
+        norm_eps=_as_read(cfg.norm_eps),
+        rope_theta=_as_read(cfg.rope_theta),
     )
     if cfg.family.swa_every:
         ours |= dict(
@@ -318,9 +322,15 @@ def _config_from_json(text: str, derived: Mapping[str, Any], arch: str, p: Path)
     if disagreeing:
         raise GGUFError(
             f"{p}: {CONFIG_KEY} disagrees with the {arch}.* keys/tensors on {disagreeing}; "
-            "the file was edited inconsistently — re-export it"
+            "the file was edited inconsistently — to keep an edit of the keys, remove "
+            f"{CONFIG_KEY} (gguf-new-metadata --remove-metadata {CONFIG_KEY}), else re-export it"
         )
     return cfg
+
+
+def _as_read(value: float) -> float:
+    """A float as its float32 key reads back (the shortest decimal of the float32)."""
+    return float(str(np.float32(value)))
 
 
 # ---------------------------------------------------------------------------- the tensors

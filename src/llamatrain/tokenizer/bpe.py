@@ -72,6 +72,13 @@ class BpeTokenizer(VocabTokenizer):
                 f"{len(types)} types); the tokenizer data is corrupt — re-export it"
             )
         self._merges = [str(m) for m in merges]
+        try:
+            "\n".join(self._merges).encode("utf-8")
+        except UnicodeEncodeError:
+            raise TokenizerError(
+                "a merge rule holds a lone surrogate, which is not text; the tokenizer data is "
+                "corrupt — re-export it"
+            ) from None
         self._pre = pre_tokenizer(pre)
         super().__init__(
             tokens,

@@ -21,7 +21,11 @@ from llamatrain.tokenizer.sentencepiece_proto import (
 )
 from llamatrain.tokenizer.spm import SpmTokenizer
 
-__all__ = ["load_sentencepiece", "spm_from_model_proto"]
+__all__ = ["MAX_MODEL_BYTES", "load_sentencepiece", "spm_from_model_proto"]
+
+MAX_MODEL_BYTES = 64 << 20
+"""Largest sentencepiece model read (Gemma 3's 256k-piece model is 4.5 MB): decoding holds
+a few objects per byte, so a larger file is refused before it is read."""
 
 
 def load_sentencepiece(path: str | os.PathLike[str]) -> SpmTokenizer:
@@ -33,6 +37,13 @@ def load_sentencepiece(path: str | os.PathLike[str]) -> SpmTokenizer:
     p = Path(path)
     if not p.is_file():
         raise TokenizerError(f"Tokenizer file {str(p)!r} does not exist.")
+    size = p.stat().st_size
+    if size > MAX_MODEL_BYTES:
+        raise TokenizerError(
+            f"{str(p)!r} is {size:,} bytes, more than the {MAX_MODEL_BYTES:,} of any "
+            "sentencepiece model llamatrain reads; it is not a tokenizer.model — pass the "
+            "model's tokenizer.model or a GGUF"
+        )
     data = p.read_bytes()
     if data[:4] == b"GGUF":
         raise TokenizerError(

@@ -58,6 +58,25 @@ _NORMALIZER_REMOVE_EXTRA_WHITESPACES = 4
 _NORMALIZER_ESCAPE_WHITESPACES = 5
 
 _FLOAT32 = struct.Struct("<f")
+_TRAINER_WIRES = {
+    field: _VARINT
+    for field in (
+        _TRAINER_MODEL_TYPE,
+        _TRAINER_VOCAB_SIZE,
+        _TRAINER_BYTE_FALLBACK,
+        _TRAINER_UNK_ID,
+        _TRAINER_BOS_ID,
+        _TRAINER_EOS_ID,
+        _TRAINER_PAD_ID,
+    )
+}
+_NORMALIZER_WIRES = {
+    _NORMALIZER_NAME: _LENGTH_DELIMITED,
+    _NORMALIZER_CHARSMAP: _LENGTH_DELIMITED,
+    _NORMALIZER_ADD_DUMMY_PREFIX: _VARINT,
+    _NORMALIZER_REMOVE_EXTRA_WHITESPACES: _VARINT,
+    _NORMALIZER_ESCAPE_WHITESPACES: _VARINT,
+}
 
 
 @dataclass(frozen=True)
@@ -100,9 +119,9 @@ def read_model_proto(data: bytes) -> SentencePieceModel:
             scores.append(score)
             types.append(piece_type)
         elif field == _MODEL_TRAINER_SPEC:
-            trainer = _last_values(value)
+            trainer = _last_values(value, _TRAINER_WIRES, "trainer_spec")
         elif field == _MODEL_NORMALIZER_SPEC:
-            normalizer = _last_values(value)
+            normalizer = _last_values(value, _NORMALIZER_WIRES, "normalizer_spec")
     return SentencePieceModel(
         pieces=pieces,
         scores=scores,
@@ -134,9 +153,18 @@ def _read_piece(data: bytes) -> tuple[str, float, int]:
     return piece, score, piece_type
 
 
-def _last_values(data: bytes) -> dict[int, Any]:
-    """Field number -> value of a message without repeated fields (the last one wins)."""
-    return {field: value for field, _wire, value in _parse_message(data)}
+def _last_values(data: bytes, wires: dict[int, int], what: str) -> dict[int, Any]:
+    """Field number -> value of the fields in ``wires`` (the last one wins), each checked to
+    have the wire type its field has (a varint where a string belongs would otherwise be read
+    as a length, ``bytes(2**32)``); fields llamatrain does not read are skipped."""
+    values: dict[int, Any] = {}
+    for field, wire, value in _parse_message(data):
+        expected = wires.get(field)
+        if expected is not None and wire != expected:
+            raise ValueError(f"{what} field {field} has wire type {wire}, not {expected}")
+        if expected is not None:
+            values[field] = value
+    return values
 
 
 def _parse_message(buf: bytes) -> list[tuple[int, int, Any]]:

@@ -61,6 +61,7 @@ class VocabTokenizer(ABC):
     ) -> None:
         self._pieces: list[str] = [str(p) for p in pieces]
         self._types: list[int] = [int(t) for t in types]
+        _check_types(self._types)
         self._piece_to_id = _index_pieces(self._pieces)
         self._bos, self._eos, self._unk, self._pad = bos_id, eos_id, unk_id, pad_id
         self._add_bos, self._add_eos = bool(add_bos), bool(add_eos)
@@ -251,9 +252,27 @@ class VocabTokenizer(ABC):
         return self.decode_bytes(ids).decode("utf-8", "replace")
 
 
+def _check_types(types: list[int]) -> None:
+    """Token types are llama.cpp's (0 = undefined .. 6 = byte): anything else is damage."""
+    if types and not 0 <= min(types) <= max(types) <= TOKEN_TYPE_BYTE:
+        i = next(i for i, t in enumerate(types) if not 0 <= t <= TOKEN_TYPE_BYTE)
+        raise TokenizerError(
+            f"Token {i} has type {types[i]}, not one of llama.cpp's token types (0-6); the "
+            "vocabulary is corrupt — rebuild the tokenizer."
+        )
+
+
 def _index_pieces(tokens: Sequence[str]) -> dict[str, int]:
     """token text -> id, for any vocabulary; refuses empty and duplicate tokens, which
-    llama.cpp cannot load either."""
+    llama.cpp cannot load either, and text that is not UTF-8 (a lone surrogate)."""
+    try:
+        "\0".join(tokens).encode("utf-8")
+    except UnicodeEncodeError:
+        i = next(i for i, t in enumerate(tokens) if not _is_text(t))
+        raise TokenizerError(
+            f"Token {i} ({tokens[i]!r}) holds a lone surrogate, which is not text; the "
+            "vocabulary is corrupt — rebuild the tokenizer."
+        ) from None
     index: dict[str, int] = {}
     for i, token in enumerate(tokens):
         if token == "":
@@ -265,3 +284,11 @@ def _index_pieces(tokens: Sequence[str]) -> dict[str, int]:
             )
         index[token] = i
     return index
+
+
+def _is_text(token: str) -> bool:
+    try:
+        token.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
