@@ -25,6 +25,7 @@ from llamatrain.build import (
     load_tokenizer,
     prepare,
     read_model_source,
+    reference_of,
     resumed_run,
     with_base,
 )
@@ -137,7 +138,7 @@ def fit(
     device = resolve_device(cfg.train.device)
     with parallel.process_group(cfg.train.parallel, device, cfg.train.dist_timeout_s):
         with parallel.main_first():  # rank 0 fetches a corpus the others then find in the cache
-            paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir)  # a bad path: no folder
+            paths = resolve_inputs(cfg.data.path, cfg.data.cache_dir, format=cfg.data.format)
         lock = run_lock(cfg.output.dir) if parallel.is_main() else contextlib.nullcontext()
         with lock:
             if parallel.is_main() and not resume:
@@ -169,6 +170,9 @@ def _fit_locked(
         )
     inherited = _with_chat_template(run.inherited, data.chat_template)
     prepared = prepare(run.model, cfg)
+    with parallel.main_first():  # the reference cache of a full finetune's DPO/IPO, if any
+        initial = run.checkpoint is None
+        reference = reference_of(prepared.model, cfg, data, prepared.device, initial=initial)
     run_dir = Path(cfg.output.dir)
     if parallel.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -181,6 +185,7 @@ def _fit_locked(
         progress=progress,
         inherited=inherited,
         lora_base=run.lora_base,
+        reference=reference,
     )
     if run.checkpoint is not None:
         trainer.load_state(run.checkpoint)

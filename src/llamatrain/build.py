@@ -7,6 +7,9 @@ like the checkpoint it resumes — with its tokenizer, the base's keys its files
 (bf16/f16, or the GGUF's own quantized blocks) is chosen while it is read
 (:func:`build_lora_base`), so a float32 copy of it never exists.
 
+The reference of DPO/IPO over a full finetune (:func:`reference_of`): the initial model's
+log-probs of every row, read from the cache or computed once before training.
+
 Preparing (:func:`prepare`), as torchtitan's ``parallelize`` step does, in this one order:
 LoRA adapters over the frozen base → activation checkpointing (measured on the adapted block,
 before sharding) → the device → DDP/FSDP → a compiled loss. The model's code knows none of
@@ -15,9 +18,11 @@ it; each capability wraps the model from outside.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +39,7 @@ from llamatrain.checkpoint import (
     load_checkpoint,
 )
 from llamatrain.config import Config
+from llamatrain.data import TrainData
 from llamatrain.device import resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
 from llamatrain.gguf.file import read_gguf, read_stored_into, read_tensors_into, verify_gguf
@@ -49,6 +55,7 @@ from llamatrain.lora import (
 from llamatrain.model import Llama
 from llamatrain.model_source import (
     LoraBase,
+    base_sha256,
     checkpoint_dir,
     describe_base,
     is_hf_folder,
@@ -56,6 +63,7 @@ from llamatrain.model_source import (
     records_a_base,
 )
 from llamatrain.parallel import Parallel
+from llamatrain.preference import ReferenceTable, cached_reference_table, reference_table
 from llamatrain.tokenizer import (
     Tokenizer,
     load_sentencepiece,
@@ -74,6 +82,7 @@ __all__ = [
     "load_tokenizer",
     "prepare",
     "read_model_source",
+    "reference_of",
     "resumed_run",
     "with_base",
 ]
@@ -381,3 +390,62 @@ def prepare(model: Llama, cfg: Config) -> PreparedModel:
     loss = wrapped.loss
     loss_fn = torch.compile(loss, dynamic=False) if cfg.train.compile else loss
     return PreparedModel(model, device, wrapped, loss_fn, segment)
+
+
+# ---- the reference of a full finetune's DPO/IPO ----------------------------------------------
+
+
+def reference_of(
+    model: Llama, cfg: Config, data: TrainData, device: torch.device, *, initial: bool
+) -> ReferenceTable | None:
+    """The reference log-probs of ``data``'s rows for DPO/IPO over a full finetune (None for
+    any other run: a LoRA run's reference is its base with the adapters off).
+
+    They are the initial model's — ``model.init_from``'s weights — read from the cache in
+    ``data.cache_dir`` (keyed by that file's sha256, the run's ops, attention and dtype, and
+    the rows; see ``llamatrain.preference.cached_reference_table``) or computed by ``model``
+    on ``device`` and cached. ``initial``: ``model`` holds those weights (a fresh run); a
+    resumed run's model does not yet hold its checkpoint's, so when its cache entry is gone
+    the base's weights are read into it, a tensor at a time, to recompute it (the checkpoint's
+    are restored afterwards).
+    """
+    t = cfg.train
+    if t.objective not in ("dpo", "ipo") or cfg.lora.rank:
+        return None
+    autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if t.dtype == "bfloat16":
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    key = {
+        "model_sha256": base_sha256(cfg.model.init_from),
+        "ops": cfg.model.ops,
+        "attention": cfg.model.attention,
+        "dtype": t.dtype,
+    }
+
+    def compute() -> ReferenceTable:
+        if not initial:
+            warnings.warn(
+                f"no cached reference log-probs for this resumed run; computing them again "
+                f"from {cfg.model.init_from}",
+                stacklevel=3,
+            )
+            _read_weights_into(model, read_model_source(cfg.model.init_from))
+        return reference_table(model, data.train, data.val, cfg.seqs_per_ubatch, device, autocast)
+
+    table, _ = cached_reference_table(cfg.data.cache_dir, key, data.train, data.val, compute)
+    return table
+
+
+def _read_weights_into(model: Llama, source: LlamaFile) -> None:
+    """``source``'s weights into ``model`` (same architecture, any device), one tensor at a
+    time: no second copy of the model is ever held."""
+    header_only = _header_only(source) and source.contents is not None
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            if header_only:
+                wide = target.dtype if not target.is_floating_point() else torch.float32
+                value = torch.empty(target.shape, dtype=wide)
+                read_tensors_into(source.contents, {name: value})
+            else:
+                value = source.tensors[name]
+            target.copy_(value)

@@ -1,7 +1,10 @@
 """Training curves from a run's ``metrics.jsonl``, drawn to a PNG.
 
 The trainer appends one JSON object per line: training lines ``{step, loss, lr,
-tokens_per_s}`` and evaluation lines ``{step, val_loss, val_ppl, val_acc, sample}``. This
+tokens_per_s}`` and evaluation lines ``{step, val_loss, val_ppl, val_acc, sample}``; a
+preference run's lines add ``reward_margin``, ``reward_accuracy``, ``reward_chosen``,
+``reward_rejected``, ``logp_chosen`` and ``logp_rejected`` (``val_`` ones in evaluations),
+and its plot gets panels for them in place of perplexity. This
 module reads that file (nothing else), so a run can be plotted while it trains, after it
 finished, or on another machine with only the file copied over.
 
@@ -25,6 +28,7 @@ __all__ = [
     "METRICS_FILE",
     "CURVES_FILE",
     "can_plot",
+    "metrics_figure",
     "plot_metrics",
     "read_metrics",
     "read_records",
@@ -113,8 +117,40 @@ def can_plot() -> bool:
     return True
 
 
+PREFERENCE_KEYS = ("reward_margin", "reward_accuracy")
+"""A run that logged these is a preference run: its plot shows its rewards."""
+
+
+def _train_and_val(ax: Any, train: list, evals: list, key: str, color: str, label: str) -> None:
+    """``key`` of the training lines and ``val_`` + ``key`` of the evaluations on ``ax``."""
+    steps, values = _series(train, key)
+    ax.plot(steps, values, color=color, linewidth=1.2, label=f"train {label}")
+    steps, values = _series(evals, f"val_{key}")
+    ax.plot(steps, values, "o--", color=color, linewidth=1.2, label=f"validation {label}")
+
+
+def _preference_panels(axes: Any, train: list, evals: list) -> None:
+    """Reward margin, reward accuracy, and the chosen/rejected log-probs and rewards."""
+    margin_ax, acc_ax, logp_ax, reward_ax = axes
+    _train_and_val(margin_ax, train, evals, "reward_margin", "tab:purple", "margin")
+    margin_ax.axhline(0, color="gray", linewidth=0.8)
+    margin_ax.set(title="Reward margin (chosen - rejected)", xlabel="optimizer step",
+                  ylabel="reward")  # fmt: skip
+    _train_and_val(acc_ax, train, evals, "reward_accuracy", "tab:olive", "accuracy")
+    acc_ax.set(title="Reward accuracy (chosen > rejected)", xlabel="optimizer step",
+               ylabel="share of pairs", ylim=(-0.05, 1.05))  # fmt: skip
+    for kind, color in (("chosen", "tab:green"), ("rejected", "tab:red")):
+        _train_and_val(logp_ax, train, evals, f"logp_{kind}", color, kind)
+        _train_and_val(reward_ax, train, evals, f"reward_{kind}", color, kind)
+    logp_ax.set(title="Policy log-probs of the replies", xlabel="optimizer step",
+                ylabel="log-prob (sum, or per-token mean)")  # fmt: skip
+    reward_ax.set(title="Rewards", xlabel="optimizer step", ylabel="reward")
+
+
 def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw loss (train and validation), learning rate and validation perplexity to a PNG.
+    """Draw loss (train and validation), learning rate and validation perplexity to a PNG;
+    for a preference run (one that logged reward metrics), the reward margin, the reward
+    accuracy, the replies' log-probs and the rewards in place of perplexity.
 
     ``run_dir`` is a run folder (or its ``metrics.jsonl``); ``out`` defaults to
     ``<run_dir>/curves.png``. Returns the path written. Raises ``LlamatrainError`` when the
@@ -124,28 +160,56 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
     train, evals = read_metrics(path)
     if not train and not evals:
         raise LlamatrainError(f"{path} holds no metrics yet; train for log_every steps first")
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise LlamatrainError(f"plotting needs matplotlib: {_INSTALL_HINT}") from None
+    if not can_plot():
+        raise LlamatrainError(f"plotting needs matplotlib: {_INSTALL_HINT}")
     out = Path(out) if out is not None else path.parent / CURVES_FILE
-
-    fig = Figure(figsize=(13, 4), layout="constrained")
-    loss_ax, lr_ax, ppl_ax = fig.subplots(1, 3)
     title = path.parent.name if path.name == METRICS_FILE else path.name
+    fig = metrics_figure(train, evals, title)
+    with written_atomically(out, "plot") as tmp:
+        fig.savefig(tmp, dpi=100, format=out.suffix.lstrip(".") or "png")
+    return out
+
+
+def metrics_figure(train: list[dict[str, Any]], evals: list[dict[str, Any]], title: str) -> Any:
+    """The figure :func:`plot_metrics` draws (a ``matplotlib.figure.Figure``): 1x3 panels,
+    or 2x3 for a preference run."""
+    from matplotlib.figure import Figure
+
+    preference = any(key in r for r in train + evals for key in PREFERENCE_KEYS)
+    if preference:
+        fig = Figure(figsize=(13, 8), layout="constrained")
+        (loss_ax, lr_ax, margin_ax), (acc_ax, logp_ax, reward_ax) = fig.subplots(2, 3)
+        extra = [margin_ax, acc_ax, logp_ax, reward_ax]
+        _preference_panels(extra, train, evals)
+    else:
+        fig = Figure(figsize=(13, 4), layout="constrained")
+        loss_ax, lr_ax, ppl_ax = fig.subplots(1, 3)
+        extra = [ppl_ax]
     fig.suptitle(f"llamatrain run: {title}", fontweight="bold")
 
     steps, loss = _series(train, "loss")
     loss_ax.plot(steps, loss, color="tab:blue", linewidth=1.2, label="train loss")
     steps, val = _series(evals, "val_loss")
     loss_ax.plot(steps, val, "o-", color="tab:orange", linewidth=1.5, label="validation loss")
-    loss_ax.set(title="Loss", xlabel="optimizer step", ylabel="cross-entropy (nats/token)")
+    loss_label = "preference loss (per pair)" if preference else "cross-entropy (nats/token)"
+    loss_ax.set(title="Loss", xlabel="optimizer step", ylabel=loss_label)
 
     steps, lr = _series(train, "lr")
     lr_ax.plot(steps, lr, color="tab:green", label="learning rate")
     lr_ax.set(title="Learning rate", xlabel="optimizer step", ylabel="lr")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
 
+    if not preference:
+        _perplexity_panel(ppl_ax, evals)
+
+    for ax in (loss_ax, lr_ax, *extra):
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best")
+    return fig
+
+
+def _perplexity_panel(ppl_ax: Any, evals: list) -> None:
     steps, ppl = _series(evals, "val_ppl")
     ppl_ax.plot(steps, ppl, "o-", color="tab:red", label="validation perplexity")
     ppl_ax.set(title="Validation perplexity", xlabel="optimizer step", ylabel="perplexity")
@@ -155,11 +219,3 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ppl_ax.text(
             0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ppl_ax.transAxes
         )
-
-    for ax in (loss_ax, lr_ax, ppl_ax):
-        ax.grid(True, alpha=0.3)
-        if ax.lines:
-            ax.legend(loc="best")
-    with written_atomically(out, "plot") as tmp:
-        fig.savefig(tmp, dpi=100, format=out.suffix.lstrip(".") or "png")
-    return out

@@ -1,4 +1,4 @@
-"""Preference objectives: DPO, IPO and ORPO on rows of chosen/rejected pairs.
+"""Preference objectives: DPO, IPO, ORPO and SimPO on rows of chosen/rejected pairs.
 
 The data (``llamatrain.data.preferences``) lays each pair into one row as two documents:
 document ``2k`` is pair ``k``'s chosen reply, ``2k + 1`` its rejected one, and only reply
@@ -16,13 +16,24 @@ The losses are the published formulas, as TRL computes them, on per-pair log-pro
 - ORPO (Hong et al. 2024): ``loss = NLL(chosen) − β·log σ(log odds(c) − log odds(r))`` with
   odds(y) = p/(1 − p) of the per-token mean log-prob p, and NLL the mean over the batch's
   chosen tokens; reference-free.
+- SimPO (Meng et al. 2024, Eq. 6): ``loss = −log σ(β·(m_c − m_r) − γ)`` with m the per-token
+  mean log-prob of a reply and γ the target reward margin (``train.simpo_gamma``); with label
+  smoothing ε as TRL's CPO trainer applies it; reference-free.
 
-Rewards (what the metrics report) are β·(log π − log π_ref) for DPO/IPO and β·log π for ORPO;
-the reward margin is chosen − rejected, the accuracy the share of pairs with margin > 0.
+Rewards (what the metrics report) are β·(log π − log π_ref) for DPO/IPO and β·log π for ORPO
+and SimPO; the reward margin is chosen − rejected, the accuracy the share of pairs with
+margin > 0.
 
-The reference of DPO/IPO is the model with its LoRA adapters switched off
+The reference of DPO/IPO over a LoRA run is the model with its adapters switched off
 (``llamatrain.lora.adapters_disabled``), computed without gradients on the same rows just
-before the policy's forward: no second copy of the weights.
+before the policy's forward: no second copy of the weights, and no cache (the base's forward
+is as cheap as the policy's, a cache would only add a file and a check).
+
+A full finetune has no frozen base to switch back to, so its reference is a
+:class:`ReferenceTable`: every row's per-pair reference sums and token counts, computed once
+before training by the initial model (:func:`reference_table`) and kept in the cache
+(:func:`cached_reference_table`) keyed by the model file's sha256 and the rows, as the token
+cache is (written atomically, checked on every use); a resume reads the same entry.
 
 A step's loss is the mean over its pairs (ORPO's NLL: over its chosen tokens) however the
 step is cut into micro-batches: :meth:`PreferenceObjective.loss` divides each micro-batch's
@@ -33,25 +44,42 @@ accumulated gradient equals the whole batch's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import hashlib
+import json
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llamatrain.data.examples import ExampleRows
+from llamatrain.errors import TrainingError
+from llamatrain.files import write_text_atomically, written_atomically
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import IGNORE_INDEX, Llama
 
 __all__ = [
     "METRICS",
+    "OBJECTIVES",
     "PairLogps",
     "PreferenceObjective",
+    "ReferenceTable",
+    "cached_reference_table",
     "dpo_losses",
     "ipo_losses",
     "orpo_losses",
     "pair_logps",
+    "reference_table",
+    "simpo_losses",
     "token_logps",
 ]
+
+OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
+"""The preference objectives (``train.objective`` other than sft)."""
 
 METRICS = ("reward_margin", "reward_accuracy", "reward_chosen", "reward_rejected")
 """Per-pair means a step reports, with ``logp_chosen`` and ``logp_rejected`` (the log-probs
@@ -81,9 +109,10 @@ class PairLogps:
         return self.chosen / self.chosen_tokens, self.rejected / self.rejected_tokens
 
 
-def pair_logps(logps: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> PairLogps:
-    """Sum ``logps`` (B, T, from :func:`token_logps`) over each document's scored targets
-    and read them as pairs: document 2k chosen, 2k + 1 rejected (padding scores nothing).
+def pair_slots(logps: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """(B, k, 4): for each row's pair slot ``j`` (documents 2j and 2j + 1) the sums of
+    ``logps`` over its chosen and its rejected reply's scored targets and their counts;
+    a slot with no pair scores nothing (counts 0). k = (T + 1) // 2 for T positions.
 
     A scored target is never its document's first token, so its input and itself share the
     input's document id (``documents`` is the inputs').
@@ -92,11 +121,23 @@ def pair_logps(logps: torch.Tensor, targets: torch.Tensor, documents: torch.Tens
     n_rows, width = documents.shape
     sums = logps.new_zeros(n_rows, width + 1).scatter_add(1, documents, logps)
     counts = scored.new_zeros(n_rows, width + 1).scatter_add(1, documents, scored)
-    chosen, rejected = sums[:, 0::2], sums[:, 1::2]
-    n_c, n_r = counts[:, 0::2], counts[:, 1::2]
-    k = min(chosen.shape[1], rejected.shape[1])
-    real = (n_c[:, :k] > 0) & (n_r[:, :k] > 0)
-    return PairLogps(chosen[:, :k][real], rejected[:, :k][real], n_c[:, :k][real], n_r[:, :k][real])
+    k = (width + 1) // 2
+    parts = (sums[:, 0::2], sums[:, 1::2], counts[:, 0::2], counts[:, 1::2])
+    return torch.stack([part[:, :k] for part in parts], dim=-1)
+
+
+def slot_pairs(slots: torch.Tensor) -> PairLogps:
+    """The pairs of ``slots`` (B, k, 4) (:func:`pair_slots`, or a :class:`ReferenceTable`'s
+    rows), in row order: the slots whose chosen and rejected replies both score something."""
+    real = (slots[..., 2] > 0) & (slots[..., 3] > 0)
+    picked = slots[real]
+    return PairLogps(picked[:, 0], picked[:, 1], picked[:, 2], picked[:, 3])
+
+
+def pair_logps(logps: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> PairLogps:
+    """Sum ``logps`` (B, T, from :func:`token_logps`) over each document's scored targets
+    and read them as pairs: document 2k chosen, 2k + 1 rejected (padding scores nothing)."""
+    return slot_pairs(pair_slots(logps, targets, documents))
 
 
 def pair_count(targets: torch.Tensor, documents: torch.Tensor) -> int:
@@ -155,6 +196,21 @@ def orpo_losses(
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
+def simpo_losses(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    beta: float,
+    gamma: float,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair SimPO losses −log σ(β·(m_c − m_r) − γ) on per-token mean log-probs m
+    (label smoothing ε as TRL's CPO trainer: −(1 − ε)·log σ(z) − ε·log σ(−z)), and the
+    rewards β·m."""
+    z = beta * (chosen - rejected) - gamma
+    losses = -F.logsigmoid(z) * (1 - label_smoothing) - F.logsigmoid(-z) * label_smoothing
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
 # ---- the objective as the trainer uses it -----------------------------------------------------
 
 
@@ -169,11 +225,16 @@ class _Sums:
 
 
 class PreferenceObjective:
-    """``train.objective`` (dpo, ipo, orpo) on a model: micro-batch losses weighted for the
-    whole batch, and the step's reward metrics."""
+    """``train.objective`` (dpo, ipo, orpo, simpo) on a model: micro-batch losses weighted
+    for the whole batch, and the step's reward metrics. ``gamma``: SimPO's target margin."""
 
-    def __init__(self, objective: str, beta: float, label_smoothing: float = 0.0) -> None:
+    def __init__(
+        self, objective: str, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0
+    ) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"unknown preference objective {objective!r}; one of {OBJECTIVES}")
         self.objective, self.beta, self.label_smoothing = objective, beta, label_smoothing
+        self.gamma = gamma
         self.needs_reference = objective in ("dpo", "ipo")
         self._sums = _Sums()
         self._pairs = 0
@@ -196,11 +257,16 @@ class PreferenceObjective:
         targets: torch.Tensor,
         documents: torch.Tensor,
         autocast: contextlib.AbstractContextManager,
+        cached: torch.Tensor | None = None,
     ) -> PairLogps | None:
-        """The reference model's pair log-probs (the adapters off, no gradients); None for a
-        reference-free objective."""
+        """The reference's pair log-probs: these rows' ``cached`` slots (a
+        :class:`ReferenceTable`'s, checked to be these rows' pairs) or, without them, the
+        model's forward with its adapters off (no gradients); None for a reference-free
+        objective."""
         if not self.needs_reference:
             return None
+        if cached is not None:
+            return _checked_slots(cached.to(inputs.device), targets, documents)
         with torch.no_grad(), adapters_disabled(model), autocast:
             logits = model(inputs, documents=documents)
         return pair_logps(token_logps(logits, targets), targets, documents)
@@ -232,6 +298,11 @@ class PreferenceObjective:
             assert reference is not None
             chosen, rejected = policy.means()
             losses, r_c, r_r = ipo_losses(chosen, rejected, *reference.means(), self.beta)
+        elif self.objective == "simpo":
+            chosen, rejected = policy.means()
+            losses, r_c, r_r = simpo_losses(
+                chosen, rejected, self.beta, self.gamma, self.label_smoothing
+            )
         else:
             chosen, rejected = policy.means()
             losses, r_c, r_r = orpo_losses(chosen, rejected, self.beta)
@@ -278,17 +349,22 @@ class PreferenceObjective:
         batches: Iterable[tuple[torch.Tensor, ...]],
         device: torch.device,
         autocast: contextlib.AbstractContextManager,
+        references: Iterable[torch.Tensor] | None = None,
     ) -> dict[str, float]:
-        """The objective's loss (per pair) and reward metrics over ``batches``."""
+        """The objective's loss (per pair) and reward metrics over ``batches``;
+        ``references``: each batch's cached reference slots (:meth:`ReferenceTable.batches`),
+        None for the adapters-off reference."""
         was_training = model.training
         model.eval()
         self.start_step()
         weighted, pairs = 0.0, 0
+        cached = iter(references) if references is not None else None
         try:
             for batch in batches:
                 inputs, targets, documents = (t.to(device) for t in batch[:3])
                 counts = self.batch_counts(targets, documents)
-                reference = self.reference_logps(model, inputs, targets, documents, autocast)
+                slots = next(cached) if cached is not None else None
+                reference = self.reference_logps(model, inputs, targets, documents, autocast, slots)
                 with torch.no_grad(), autocast:
                     logits = model(inputs, documents=documents)
                     loss = self.loss(logits, targets, documents, reference, counts)
@@ -297,3 +373,203 @@ class PreferenceObjective:
         finally:
             model.train(was_training)
         return {"loss": weighted / max(pairs, 1), **self.metrics()}
+
+
+# ---- the cached reference of a full finetune --------------------------------------------------
+
+_REFERENCE_VERSION = 1
+"""Part of every reference cache key: bump it when what a key describes changes."""
+
+REFERENCE_KIND = "reference log-prob cache"
+"""How the cache's files are named in a refusal (see :mod:`llamatrain.files`)."""
+
+
+@dataclass
+class ReferenceTable:
+    """The reference's log-probs of every row of a run's pairs: ``train`` and ``val``, each
+    (rows, slots, 4) float32 — per pair slot of a row (documents 2j, 2j + 1) the chosen and
+    the rejected reply's summed log-probs and their scored token counts (:func:`pair_slots`),
+    zeros where a row has no more pairs. ``slots`` is the most pairs any row holds."""
+
+    train: np.ndarray
+    val: np.ndarray | None
+
+    def rows(self, indices: np.ndarray) -> torch.Tensor:
+        """The training rows ``indices``' slots, as a batch of them (the sampler's indices)."""
+        return torch.from_numpy(self.train[indices])
+
+    def batches(self, n_seq: int, max_batches: int = 0) -> Iterator[torch.Tensor]:
+        """The validation rows' slots cut as ``llamatrain.data.windows.val_batches`` cuts the
+        rows: the first ``max_batches`` (0 = all) batches of ``n_seq`` rows, in order."""
+        if self.val is None:
+            return
+        n = len(self.val)
+        limit = n if max_batches <= 0 else min(n, max_batches * n_seq)
+        for lo in range(0, limit, n_seq):
+            yield torch.from_numpy(self.val[lo : min(lo + n_seq, limit)])
+
+
+def _checked_slots(
+    slots: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor
+) -> PairLogps:
+    """``slots``' pairs, after checking its token counts are these rows' (a table used with
+    other rows than it was computed on fails here, not silently)."""
+    zeros = torch.zeros(targets.shape, dtype=slots.dtype, device=targets.device)
+    counts = pair_slots(zeros, targets, documents)[..., 2:]
+    width = max(counts.shape[1], slots.shape[1])
+    pad = (0, 0, 0, width - slots.shape[1])
+    mine = F.pad(slots[..., 2:], pad)
+    theirs = F.pad(counts, (0, 0, 0, width - counts.shape[1]))
+    if not torch.equal(mine, theirs):
+        raise TrainingError(
+            "the cached reference log-probs are not this batch's pairs (their token counts "
+            "differ): the data changed under the run; start it again to recompute them"
+        )
+    return slot_pairs(slots)
+
+
+def _row_slots(rows: ExampleRows) -> int:
+    """The most pairs one of ``rows`` holds."""
+    if rows.documents is None or not len(rows):
+        return 1
+    filled_docs = np.where(rows.filled, rows.documents, -1).max(axis=1) + 1
+    return max(1, int(filled_docs.max()) // 2)
+
+
+def reference_table(
+    model: torch.nn.Module,
+    train: ExampleRows,
+    val: ExampleRows | None,
+    n_seq: int,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager,
+) -> ReferenceTable:
+    """Every row's reference slots by ``model`` as it is (the run's initial weights), in
+    eval mode and without gradients, ``n_seq`` rows a forward; float32 sums, as a live
+    reference forward computes them."""
+    was_training = model.training
+    model.eval()
+    try:
+        tables = [
+            None if rows is None else _rows_table(model, rows, n_seq, device, autocast)
+            for rows in (train, val)
+        ]
+    finally:
+        model.train(was_training)
+    return ReferenceTable(tables[0], tables[1])
+
+
+def _rows_table(
+    model: torch.nn.Module,
+    rows: ExampleRows,
+    n_seq: int,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager,
+) -> np.ndarray:
+    slots = _row_slots(rows)
+    out = np.zeros((len(rows), slots, 4), dtype=np.float32)
+    for lo in range(0, len(rows), n_seq):
+        batch = rows.batch(np.arange(lo, min(lo + n_seq, len(rows))))
+        inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+        documents = batch.documents.to(device)
+        with torch.no_grad(), autocast:
+            logits = model(inputs, documents=documents)
+        part = pair_slots(token_logps(logits, targets), targets, documents)
+        out[lo : lo + len(inputs)] = part[:, :slots].float().cpu().numpy()
+    return out
+
+
+def _rows_digest(rows: ExampleRows | None) -> str | None:
+    """sha256 of what a row is: its tokens, scored mask and documents."""
+    if rows is None:
+        return None
+    digest = hashlib.sha256()
+    for array in (rows.tokens, rows.scored, rows.documents):
+        if array is not None:
+            digest.update(f"{array.dtype}{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def cached_reference_table(
+    cache_dir: str | Path,
+    key: dict[str, Any],
+    train: ExampleRows,
+    val: ExampleRows | None,
+    compute: Callable[[], ReferenceTable],
+) -> tuple[ReferenceTable, bool]:
+    """The reference table of ``train``/``val`` from the cache, or ``compute()``d and written
+    to it; also whether it was computed now.
+
+    ``key``: what else the log-probs depend on — the model file's sha256, the run's forward
+    choices (ops, attention, dtype); the rows' own content is added here. The entry is a
+    float32 ``.bin`` and its ``.json`` description (key, shapes, sha256 of the bytes), each
+    written atomically; on every use the description must be this run's, the file its size
+    and sha256, every value finite and every token count the rows' (else it is recomputed,
+    with a warning naming what was wrong).
+    """
+    expected = {
+        "version": _REFERENCE_VERSION,
+        **key,
+        "train_rows": _rows_digest(train),
+        "val_rows": _rows_digest(val),
+        "train_shape": [len(train), _row_slots(train), 4],
+        "val_shape": None if val is None else [len(val), _row_slots(val), 4],
+    }
+    name = hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()[:24]
+    folder = Path(cache_dir).expanduser() / "reference"
+    bin_path, meta_path = folder / f"{name}.bin", folder / f"{name}.json"
+    if meta_path.is_file() and bin_path.is_file():
+        problem, table = _read_table(bin_path, meta_path, expected, train, val)
+        if table is not None:
+            return table, False
+        warnings.warn(f"reference cache {bin_path} {problem}; computing it again", stacklevel=3)
+    table = compute()
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = [table.train] + ([] if table.val is None else [table.val])
+    data = b"".join(np.ascontiguousarray(a, dtype="<f4").tobytes() for a in parts)
+    with written_atomically(bin_path, REFERENCE_KIND) as tmp:
+        tmp.write_bytes(data)
+    meta = {**expected, "sha256": hashlib.sha256(data).hexdigest()}
+    write_text_atomically(meta_path, json.dumps(meta, indent=1), REFERENCE_KIND)
+    return table, True
+
+
+def _read_table(
+    bin_path: Path,
+    meta_path: Path,
+    expected: dict[str, Any],
+    train: ExampleRows,
+    val: ExampleRows | None,
+) -> tuple[str | None, ReferenceTable | None]:
+    """(what is wrong with an entry, or None; its table when nothing is)."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return "has an unreadable description", None
+    if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in expected.items()):
+        return "is described for other settings than this run's", None
+    data = bin_path.read_bytes()
+    shapes = [expected["train_shape"]] + ([] if val is None else [expected["val_shape"]])
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    if len(data) != 4 * sum(sizes):
+        return "does not hold the number of values its description says", None
+    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        return "does not match its recorded sha256", None
+    flat = np.frombuffer(data, dtype="<f4").astype(np.float32)
+    if not np.isfinite(flat).all():
+        return "holds a value that is not finite", None
+    arrays = np.split(flat, np.cumsum(sizes)[:-1])
+    tables = [a.reshape(shape) for a, shape in zip(arrays, shapes, strict=True)]
+    for rows, table in zip((train, val), tables, strict=False):
+        if not np.array_equal(table[..., 2:], _row_counts(rows, table.shape[1])):
+            return "holds token counts other than the rows'", None
+    return None, ReferenceTable(tables[0], tables[1] if val is not None else None)
+
+
+def _row_counts(rows: ExampleRows, slots: int) -> np.ndarray:
+    """(rows, slots, 2) the scored tokens of each slot's chosen and rejected reply."""
+    batch = rows.batch(np.arange(len(rows)))
+    zeros = torch.zeros(batch.targets.shape, dtype=torch.float32)
+    counts = pair_slots(zeros, batch.targets, batch.documents)[:, :slots, 2:]
+    return counts.numpy()

@@ -12,10 +12,12 @@ batch's scored tokens and the update equals the full batch's up to float roundin
 ``n_ubatch`` is. A batch is ``(inputs, targets)``, or ``(inputs, targets, documents)`` for
 packed examples (``documents`` None when each row holds one), all split alike by rows.
 
-A preference objective (``train.objective``: dpo, ipo, orpo; ``llamatrain.preference``) trains
-on rows of whole chosen/rejected pairs instead: each micro-batch's loss is its pairs' share of
-the step's mean over pairs, and each step also reports the reward margin and accuracy and the
-chosen and rejected log-probs.
+A preference objective (``train.objective``: dpo, ipo, orpo, simpo; ``llamatrain.preference``)
+trains on rows of whole chosen/rejected pairs instead: each micro-batch's loss is its pairs' share
+of the step's mean over pairs, and each step also reports the reward margin and accuracy and the
+chosen and rejected log-probs. DPO/IPO over a full finetune read their reference from a
+:class:`~llamatrain.preference.ReferenceTable` (the initial model's log-probs of every row),
+looked up by the rows the sampler draws.
 """
 
 from __future__ import annotations
@@ -44,14 +46,16 @@ from llamatrain.evaluate import validation_metrics
 from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.generate import generate
 from llamatrain.interrupt import StopRequest
+from llamatrain.lora import lora_modules
 from llamatrain.model import IGNORE_INDEX, Llama
 from llamatrain.model_source import LoraBase, checkpoint_dir
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
-from llamatrain.preference import PreferenceObjective
+from llamatrain.preference import PreferenceObjective, ReferenceTable, reference_table
 from llamatrain.report import RunReport, measure
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
+from llamatrain.trackers import Trackers, open_trackers
 
 METRICS_KIND = "metrics log"
 """How a refused ``metrics.jsonl`` is named (see :mod:`llamatrain.files`)."""
@@ -78,6 +82,10 @@ class Trainer:
     compile). ``inherited``: a base model's GGUF keys (name, license, chat template …) that
     every checkpoint keeps, so the run's export still says what the base said. ``lora_base``:
     the frozen base of a LoRA run, whose checkpoints then hold the adapters and name the base.
+    ``reference``: the initial model's log-probs of ``data``'s rows, for DPO/IPO over a full
+    finetune (``llamatrain.build.reference_of`` reads or computes the cached one); without it
+    they are computed here from ``model`` as given, which must then be the initial one (a
+    later :meth:`load_state` is refused).
 
     Under torchrun (``train.parallel``) every rank builds its own Trainer over the same global
     batches; ``llamatrain.parallel`` wraps the model and gives each rank its share of every
@@ -94,6 +102,7 @@ class Trainer:
         progress: bool = True,
         inherited: Mapping[str, Any] | None = None,
         lora_base: LoraBase | None = None,
+        reference: ReferenceTable | None = None,
     ) -> None:
         cfg = validate(cfg)  # fills the derived defaults a hand-built Config leaves unset
         self.cfg, self.data, self.tokenizer = cfg, data, tokenizer
@@ -105,7 +114,15 @@ class Trainer:
         t = cfg.train
         self.objective = None  # the next-token loss (sft), or a preference objective
         if t.objective != "sft":
-            self.objective = PreferenceObjective(t.objective, t.beta, t.label_smoothing)
+            self.objective = PreferenceObjective(
+                t.objective, t.beta, t.label_smoothing, t.simpo_gamma
+            )
+        self.reference, self._reference_from_model = reference, False
+        if self._needs_table() and reference is None and data is not None:
+            self.reference = reference_table(
+                self.model, data.train, data.val, cfg.seqs_per_ubatch, self.device, self._autocast()
+            )
+            self._reference_from_model = True
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(
             config=config_to_dict(cfg), inherited=dict(inherited or {}), lora_base=lora_base
@@ -121,9 +138,16 @@ class Trainer:
             checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints
         )
         self.metrics_path = Path(cfg.output.dir) / METRICS_FILE
+        self.trackers = Trackers()  # output.loggers, opened by fit on rank 0
 
     def load_state(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint``: weights, optimizer state, RNG, counters, data cursor."""
+        if self._reference_from_model:
+            raise TrainingError(
+                "this trainer computed its DPO/IPO reference from the model it was given, so "
+                "it cannot continue a checkpoint; pass the initial model's reference "
+                "(llamatrain.build.reference_of) or resume through llamatrain.api.fit"
+            )
         checkpoint.restore_weights(self.model)
         checkpoint.restore_optimizer(self.model, self.optimizer)
         checkpoint.restore_rng()
@@ -146,6 +170,12 @@ class Trainer:
         text = "".join(json.dumps(r) + "\n" for r in kept)
         write_text_atomically(self.metrics_path, text, METRICS_KIND)
 
+    def _needs_table(self) -> bool:
+        """DPO/IPO without LoRA adapters to switch off: the reference is a table."""
+        if self.objective is None or not self.objective.needs_reference:
+            return False
+        return not any(True for _ in lora_modules(self.model))
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.train.dtype == "bfloat16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -162,7 +192,11 @@ class Trainer:
         return loss.float()
 
     def _accumulate_gradients(
-        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        reference: torch.Tensor | None = None,
     ) -> float:
         """Forward/backward over the micro-batches of one step; returns the batch loss.
 
@@ -172,7 +206,7 @@ class Trainer:
         """
         self.optimizer.zero_grad()
         if self.objective is not None:
-            return self._accumulate_preference(inputs, targets, documents)
+            return self._accumulate_preference(inputs, targets, documents, reference)
         batch_rows, batch_scored = len(targets), scored_count(targets)
         inputs, targets = self.parallel.rows(inputs), self.parallel.rows(targets)
         ranks = batch_rows // len(targets)
@@ -189,29 +223,43 @@ class Trainer:
         return parallel.average(total)
 
     def _accumulate_preference(
-        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        documents: torch.Tensor | None,
+        reference: torch.Tensor | None,
     ) -> float:
         """:meth:`_accumulate_gradients` for a preference objective: micro-batches of whole
         pairs (a pair is one row's two documents), each micro-batch's loss its share of the
-        step's mean over pairs; the step's metrics are kept in the objective."""
+        step's mean over pairs; the step's metrics are kept in the objective. ``reference``:
+        the rows' cached reference slots (a full finetune's DPO/IPO), cut alike."""
         if documents is None:
             raise TrainingError(
                 f"train.objective = {self.cfg.train.objective!r} trains on rows of preference "
                 "pairs (llamatrain.data.preferences), which carry documents; this batch has none"
             )
+        if reference is None and self._needs_table():
+            raise TrainingError(
+                f"train.objective = {self.cfg.train.objective!r} over a full finetune needs the "
+                "batch's cached reference log-probs (train_step's reference=); this batch has none"
+            )
         objective = self.objective
         objective.start_step()
         counts = objective.batch_counts(targets, documents)
         total = 0.0
+        r_parts = [None] * len(inputs.split(self.micro_batch))
+        if reference is not None:
+            r_parts = reference.split(self.micro_batch)
         parts = zip(
             inputs.split(self.micro_batch),
             targets.split(self.micro_batch),
             documents.split(self.micro_batch),
+            r_parts,
             strict=True,
         )
-        for x, y, d in parts:
+        for x, y, d, r in parts:
             x, y, d = x.to(self.device), y.to(self.device), d.to(self.device)
-            reference = objective.reference_logps(self.model, x, y, d, self._autocast())
+            reference = objective.reference_logps(self.model, x, y, d, self._autocast(), r)
             with self._autocast():
                 logits = self.model(x, documents=d)
             loss = objective.loss(logits, y, d, reference, counts)
@@ -233,14 +281,20 @@ class Trainer:
             self.grad_norm = torch.linalg.vector_norm(norms).item()
 
     def train_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        reference: torch.Tensor | None = None,
     ) -> float:
-        """One optimizer step on one batch; returns its loss (the mean over scored tokens)."""
+        """One optimizer step on one batch; returns its loss (the mean over scored tokens).
+        ``reference``: the rows' cached reference slots (``ReferenceTable.rows``), for DPO/IPO
+        over a full finetune."""
         set_lr(self.optimizer, lr_at(self.state.step, self.cfg.optim))
         if isinstance(self.optimizer, torch.optim.LBFGS):
-            loss = self._lbfgs_step(inputs, targets, documents)
+            loss = self._lbfgs_step(inputs, targets, documents, reference)
         else:
-            loss = self._accumulate_gradients(inputs, targets, documents)
+            loss = self._accumulate_gradients(inputs, targets, documents, reference)
             self._check_finite(loss)  # before the update: a NaN gradient never reaches weights
             self._clip()
             self.optimizer.step()
@@ -250,7 +304,11 @@ class Trainer:
         return loss
 
     def _lbfgs_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        documents: torch.Tensor | None,
+        reference: torch.Tensor | None = None,
     ) -> float:
         """One L-BFGS step: its line search evaluates the batch several times; the step's loss
         is the first evaluation's (``LBFGS.step`` returns it), the loss before the update."""
@@ -259,7 +317,7 @@ class Trainer:
         self.optimizer.state.clear()
 
         def closure() -> torch.Tensor:
-            loss = self._accumulate_gradients(inputs, targets, documents)
+            loss = self._accumulate_gradients(inputs, targets, documents, reference)
             self._clip()
             return torch.tensor(loss)
 
@@ -281,7 +339,12 @@ class Trainer:
         """Validation loss, perplexity and next-token accuracy over the held-out windows."""
         batches = self.data.val_batches(self.cfg.train.eval_batches)
         if self.objective is not None:
-            metrics = self.objective.evaluate(self.model, batches, self.device, self._autocast())
+            references = None
+            if self.reference is not None:
+                references = self.reference.batches(self.data.n_seq, self.cfg.train.eval_batches)
+            metrics = self.objective.evaluate(
+                self.model, batches, self.device, self._autocast(), references
+            )
             return {"step": self.state.step, **{f"val_{k}": v for k, v in metrics.items()}}
         metrics = validation_metrics(self.model, batches, self.device, self._autocast())
         return {"step": self.state.step, **metrics}
@@ -301,6 +364,7 @@ class Trainer:
         if not self.main:
             return
         append_text(self.metrics_path, json.dumps(record) + "\n", METRICS_KIND)
+        self.trackers.log(record)  # the same record to TensorBoard / W&B / MLflow
 
     def save(self) -> Path:
         """Write a checkpoint of the run as it stands (model, optimizer, counters, cursor);
@@ -351,10 +415,16 @@ class Trainer:
     def _step(self, bar: tqdm) -> float:
         """One optimizer step on the next batch, counted, timed and logged; returns its loss."""
         t = self.cfg.train
-        batch = self.data.sampler.next_batch()
+        cached = {}  # a full finetune's DPO/IPO: the drawn rows' reference log-probs
+        if self.reference is None:
+            batch = self.data.sampler.next_batch()
+        else:
+            indices = self.data.sampler.next_indices()  # next_batch(), with the rows' indices
+            batch = self.data.train.batch(indices)
+            cached = {"reference": self.reference.rows(indices)}
         packed = () if batch.documents is None else (batch.documents,)  # as train_step takes it
         started = time.perf_counter()
-        loss = self.train_step(batch.inputs, batch.targets, *packed)
+        loss = self.train_step(batch.inputs, batch.targets, *packed, **cached)
         elapsed = time.perf_counter() - started
         self.step_seconds.append(elapsed)
         self.state.step += 1
@@ -446,19 +516,23 @@ class Trainer:
             dynamic_ncols=True,
         )
         self._start_metrics()
+        if self.main:  # resuming at state.step continues the tracker runs kept in the run
+            o = self.cfg.output
+            self.trackers = open_trackers(o.loggers, o.dir, self.state.config, step=self.state.step)
         self.step_seconds: list[float] = []
         self.model.train()
-        with self.stop.on_signals():  # also over the saves: a signal then must not kill them
-            try:
-                self._train_until_done(bar)
-            finally:
-                bar.close()  # before any error is printed: the bar's last refresh comes first
-            if self.stop:
-                self._save_and_stop()
-            if not self.history.eval or self.history.eval[-1]["step"] != self.state.step:
-                self._evaluate_and_sample(bar)
-            self.save()
-        self._report()
+        with self.trackers:  # closed (flushed, finished) however fit ends
+            with self.stop.on_signals():  # also over the saves: a signal must not kill them
+                try:
+                    self._train_until_done(bar)
+                finally:
+                    bar.close()  # before any error is printed: the bar's last refresh first
+                if self.stop:
+                    self._save_and_stop()
+                if not self.history.eval or self.history.eval[-1]["step"] != self.state.step:
+                    self._evaluate_and_sample(bar)
+                self.save()
+            self._report()
         return self.history
 
 

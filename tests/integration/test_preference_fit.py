@@ -1,4 +1,5 @@
-"""Preference tuning end to end: ``train.objective = "dpo"`` (LoRA) and ``"orpo"`` (full).
+"""Preference tuning end to end: ``train.objective = "dpo"`` (LoRA, QLoRA and full), ``"orpo"``
+and ``"simpo"`` (full).
 
 The base is a random tiny llama with the tiny config's vocabulary, exported f32; the pairs are
 generated: the chosen reply to "What is <word>?" is short, the rejected one long. What a run
@@ -6,7 +7,9 @@ must show: at the start the policy is its reference (margins exactly 0, the loss
 a few steps every training pair's chosen reply is preferred (reward accuracy 1) with a clear
 margin; the metrics are logged; the adapter is written as for SFT; a resumed run reproduces
 the uninterrupted run's losses and adapters bit for bit; a bad line stops the CLI naming
-file:line in one line.
+file:line in one line. A full finetune's DPO takes its reference from the cache, computed once
+from the base file before training: it equals a live forward of the base, a resume reads it
+(and recomputes it from the base when it is gone), bit-exact either way.
 """
 
 from __future__ import annotations
@@ -14,22 +17,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from llamatrain import api
+from llamatrain import api, build
 from llamatrain.build import build_tokenizer
 from llamatrain.cli import main
 from llamatrain.config import load_config
 from llamatrain.data import build_train_data, resolve_inputs
+from llamatrain.errors import TrainingError
 from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.lora import lora_state_dict
 from llamatrain.model import Llama
 from llamatrain.plot import read_records
-from llamatrain.preference import PreferenceObjective
+from llamatrain.preference import PreferenceObjective, pair_logps, token_logps
+from llamatrain.trainer import Trainer
 
 STEPS = 8
 WORDS = ["love", "beauty", "time", "summer", "rose", "heart", "eye", "youth"]
@@ -154,3 +161,150 @@ def test_a_bad_pair_stops_the_cli_naming_file_and_line(files, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     line = next(x for x in err if f"{bad}:4: " in x)
     assert 'this line has no "rejected"' in line and "data.on_bad_line" in line
+
+
+# ---- full finetuning: the cached reference -----------------------------------------------
+
+
+def full_overrides(files: dict[str, Path], run_dir: Path, cache: Path, *extra: str) -> list[str]:
+    """Full-finetune DPO with its own reference cache folder (``cache``), tokenizer shared."""
+    items = overrides(files, run_dir, "lora.rank=0", "optim.lr=1e-3", "train.eval_every=4")
+    return [*items, f'data.cache_dir="{cache}"', *extra]
+
+
+@pytest.fixture(scope="module")
+def full_cache(tmp_path_factory: pytest.TempPathFactory, files) -> Path:
+    cache = tmp_path_factory.mktemp("full-cache")
+    shutil.copytree(files["cache"], cache, dirs_exist_ok=True)  # the tokenizer: not retrained
+    return cache
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, files, full_cache):
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    return api.fit("tiny", overrides=full_overrides(files, run_dir, full_cache), progress=False)
+
+
+def cached_table(result: api.FitResult, files) -> tuple:
+    """The run's cached reference table, read (computing it would fail), and its data."""
+    data = build_train_data(result.config, result.tokenizer)
+    base, _ = api.load_gguf(files["base"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "reference_table", _refuse)
+        table = build.reference_of(base, result.config, data, torch.device("cpu"), initial=True)
+    return table, data, base
+
+
+def _refuse(*_args, **_kwargs):
+    raise AssertionError("the reference was computed again instead of read from the cache")
+
+
+def test_full_finetune_dpo_learns_against_its_cached_reference(full_run, files):
+    first, last = full_run.history.train[0], full_run.history.train[-1]
+    # policy = reference at step 1, up to float32 rounding (cache: 2 rows a forward; the
+    # step: its own rows): measured on CPU margin 0.0 exactly, loss - ln 2 = 1.9e-9 (float32
+    # log-sigmoid(0) vs the float64 ln 2)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(first["reward_margin"]) < 1e-5
+    assert last["reward_accuracy"] == 1 and last["loss"] < first["loss"] - 0.1
+    table, data, _ = cached_table(full_run, files)
+    objective = PreferenceObjective("dpo", full_run.config.train.beta)
+    rows = np.arange(len(data.train))
+    after = objective.evaluate(
+        full_run.model, [data.train.batch(rows)], torch.device("cpu"),
+        torch.autocast("cpu", enabled=False), [table.rows(rows)],
+    )  # fmt: skip
+    assert after["reward_accuracy"] == 1.0 and after["reward_margin"] > 0.3, after
+    assert full_run.history.eval[-1]["val_reward_accuracy"] == 1.0
+    base, _ = api.load_gguf(files["base"])
+    moved = [
+        name for name, w in base.state_dict().items()
+        if not torch.equal(full_run.model.state_dict()[name], w)
+    ]  # fmt: skip
+    assert len(moved) > 10  # every weight trains: no frozen copy serves as the reference
+
+
+CACHED_VS_LIVE_ATOL = 2e-5
+"""|cached - live| of a reply's summed log-prob: the same float32 computation by the same
+weights, over other rows in a forward (the cache: 2 rows; here: all 11 rows at once), so at
+most the matmuls' float32 rounding may differ. Measured on CPU: 0.0 (bit-equal) on sums up to
+|137|; the bound, ~2 float32 ulp of such a sum, leaves room for a BLAS or GPU whose kernels
+round differently with the batch size."""
+
+
+def test_the_cached_reference_is_a_live_reference_forward(full_run, files):
+    table, data, base = cached_table(full_run, files)
+    batch = data.train.batch(np.arange(len(data.train)))
+    with torch.no_grad():
+        logits = base(batch.inputs, documents=batch.documents)
+    live = pair_logps(token_logps(logits, batch.targets), batch.targets, batch.documents)
+    slots = table.rows(np.arange(len(data.train)))
+    real = (slots[..., 2] > 0) & (slots[..., 3] > 0)
+    cached = slots[real]
+    assert len(cached) == len(live.chosen) == 21  # every training pair
+    assert torch.equal(cached[:, 2], live.chosen_tokens)
+    assert torch.equal(cached[:, 3], live.rejected_tokens)
+    assert float((cached[:, 0] - live.chosen).abs().max()) <= CACHED_VS_LIVE_ATOL
+    assert float((cached[:, 1] - live.rejected).abs().max()) <= CACHED_VS_LIVE_ATOL
+
+
+def test_a_trainer_built_by_hand_takes_its_reference_from_the_model_it_is_given(full_run, files):
+    table, data, base = cached_table(full_run, files)
+    trainer = Trainer(base, full_run.config, data=data, tokenizer=full_run.tokenizer)
+    assert np.array_equal(trainer.reference.train, table.train)  # the same computation
+    assert np.array_equal(trainer.reference.val, table.val)
+    with pytest.raises(TrainingError, match="cannot continue a checkpoint"):
+        trainer.load_state(None)  # its model is not the initial one after a restore
+
+
+def test_full_finetune_dpo_resume_reads_the_cache_and_is_bit_exact(full_run, files, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(files["cache"], cache)  # a cache with no reference yet
+    run_dir = tmp_path / "run"
+    api.fit("tiny", overrides=full_overrides(files, run_dir, cache, "train.steps=4"),
+            progress=False)  # fmt: skip
+    shutil.copytree(run_dir, tmp_path / "copy", symlinks=True)  # to resume a second time
+    entries = sorted((cache / "reference").iterdir())
+    assert [p.suffix for p in entries] == [".bin", ".json"]
+    stamp = [p.stat().st_mtime_ns for p in entries]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recomputation would warn
+        resumed = api.fit(
+            "tiny", overrides=full_overrides(files, run_dir, cache), resume="latest",
+            progress=False,
+        )  # fmt: skip
+    assert [p.stat().st_mtime_ns for p in entries] == stamp  # read, not rewritten
+    straight = [r["loss"] for r in full_run.history.train]
+    assert [r["loss"] for r in resumed.history.train] == straight[4:]
+    reference = full_run.model.state_dict()
+    for name, tensor in resumed.model.state_dict().items():
+        assert torch.equal(tensor, reference[name]), name
+
+    shutil.rmtree(cache / "reference")  # gone: recomputed from the base file, same bits
+    with pytest.warns(UserWarning, match="computing them again"):
+        items = full_overrides(files, tmp_path / "copy", cache)
+        again = api.fit("tiny", overrides=items, resume="latest", progress=False)
+    assert [r["loss"] for r in again.history.train] == straight[4:]
+
+
+def test_simpo_trains_a_whole_model_without_a_reference(files, tmp_path):
+    items = overrides(files, tmp_path / "run", 'train.objective="simpo"', "lora.rank=0")
+    extra = ["train.steps=4", "optim.lr=1e-3", "train.beta=2.0", "train.simpo_gamma=0.5"]
+    result = api.fit("tiny", overrides=[*items, *extra], progress=False)
+    first, last = result.history.train[0], result.history.train[-1]
+    assert last["loss"] < first["loss"] and last["reward_margin"] > first["reward_margin"]
+    assert first["reward_chosen"] == pytest.approx(2.0 * first["logp_chosen"])
+    assert build.reference_of(result.model, result.config, None, None, initial=True) is None
+
+
+def test_qlora_dpo_over_a_q8_0_base(files, tmp_path):
+    model, tokenizer = api.load_gguf(files["base"])
+    q8 = api.export_gguf(model, tokenizer, tmp_path / "base-q8_0.gguf", type="q8_0")
+    items = overrides(files, tmp_path / "run", f'model.init_from="{q8}"')
+    extra = ['lora.base_dtype="quantized"', "train.steps=3", "train.save_every=0"]
+    result = api.fit("tiny", overrides=[*items, *extra], progress=False)
+    first, last = result.history.train[0], result.history.train[-1]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)  # adapters off = the base
+    assert last["reward_margin"] > 0 and last["loss"] < first["loss"]
+    stored = {buf.dtype for name, buf in result.model.named_buffers() if "blk." in name}
+    assert torch.uint8 in stored  # the adapted projections kept as Q8_0 blocks

@@ -123,3 +123,38 @@ def test_cli_plot(tmp_path, capsys):
     assert png_size(out) == (1300, 400)
     assert main(["plot", str(tmp_path / "nowhere")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def write_preference_metrics(run: Path) -> Path:
+    """A DPO run's metrics.jsonl: train lines with the reward metrics, one evaluation."""
+    run.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, 9):
+        lines.append({"step": step, "loss": 0.69 - step / 20, "lr": 1e-3, "tokens_per_s": 1.0,
+                      "reward_margin": step / 10, "reward_accuracy": min(1.0, step / 4),
+                      "reward_chosen": step / 20, "reward_rejected": -step / 20,
+                      "logp_chosen": -20 + step, "logp_rejected": -40 - step})  # fmt: skip
+    lines.append({"step": 8, "val_loss": 0.3, "val_reward_margin": 0.7,
+                  "val_reward_accuracy": 1.0})  # fmt: skip
+    path = run / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def test_a_preference_run_plots_its_reward_margin_and_accuracy(tmp_path):
+    from llamatrain.plot import metrics_figure
+
+    train, evals = read_metrics(write_preference_metrics(tmp_path / "run"))
+    fig = metrics_figure(train, evals, "run")
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    margin = panels["Reward margin (chosen - rejected)"]
+    accuracy = panels["Reward accuracy (chosen > rejected)"]
+    train_line, val_line = margin.lines[0], margin.lines[1]
+    assert list(train_line.get_ydata()) == [s / 10 for s in range(1, 9)]
+    assert list(val_line.get_xdata()) == [8] and list(val_line.get_ydata()) == [0.7]
+    assert list(accuracy.lines[0].get_ydata())[-1] == 1.0
+    assert "Validation perplexity" not in panels and "Policy log-probs of the replies" in panels
+    out = plot_metrics(tmp_path / "run")
+    assert png_size(out) == (1300, 800)  # 2x3 panels
+    sft = metrics_figure(*read_metrics(write_metrics(tmp_path / "sft")), "sft")
+    assert [ax.get_title() for ax in sft.axes][2] == "Validation perplexity"  # SFT unchanged

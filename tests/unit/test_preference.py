@@ -1,12 +1,13 @@
-"""Preference objectives (DPO, IPO, ORPO) against the published formulas, and their data.
+"""Preference objectives (DPO, IPO, ORPO, SimPO) against the published formulas, and their data.
 
 TRL is not installed in the test environment (its dependency ``datasets`` is not), so the
 reference is an independent float64 implementation of the papers' formulas in plain ``math``,
-written as TRL computes them (DPO/cDPO on summed reply log-probs; IPO and ORPO on per-token
-means; ORPO's NLL the mean over the chosen replies' tokens): DPO, Rafailov et al. 2023 Eq. 7
-with Mitchell 2023's label smoothing; IPO, Azar et al. 2023 Eq. 17; ORPO, Hong et al. 2024
-Eq. 6-7. The whole path — logits → per-document sums → pairs → a step's loss cut into
-micro-batches — is checked against per-token loops over the same logits.
+written as TRL computes them (DPO/cDPO on summed reply log-probs; IPO, ORPO and SimPO on
+per-token means; ORPO's NLL the mean over the chosen replies' tokens): DPO, Rafailov et al.
+2023 Eq. 7 with Mitchell 2023's label smoothing; IPO, Azar et al. 2023 Eq. 17; ORPO, Hong et
+al. 2024 Eq. 6-7; SimPO, Meng et al. 2024 Eq. 6 (with TRL's CPO label smoothing). The whole
+path — logits → per-document sums → pairs → a step's loss cut into micro-batches — is checked
+against per-token loops over the same logits.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from llamatrain.preference import (
     dpo_losses,
     ipo_losses,
     orpo_losses,
+    simpo_losses,
 )
 
 TOL = 1e-6
@@ -64,6 +66,11 @@ def ref_orpo_term(mean_c: float, mean_r: float, lam: float) -> float:
         return math.log(p / (1 - p))
 
     return -lam * _logsig(log_odds(mean_c) - log_odds(mean_r))
+
+
+def ref_simpo(mean_c: float, mean_r: float, beta: float, gamma: float, eps: float) -> float:
+    z = beta * (mean_c - mean_r) - gamma
+    return -(1 - eps) * _logsig(z) - eps * _logsig(-z)
 
 
 @pytest.fixture
@@ -102,6 +109,19 @@ def test_orpo_odds_ratio_terms_match_the_published_formula(logps, lam):
         assert abs(float(chosen_rewards[i]) - lam * float(c[i])) < TOL
 
 
+@pytest.mark.parametrize(
+    ("beta", "gamma", "eps"), [(2.0, 0.5, 0.0), (2.5, 1.5, 0.0), (0.1, 0.0, 0.0), (2.0, 1.0, 0.2)]
+)
+def test_simpo_losses_and_rewards_match_the_published_formula(logps, beta, gamma, eps):
+    c, r = logps[0] / 20, logps[1] / 20  # per-token means
+    losses, chosen_rewards, rejected_rewards = simpo_losses(c, r, beta, gamma, eps)
+    for i in range(len(c)):
+        mc, mr = float(c[i]), float(r[i])
+        assert abs(float(losses[i]) - ref_simpo(mc, mr, beta, gamma, eps)) < TOL
+        assert abs(float(chosen_rewards[i]) - beta * mc) < TOL
+        assert abs(float(rejected_rewards[i]) - beta * mr) < TOL
+
+
 # ---- the whole path on logits ----------------------------------------------------------------
 
 
@@ -138,12 +158,12 @@ def reference_pairs(logits, targets, documents) -> list[tuple[float, float, int,
     return out
 
 
-@pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo"])
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo", "simpo"])
 def test_a_steps_loss_is_the_formula_over_its_pairs_however_it_is_cut(objective):
     logits, ref_logits, targets, documents = packed_batch()
     policy = reference_pairs(logits, targets, documents)
     ref = reference_pairs(ref_logits, targets, documents)
-    beta, eps = 0.3, (0.1 if objective == "dpo" else 0.0)
+    beta, eps, gamma = 0.3, (0.1 if objective in ("dpo", "simpo") else 0.0), 0.7
     if objective == "dpo":
         terms = [
             ref_dpo(p[0], p[1], q[0], q[1], beta, eps) for p, q in zip(policy, ref, strict=True)
@@ -153,13 +173,15 @@ def test_a_steps_loss_is_the_formula_over_its_pairs_however_it_is_cut(objective)
             ref_ipo(p[0] / p[2], p[1] / p[3], q[0] / q[2], q[1] / q[3], beta)
             for p, q in zip(policy, ref, strict=True)
         ]
+    elif objective == "simpo":
+        terms = [ref_simpo(p[0] / p[2], p[1] / p[3], beta, gamma, eps) for p in policy]
     else:
         terms = [ref_orpo_term(p[0] / p[2], p[1] / p[3], beta) for p in policy]
     expected = sum(terms) / len(terms)
     if objective == "orpo":
         expected += -sum(p[0] for p in policy) / sum(p[2] for p in policy)
 
-    obj = PreferenceObjective(objective, beta, eps)
+    obj = PreferenceObjective(objective, beta, eps, gamma)
     counts = obj.batch_counts(targets, documents)
     assert counts == (3, sum(p[2] for p in policy))
 
@@ -360,6 +382,10 @@ def test_rows_hold_whole_pairs_as_documents(vocab_dir: Path):
         (["train.objective='dpo'", "data.format='jsonl'"], "lora.rank"),
         (["train.objective='orpo'", "data.format='jsonl'", "train.label_smoothing=0.1"],
          "conservative DPO"),
+        (["train.objective='ipo'", "data.format='jsonl'", "train.label_smoothing=0.1",
+          "model.init_from='x.gguf'"], "conservative DPO"),
+        (["train.objective='simpo'", "data.format='jsonl'", "train.simpo_gamma=-1"],
+         "simpo_gamma"),
         (["train.objective='orpo'", "data.format='jsonl'", "data.train_on='all'"], "train_on"),
         (["train.objective='orpo'", "data.format='jsonl'", "train.compile=true"], "one process"),
     ],
@@ -373,3 +399,10 @@ def test_preference_settings_are_checked_in_one_line(values, says):
 def test_orpo_needs_no_lora_and_sft_stays_the_default():
     assert load_config("tiny").train.objective == "sft"
     validate(load_config("tiny", ["train.objective='orpo'", "data.format='jsonl'"]))
+    simpo = ["train.objective='simpo'", "data.format='jsonl'", "train.label_smoothing=0.1"]
+    assert validate(load_config("tiny", simpo)).train.simpo_gamma == 0.5
+
+
+def test_full_finetune_dpo_needs_only_a_model_to_take_the_reference_from():
+    items = ["train.objective='dpo'", "data.format='jsonl'", "model.init_from='base.gguf'"]
+    validate(load_config("tiny", items))  # lora.rank = 0: the cached reference

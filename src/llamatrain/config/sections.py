@@ -92,9 +92,21 @@ class DataSection:
     format: str = setting(
         "text",
         "'text' = plain text files, one token stream; 'jsonl' = one example a line: "
-        '{"text"}, {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]}; '
-        'preference pairs {"prompt", "chosen", "rejected"} for train.objective dpo/ipo/orpo',
-        choices=("text", "jsonl"),
+        '{"text"}, {"prompt", "completion"} or {"messages": [{"role", "content"}, ...], '
+        '"tools"?}, or Alpaca / ShareGPT rows (data.layout); preference pairs {"prompt", '
+        '"chosen", "rejected"} for train.objective dpo/ipo/orpo; \'parquet\' = the same rows '
+        "in Parquet files (a folder: its *.parquet; pip install 'llamatrain[parquet]'); 'hf' = "
+        "folders written by datasets' save_to_disk (pip install 'llamatrain[datasets]'). "
+        "parquet and hf need tokenizer.path or model.init_from",
+        choices=("text", "jsonl", "parquet", "hf"),
+    )
+    layout: str = setting(
+        "auto",
+        "jsonl/parquet/hf: the rows' field layout: 'auto' = told row by row by its keys; a "
+        'named one makes any other row bad. \'alpaca\' = {"instruction", "input"?, '
+        "\"output\"} (Alpaca's prompt, the output as completion); 'sharegpt' = "
+        '{"conversations": [{"from", "value"}], "system"?, "tools"?} (a conversation)',
+        choices=("auto", "messages", "prompt_completion", "text", "alpaca", "sharegpt"),
     )
     chat_template: str = setting(
         "auto",
@@ -238,22 +250,30 @@ class TrainSection:
         'JSONL pairs {"prompt", "chosen", "rejected"} (text, or messages rendered with the '
         "chat template; only the replies scored): 'dpo' = DPO's sigmoid loss (Rafailov et al. "
         "2023), 'ipo' = IPO's squared loss on per-token mean log-probs (Azar et al. 2023), both "
-        "against the base (a LoRA run's adapters switched off); 'orpo' = ORPO (Hong et al. "
-        "2024): NLL of the chosen reply - beta x log-sigmoid of the log odds ratio, "
-        "reference-free",
-        choices=("sft", "dpo", "ipo", "orpo"),
+        "against the base model (a LoRA run's adapters switched off; a full finetune's "
+        "log-probs computed once by model.init_from and cached in data.cache_dir); 'orpo' = "
+        "ORPO (Hong et al. 2024): NLL of the chosen reply - beta x log-sigmoid of the log odds "
+        "ratio, reference-free; 'simpo' = SimPO (Meng et al. 2024): -log-sigmoid(beta x "
+        "(mean log-prob chosen - rejected) - simpo_gamma), reference-free",
+        choices=("sft", "dpo", "ipo", "orpo", "simpo"),
     )
     beta: float = setting(
         0.1,
         "preference objectives: DPO/IPO's beta (how tightly the policy stays at the "
         "reference; rewards are beta x log-ratio), ORPO's lambda (weight of the odds-ratio "
-        "term)",
+        "term), SimPO's reward scale (the paper uses 2-2.5)",
         gt=0,
+    )
+    simpo_gamma: float = setting(
+        0.5,
+        "simpo: the target reward margin gamma between the chosen and the rejected reply "
+        "(TRL's simpo_gamma; the paper uses 0.5-1.5); other objectives ignore it",
+        ge=0,
     )
     label_smoothing: float = setting(
         0.0,
-        "dpo: the assumed chance a pair's preference is flipped (conservative DPO, "
-        "Mitchell 2023); 0 = plain DPO",
+        "dpo and simpo: the assumed chance a pair's preference is flipped (conservative DPO, "
+        "Mitchell 2023); 0 = plain DPO / SimPO",
         ge=0,
         lt=0.5,
     )
@@ -270,6 +290,13 @@ class OutputSection:
         "tensor type of the exported model (norms stay f32); the K-quants and other types "
         "llama.cpp's quantizer writes need pip install 'llamatrain[quantize]'",
         choices=ALL_EXPORT_TYPES,
+    )
+    loggers: list[str] | None = setting(
+        None,
+        "experiment trackers beside metrics.jsonl (always written), any of 'tensorboard', "
+        "'wandb', 'mlflow' (pip install 'llamatrain[tensorboard]' etc.), all offline in the run "
+        "folder: tensorboard/ event files, wandb/ (offline mode), mlflow.db + mlartifacts/ "
+        "(MLflow's SQLite store); a resume continues the same tracker run. Unset = none",
     )
 
 

@@ -12,6 +12,7 @@ from llamatrain.errors import ConfigError
 from llamatrain.gguf.adapter import lora_settings_problem
 from llamatrain.gguf.quantize import require_quantizer
 from llamatrain.settings import check_rules, divisors
+from llamatrain.trackers import TRACKERS
 
 __all__ = ["validate"]
 
@@ -84,7 +85,8 @@ def _validate_parallel(cfg: Config) -> None:
 
 def _validate_objective(cfg: Config) -> None:
     """A preference objective trains on JSONL pairs, single-process and uncompiled for now;
-    DPO/IPO need a reference model, which only a LoRA run has (its adapters switched off)."""
+    DPO/IPO need a reference model: a LoRA run's adapters switched off, or a full finetune's
+    model.init_from (its log-probs cached before training)."""
     t = cfg.train
     objective = t.objective
     if objective == "sft":
@@ -100,18 +102,18 @@ def _validate_objective(cfg: Config) -> None:
             f"train.objective = {objective!r} {where} scores the replies alone; "
             "data.train_on = 'all' does not apply: set it to 'completion'"
         )
-    if objective in ("dpo", "ipo") and cfg.lora.rank == 0:
+    if objective in ("dpo", "ipo") and cfg.lora.rank == 0 and not cfg.model.init_from:
         raise ConfigError(
-            f"train.objective = {objective!r} {where} needs a reference model, which a LoRA run "
-            "has (the base with the adapters off) and full finetuning does not yet; set "
-            "lora.rank (e.g. 16) over model.init_from, or train.objective = 'orpo' "
-            "(reference-free)"
+            f"train.objective = {objective!r} {where} needs a reference model: the model "
+            "model.init_from names (its log-probs cached before a full finetune, or its weights "
+            "under LoRA adapters with lora.rank > 0); set model.init_from, or train.objective = "
+            "'orpo' or 'simpo' (reference-free)"
         )
-    if t.label_smoothing and objective != "dpo":
+    if t.label_smoothing and objective not in ("dpo", "simpo"):
         raise ConfigError(
             f"train.label_smoothing = {t.label_smoothing} "
-            f"{_set_in(cfg, 'train.label_smoothing', 'train.objective')} is conservative DPO's; "
-            f"train.objective = {objective!r} has none: set it to 0"
+            f"{_set_in(cfg, 'train.label_smoothing', 'train.objective')} is conservative DPO's "
+            f"(and SimPO's); train.objective = {objective!r} has none: set it to 0"
         )
     if t.parallel != "none" or t.compile:
         key = "train.parallel" if t.parallel != "none" else "train.compile"
@@ -119,6 +121,25 @@ def _validate_objective(cfg: Config) -> None:
             f"train.objective = {objective!r} {_set_in(cfg, 'train.objective', key)} trains in "
             "one process, uncompiled, for now; set train.parallel = 'none' and train.compile "
             "= false"
+        )
+
+
+def _validate_data_format(cfg: Config) -> None:
+    """Table data (Parquet, HF datasets) has no text files to train a tokenizer on; the
+    trackers of output.loggers are ones llamatrain knows (installed or not: checked when a
+    run opens them, so a run folder's config stays readable without them)."""
+    d = cfg.data
+    if d.format in ("parquet", "hf") and not (cfg.tokenizer.path or cfg.model.init_from):
+        raise ConfigError(
+            f"data.format = {d.format!r} {_set_in(cfg, 'data.format')} reads rows, not text "
+            "files a tokenizer could be trained on; set tokenizer.path (a .gguf, .model or "
+            "tokenizer.json) or model.init_from"
+        )
+    unknown = [name for name in cfg.output.loggers or () if name not in TRACKERS]
+    if unknown:
+        raise ConfigError(
+            f"output.loggers {_set_in(cfg, 'output.loggers')} has {unknown[0]!r}, which is not "
+            f"a tracker; choose any of {', '.join(map(repr, TRACKERS))}"
         )
 
 
@@ -135,6 +156,7 @@ def validate(cfg: Config) -> Config:
     _validate_lora(cfg)
     _validate_parallel(cfg)
     _validate_objective(cfg)
+    _validate_data_format(cfg)
     require_quantizer(cfg.output.export_type)
 
     d, o, t = cfg.data, cfg.optim, cfg.train

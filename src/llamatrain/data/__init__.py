@@ -7,8 +7,10 @@ Each step lives in its own module:
 - :mod:`~llamatrain.data.cache` tokenizes the files once into a memory-mapped stream.
 - :mod:`~llamatrain.data.windows` cuts the stream into training and validation windows and
   draws shuffled, resumable batches.
-- ``data.format = "jsonl"`` instead reads instruction and chat examples
-  (:mod:`~llamatrain.data.jsonl`), renders conversations with a chat template
+- ``data.format = "jsonl"`` (or ``"parquet"``, ``"hf"``: tables of the same rows,
+  :func:`~llamatrain.data.sources.table_rows`) instead reads instruction and chat examples
+  (:mod:`~llamatrain.data.jsonl`; Alpaca and ShareGPT rows mapped by
+  :mod:`~llamatrain.data.layouts`), renders conversations with a chat template
   (:mod:`~llamatrain.data.chat_template`) and lays the tokens into rows whose targets score
   only what is trained (:mod:`~llamatrain.data.examples`); the same sampler draws them.
 - A preference objective (``train.objective`` other than ``"sft"``) reads JSONL pairs of a
@@ -145,10 +147,12 @@ def build_train_data(
     the model's own chat template (``tokenizer.chat_template``), for JSONL conversations.
     """
     d = cfg.data
-    paths = list(paths) if paths is not None else resolve_inputs(d.path, d.cache_dir)
+    if paths is None:
+        paths = resolve_inputs(d.path, d.cache_dir, format=d.format)
+    paths = list(paths)
     if cfg.train.objective != "sft":
         return _preference_data(cfg, tokenizer, paths, model_template)
-    if d.format == "jsonl":
+    if d.format != "text":  # examples: JSONL lines, Parquet or HF datasets rows
         return _jsonl_data(cfg, tokenizer, paths, model_template)
     tokens = load_tokens(
         paths, tokenizer, d.cache_dir, doc_bos=not d.bos_prefix, doc_eos=True, progress=progress
@@ -174,7 +178,8 @@ def _jsonl_data(
     d = cfg.data
     template = resolve_chat_template(d.chat_template, model_template, tokenizer)
     bad = BadLines(d.on_bad_line)
-    examples = read_examples(paths, LineEncoder(tokenizer, template, train_on=d.train_on), bad)
+    encoder = LineEncoder(tokenizer, template, train_on=d.train_on)
+    examples = read_examples(paths, encoder, bad, format=d.format, layout=d.layout)
     span = d.n_ctx + 1
     examples, cut, emptied = truncate(examples, span)
     notes = bad.summaries() + _truncation_notes(cut, emptied, span)

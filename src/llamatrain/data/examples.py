@@ -36,7 +36,7 @@ from llamatrain.data.jsonl import (
     CompletionLine,
     JsonlLine,
     TextLine,
-    numbered_lines,
+    numbered_rows,
     parse_line,
 )
 from llamatrain.data.windows import Batch
@@ -111,7 +111,8 @@ class LineEncoder:
         """The tokens of one line; DataError (from the template) for a conversation it cannot
         render."""
         if isinstance(line, ChatLine):
-            return self._example(self._chat_template().segments(line.messages), special=True)
+            segments = self._chat_template().segments(line.messages, tools=line.tools)
+            return self._example(segments, special=True)
         if isinstance(line, CompletionLine):
             segments = [Segment(line.prompt, False), Segment(line.completion, True)]
         else:
@@ -195,15 +196,23 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def read_examples(paths: Sequence[Path], encoder: LineEncoder, bad: BadLines) -> list[Example]:
-    """Every usable line of ``paths`` encoded, in order; ``bad`` decides about the others
-    (a line that does not parse, or that its template cannot render)."""
+def read_examples(
+    paths: Sequence[Path],
+    encoder: LineEncoder,
+    bad: BadLines,
+    *,
+    format: str = "jsonl",
+    layout: str = "auto",
+) -> list[Example]:
+    """Every usable line (or table row: ``format``) of ``paths`` encoded, in order; ``bad``
+    decides about the others (a line that does not parse, or that its template cannot
+    render). ``layout``: ``data.layout``."""
     examples = []
     for path in paths:
-        for number, line in numbered_lines(path):
+        for number, line in numbered_rows(path, format):
             bad.line_read(path)
             try:
-                parsed = parse_line(line, need_assistant=not encoder.train_all)
+                parsed = parse_line(line, need_assistant=not encoder.train_all, layout=layout)
                 examples.append(encoder.encode(parsed))
             except DataError as problem:
                 bad.bad(path, number, problem)

@@ -1,13 +1,20 @@
-"""JSONL instruction and chat data: lines → checked examples, and what to do with bad lines.
+"""Instruction and chat rows: JSONL lines or table rows → checked examples, and what to do
+with bad ones.
 
-Each non-blank line of a ``data.format = "jsonl"`` file is one JSON object of one of three
-shapes: ``{"text": …}`` (trained on whole), ``{"prompt": …, "completion": …}`` (raw text, the
-completion trained on) or ``{"messages": [{"role": …, "content": …}, …]}`` (a conversation,
-rendered with a chat template). :func:`parse_line` checks one line and says in one line what is
-wrong; :class:`BadLines` applies ``data.on_bad_line`` to such problems (those found here and
-those found later, when a line is rendered and tokenized), so every error names ``file:line``
-and skipped lines are counted per file. Other keys on a line are ignored (datasets often carry
-ids or sources).
+Each non-blank line of a ``data.format = "jsonl"`` file, and each row of a Parquet file or HF
+``datasets`` folder (``data.format = "parquet" | "hf"``, read by
+:func:`~llamatrain.data.sources.table_rows`), is one object of one of three shapes: ``{"text":
+…}`` (trained on whole), ``{"prompt": …, "completion": …}`` (raw text, the completion trained
+on) or ``{"messages": [{"role": …, "content": …}, …], "tools": [...]?}`` (a conversation,
+rendered with a chat template; a message may carry the keys the template reads:
+``tool_calls``, ``reasoning_content``, ``name``, ``tool_call_id``). Alpaca and ShareGPT rows
+are mapped onto these first (:mod:`~llamatrain.data.layouts`, ``data.layout``).
+:func:`parse_line` checks one line or row and says in one line what is wrong; :class:`BadLines`
+applies ``data.on_bad_line`` to such problems (those found here and those found later, when a
+line is rendered and tokenized), so every error names ``file:line`` (a table's row number,
+from 1) and skipped lines are counted per file. Other keys on a line are ignored (datasets
+often carry ids or sources); in a table row a null is a missing key (a table's columns are the
+union of its rows' keys).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llamatrain.data.sources import read_text
+from llamatrain.data.layouts import decode_tools, to_native
+from llamatrain.data.sources import read_text, table_rows
 from llamatrain.errors import DataError
 
 __all__ = [
@@ -28,6 +36,7 @@ __all__ = [
     "JsonlLine",
     "TextLine",
     "numbered_lines",
+    "numbered_rows",
     "parse_line",
 ]
 
@@ -49,15 +58,21 @@ class CompletionLine:
 
 @dataclass(frozen=True)
 class ChatLine:
-    """``{"messages": […]}``: a conversation, each message a ``{"role", "content"}`` dict."""
+    """``{"messages": […], "tools": […]?}``: a conversation, each message a ``{"role",
+    "content"}`` dict with the optional keys its role may have, and the tools it may call."""
 
-    messages: tuple[Mapping[str, str], ...]
+    messages: tuple[Mapping[str, Any], ...]
+    tools: tuple[Mapping[str, Any], ...] | None = None
 
 
 JsonlLine = TextLine | CompletionLine | ChatLine
 """One checked line of a JSONL file."""
 
 _SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
+
+MESSAGE_KEYS = ("tool_calls", "reasoning_content", "name", "tool_call_id")
+"""Message keys besides ``role`` and ``content`` passed on to the chat template (which checks
+that the message's role may have them)."""
 
 
 def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -68,20 +83,38 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
             yield number, line
 
 
-def parse_line(line: str, *, need_assistant: bool) -> JsonlLine:
-    """The example one line holds; DataError saying what is wrong (without a location).
+def numbered_rows(path: Path, format: str = "jsonl") -> Iterator[tuple[int, str | dict]]:
+    """``(number, line or row)`` of one ``data.path`` input: JSONL lines as
+    :func:`numbered_lines` gives them, table rows (``format`` ``"parquet"`` or ``"hf"``) as
+    dicts numbered from 1."""
+    if format == "jsonl":
+        return numbered_lines(path)
+    return enumerate(table_rows(path, format), start=1)
+
+
+def parse_line(
+    line: str | Mapping[str, Any], *, need_assistant: bool, layout: str = "auto"
+) -> JsonlLine:
+    """The example one line (JSON text) or table row (a dict, its nulls missing keys) holds;
+    DataError saying what is wrong (without a location).
 
     ``need_assistant``: a conversation must have an assistant turn (``data.train_on =
     "completion"`` trains on nothing else, so a chat without one would teach nothing).
+    ``layout``: ``data.layout`` (:mod:`~llamatrain.data.layouts`).
     """
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(value, dict):
-        raise DataError(f"a line must be a JSON object ({_SHAPES}), not {_json_type(value)}")
+    if isinstance(line, str):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(value, dict):
+            raise DataError(f"a line must be a JSON object ({_SHAPES}), not {_json_type(value)}")
+    else:
+        value = {key: item for key, item in line.items() if item is not None}
+    value = to_native(value, layout)
     if "messages" in value:
-        return _chat_line(value["messages"], need_assistant)
+        tools = _tools(value.get("tools"))
+        return _chat_line(value["messages"], need_assistant, tools)
     if "prompt" in value or "completion" in value:
         return CompletionLine(_string(value, "prompt"), _string(value, "completion"))
     if "text" in value:
@@ -89,23 +122,43 @@ def parse_line(line: str, *, need_assistant: bool) -> JsonlLine:
     raise DataError(f"an object with none of the keys of {_SHAPES}")
 
 
-def _chat_line(messages: Any, need_assistant: bool) -> ChatLine:
+def _tools(tools: Any) -> tuple[Mapping[str, Any], ...] | None:
+    """A line's ``tools``: the JSON schemas of the functions its conversation may call (a list
+    of objects, or that list as a JSON string, as tables often store it); None if absent."""
+    tools = decode_tools(tools)
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f'"tools" must be a list of objects, not {_json_type(tools)}')
+    return tuple(tools)
+
+
+def _chat_line(
+    messages: Any,
+    need_assistant: bool,
+    tools: tuple[Mapping[str, Any], ...] | None = None,
+) -> ChatLine:
     if not isinstance(messages, list) or not messages:
         raise DataError(f'"messages" must be a non-empty list, not {_json_type(messages)}')
+    checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise DataError(f"message {i} must be an object, not {_json_type(message)}")
+        if message.get("content") is None and message.get("tool_calls"):
+            message = {**message, "content": ""}  # a turn that only calls tools
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise DataError(
                     f'message {i} needs a string "{key}", got {_json_type(message.get(key))}'
                 )
-    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        extra = {k: message[k] for k in MESSAGE_KEYS if message.get(k) is not None}
+        checked.append({"role": message["role"], "content": message["content"], **extra})
+    if need_assistant and not any(m["role"] == "assistant" for m in checked):
         raise DataError(
             'a conversation with no "assistant" message, which data.train_on = "completion" '
             'has nothing to train on (set data.train_on = "all" to train on it whole)'
         )
-    return ChatLine(tuple({"role": m["role"], "content": m["content"]} for m in messages))
+    return ChatLine(tuple(checked), tools)
 
 
 def _string(value: dict, key: str) -> str:

@@ -3,14 +3,22 @@
 ``data.path`` names files, folders, globs or built-in corpora; :func:`resolve_inputs` turns it
 into a sorted, de-duplicated list and rejects empty or binary files up front, naming the file
 and byte offset, because a tokenizer fed a PDF fails much later and much less clearly.
+
+For ``data.format = "parquet"`` the inputs are Parquet files (a folder: every ``*.parquet``
+below it) and for ``"hf"`` folders written by HF ``datasets``' ``save_to_disk``;
+:func:`table_rows` reads their rows as dicts, through the optional extras ``llamatrain[parquet]``
+(pyarrow) and ``llamatrain[datasets]``, named in one line when missing.
 """
 
 from __future__ import annotations
 
 import codecs
 import glob
-from collections.abc import Sequence
+import importlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from llamatrain.data.shakespeare import shakespeare_corpus
 from llamatrain.errors import DataError
@@ -20,10 +28,21 @@ __all__ = [
     "SHAKESPEARE",
     "SONNETS",
     "SONNETS_PATH",
+    "TABLE_FORMATS",
     "check_text_file",
     "read_text",
     "resolve_inputs",
+    "table_rows",
 ]
+
+TABLE_FORMATS = ("parquet", "hf")
+"""The ``data.format`` values whose inputs are tables of rows rather than text files."""
+
+PARQUET_MAGIC = b"PAR1"
+"""The four bytes a Parquet file starts and ends with."""
+
+TABLE_BATCH = 1024
+"""Rows read from a table at a time, so a large one never sits in memory whole as dicts."""
 
 SHAKESPEARE = "shakespeare"
 """The ``data.path`` value that selects Shakespeare's plays and poems (downloaded once)."""
@@ -90,26 +109,37 @@ def read_text(path: Path) -> str:
 
 
 def resolve_inputs(
-    path_spec: str | Path | Sequence[str | Path], cache_dir: str | Path = ".cache/llamatrain"
+    path_spec: str | Path | Sequence[str | Path],
+    cache_dir: str | Path = ".cache/llamatrain",
+    *,
+    format: str = "text",
 ) -> list[Path]:
     """The training files named by ``data.path``, in a deterministic order, all checked.
 
     Each item is a built-in corpus (:data:`SHAKESPEARE`, downloaded into ``cache_dir``, or
     :data:`SONNETS`), a file, a folder (every ``*.txt`` below it, sorted) or a glob (``**``
     recurses; matches sorted). Relative paths are relative to the working directory. Items
-    keep their order; duplicates are dropped.
+    keep their order; duplicates are dropped. ``format`` (``data.format``): ``"parquet"``
+    makes a folder mean its ``*.parquet`` files and checks each is one; ``"hf"`` takes each
+    item as a ``save_to_disk`` folder.
     """
     items = [path_spec] if isinstance(path_spec, (str, Path)) else list(path_spec)
     if not items:
         raise DataError("data.path is an empty list; name at least one text file or folder")
-    files = [path for item in items for path in _files_of(str(item), cache_dir)]
+    if format == "hf":
+        return list(dict.fromkeys(_hf_folder(str(item)) for item in items))
+    suffix = "*.parquet" if format == "parquet" else "*.txt"
+    files = [path for item in items for path in _files_of(str(item), cache_dir, suffix)]
     unique = list(dict.fromkeys(files))
     for path in unique:
-        check_text_file(path)
+        if format == "parquet":
+            _check_parquet(path)
+        else:
+            check_text_file(path)
     return unique
 
 
-def _files_of(spec: str, cache_dir: str | Path) -> list[Path]:
+def _files_of(spec: str, cache_dir: str | Path, suffix: str = "*.txt") -> list[Path]:
     """The files one ``data.path`` item names, unchecked."""
     if spec == SHAKESPEARE:
         return shakespeare_corpus(cache_dir)
@@ -119,13 +149,79 @@ def _files_of(spec: str, cache_dir: str | Path) -> list[Path]:
     if any(c in spec for c in "*?["):
         return _glob_files(spec, path)
     if path.is_dir():
-        return _folder_files(spec, path)
+        return _folder_files(spec, path, suffix)
     if path.is_file():
         return [path]
     raise DataError(
         f"data.path {spec!r} does not exist (relative paths start at the working directory "
         f"{Path.cwd()}); use {SHAKESPEARE!r} or {SONNETS!r} for a built-in corpus"
     )
+
+
+def _check_parquet(path: Path) -> None:
+    """DataError unless ``path`` starts and ends with Parquet's magic bytes."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if size < 12 or head != PARQUET_MAGIC or tail != PARQUET_MAGIC:
+        raise DataError(
+            f"{path} is not a Parquet file (it does not start and end with {PARQUET_MAGIC!r}); "
+            "data.format = 'parquet' reads Parquet files only"
+        )
+
+
+def _hf_folder(spec: str) -> Path:
+    """A ``datasets`` ``save_to_disk`` folder (a Dataset or a DatasetDict), unchecked beyond
+    its marker file."""
+    path = Path(spec).expanduser()
+    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if not path.is_dir() or not any((path / m).is_file() for m in markers):
+        what = "is not a folder" if not path.is_dir() else "has none of " + ", ".join(markers)
+        raise DataError(
+            f"data.path {spec!r} {what}; data.format = 'hf' reads folders written by "
+            "datasets' Dataset.save_to_disk (relative paths start at the working directory "
+            f"{Path.cwd()})"
+        )
+    return path
+
+
+def optional_module(name: str, extra: str) -> ModuleType:
+    """``import name``, or DataError in one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise DataError(
+            f"{name} is not installed; pip install 'llamatrain[{extra}]' to read this data"
+        ) from None
+
+
+def table_rows(path: Path, format: str) -> Iterator[dict[str, Any]]:
+    """The rows of a Parquet file (``format = "parquet"``) or a ``save_to_disk`` folder
+    (``"hf"``: a Dataset, or a DatasetDict's ``train`` split) as dicts, in order."""
+    if format == "parquet":
+        parquet = optional_module("pyarrow.parquet", "parquet")
+        try:
+            table = parquet.ParquetFile(path)
+        except Exception as e:  # pyarrow's errors: ArrowInvalid, OSError …
+            raise DataError(f"{path} cannot be read as Parquet: {e}") from None
+        for batch in table.iter_batches(batch_size=TABLE_BATCH):
+            yield from batch.to_pylist()
+        return
+    datasets = optional_module("datasets", "datasets")
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as e:  # a damaged or foreign folder
+        raise DataError(f"{path} cannot be read as a datasets folder: {e}") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise DataError(
+                f"{path} is a DatasetDict without a 'train' split (it has "
+                f"{', '.join(dataset)}); name the split's folder, e.g. {path / next(iter(dataset))}"
+            )
+        dataset = dataset["train"]
+    yield from dataset  # rows as dicts (datasets reads them in batches from its Arrow files)
 
 
 def _glob_files(spec: str, pattern: Path) -> list[Path]:
@@ -138,11 +234,11 @@ def _glob_files(spec: str, pattern: Path) -> list[Path]:
     return found
 
 
-def _folder_files(spec: str, folder: Path) -> list[Path]:
-    found = sorted(p for p in folder.rglob("*.txt") if p.is_file())
+def _folder_files(spec: str, folder: Path, suffix: str = "*.txt") -> list[Path]:
+    found = sorted(p for p in folder.rglob(suffix) if p.is_file())
     if not found:
         raise DataError(
-            f"data.path folder {spec!r} contains no *.txt files; name files or a glob "
+            f"data.path folder {spec!r} contains no {suffix} files; name files or a glob "
             "such as 'corpus/**/*.md' instead"
         )
     return found

@@ -1,0 +1,198 @@
+"""Experiment trackers (``output.loggers``), for real and offline: each installed tracker logs a
+short run of the tiny config, and its own files are read back with its own library —
+TensorBoard's EventAccumulator, W&B's offline ``.wandb`` log, MLflow's SQLite store — to find the
+scalars metrics.jsonl holds, the config, a sample and the end-of-run report. A resume continues
+the same tracker run. Trackers that are not installed are skipped (each is an optional extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llamatrain import api
+from llamatrain.errors import ConfigError
+from llamatrain.trackers import (
+    IDS_FILE,
+    Trackers,
+    flat_config,
+    mlflow_uri,
+    open_trackers,
+    scalars_of,
+)
+
+STEPS = ["train.steps=4", "train.log_every=1", "train.eval_every=2", "train.save_every=2"]
+"""4 logged steps, evaluations (with samples) at steps 2 and 4, checkpoints to resume from."""
+
+
+def fit(tiny_overrides, loggers: list[str], steps: int = 4, resume: str | None = None):
+    overrides = tiny_overrides(**{"output.export": "false", "output.loggers": json.dumps(loggers)})
+    extra = [*STEPS[1:], f"train.steps={steps}"]
+    return api.fit("tiny", overrides=[*overrides, *extra], progress=False, resume=resume)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def expected_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Tracker name → step → value, for every number metrics.jsonl holds."""
+    out: dict[str, dict[int, float]] = {}
+    for record in metrics(run_dir):
+        if "report" in record:
+            continue
+        for name, value in scalars_of(record).items():
+            out.setdefault(name, {})[record["step"]] = value
+    return out
+
+
+def wandb_records(path: Path) -> list[bytes]:
+    """The records of a ``.wandb`` file: after a 7-byte header (``:W&B``, magic, version),
+    LevelDB's log format — 32 KiB blocks of chunks, each ``crc32 (4) | length (2, LE) | type
+    (1: full, 2: first, 3: middle, 4: last) | data`` — as wandb writes it (its Python reader
+    left the package)."""
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B"
+    block, pos, records, parts = 32768, 7, [], b""
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(raw[pos + 4 : pos + 6], "little"), raw[pos + 6]
+        if kind == 0:
+            break
+        parts += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(parts)
+            parts = b""
+    return records
+
+
+def test_records_become_scalars_under_train_and_val():
+    record = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.7, "tokens_per_s": 9e3}
+    assert scalars_of(record) == {
+        "train/loss": 2.5,
+        "train/lr": 1e-3,
+        "train/grad_norm": 0.7,
+        "train/tokens_per_s": 9e3,
+    }
+    val = {"step": 4, "val_loss": 2.0, "val_ppl": 7.4, "val_acc": 0.3, "sample": "text"}
+    assert scalars_of(val) == {"val/loss": 2.0, "val/ppl": 7.4, "val/acc": 0.3}
+    assert flat_config({"train": {"steps": 4, "x": None}, "lora": {"targets": ["wq"]}}) == {
+        "train.steps": 4,
+        "train.x": "None",
+        "lora.targets": '["wq"]',
+    }
+    assert not Trackers() and open_trackers(None, "unused", {}, step=0).trackers == []
+
+
+def test_an_unknown_or_missing_tracker_is_one_line(tiny_overrides, monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match="'neptune', which is not a tracker"):
+        fit(tiny_overrides, ["neptune"])
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError) as caught:
+        open_trackers(["wandb"], tmp_path, {}, step=0)
+    assert str(caught.value) == (
+        "output.loggers has 'wandb', which is not installed; pip install 'llamatrain[wandb]' "
+        "(or leave it out of output.loggers)"
+    )
+
+
+def test_tensorboard_event_files_hold_the_run(tiny_overrides):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = fit(tiny_overrides, ["tensorboard"])
+    expected = expected_scalars(result.run_dir)
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(expected)
+    assert {"val/loss", "val/ppl", "val/acc"} <= set(expected)
+
+    events = EventAccumulator(str(result.run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    for name, by_step in expected.items():
+        logged = {e.step: e.value for e in events.Scalars(name)}
+        assert logged == pytest.approx(by_step), name
+    tags = events.Tags()["tensors"]  # text summaries are tensors
+    assert {"config/text_summary", "sample/text_summary", "report/text_summary"} <= set(tags)
+    sample = events.Tensors("sample/text_summary")[-1]
+    assert sample.step == 4
+    assert result.history.samples[-1].split("\n")[0] in sample.tensor_proto.string_val[0].decode()
+    report = events.Tensors("report/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert '"steps": 4' in report
+    assert [e.step for e in events.Scalars("report/tokens")] == [4]
+
+
+def test_tensorboard_resume_replaces_the_redone_steps(tiny_overrides):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fit(tiny_overrides, ["tensorboard"], steps=2)
+    result = fit(tiny_overrides, ["tensorboard"], steps=4, resume="latest")
+    events = EventAccumulator(str(result.run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+
+
+def test_wandb_offline_run_holds_the_run_and_resumes_it(tiny_overrides):
+    pytest.importorskip("wandb")
+    from wandb.proto import wandb_internal_pb2
+
+    first = fit(tiny_overrides, ["wandb"], steps=2)
+    run_id = json.loads((first.run_dir / IDS_FILE).read_text())["wandb"]
+    result = fit(tiny_overrides, ["wandb"], steps=4, resume="latest")
+    assert json.loads((result.run_dir / IDS_FILE).read_text())["wandb"] == run_id
+
+    logged: dict[str, dict[int, float]] = {}
+    config, summary = {}, {}
+    files = sorted((result.run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(files) == 2  # the first fit's and the resumed one's, one run id
+    for path in files:
+        for data in wandb_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+                step = json.loads(items.pop("_step"))
+                for key, value in items.items():
+                    if not key.startswith("_"):
+                        logged.setdefault(key, {})[step] = json.loads(value)
+            elif kind in ("config", "run"):  # the run record holds wandb.init's config
+                updates = (record.config if kind == "config" else record.run.config).update
+                config |= {i.key: json.loads(i.value_json) for i in updates}
+            elif kind == "summary":
+                summary |= {i.key: json.loads(i.value_json) for i in record.summary.update}
+    for name, by_step in expected_scalars(result.run_dir).items():
+        got = {s: v for s, v in logged.get(name, {}).items() if isinstance(v, float | int)}
+        assert got == pytest.approx(by_step), name
+    assert logged["sample/_type"][4] == "table-file"  # the sample, as a one-row table
+    assert config["train.steps"] == 4 and config["output.loggers"] == '["wandb"]'
+    assert summary["report/steps"] == 2  # the resumed fit's own report
+
+
+def test_mlflow_store_holds_the_run_and_resumes_it(tiny_overrides):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    first = fit(tiny_overrides, ["mlflow"], steps=2)
+    run_id = json.loads((first.run_dir / IDS_FILE).read_text())["mlflow"]
+    result = fit(tiny_overrides, ["mlflow"], steps=4, resume="latest")
+    assert json.loads((result.run_dir / IDS_FILE).read_text())["mlflow"] == run_id
+
+    client = MlflowClient(tracking_uri=mlflow_uri(result.run_dir))
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.steps"] == "2" and run.data.params["data.path"] == "sonnets"
+    for name, by_step in expected_scalars(result.run_dir).items():
+        history = client.get_metric_history(run_id, name)
+        logged = {m.step: m.value for m in history}
+        assert logged == pytest.approx(by_step), name
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+    report = json.loads((artifacts / "report.json").read_text())
+    assert report["steps"] == 2
+    assert (artifacts / "sample" / "step-00000004.txt").read_text() == result.history.samples[-1]
+    assert "[train]" in (artifacts / "config.toml").read_text()

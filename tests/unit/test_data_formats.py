@@ -1,0 +1,309 @@
+"""The data people already have: Alpaca and ShareGPT rows, Parquet files, HF ``datasets``
+folders, and tool-use conversations, read as the same examples the JSONL shapes give.
+
+Equivalence is checked where it matters, on the tokens: each layout or table is encoded with a
+real llama.cpp vocabulary and must give the very ids and scored masks its hand-written JSONL
+equivalent gives. Parquet and HF folders are written here with pyarrow / datasets when those
+extras are installed (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llama_cpp_files import vocab_dir as vocab_dir
+
+from llamatrain.config import load_config
+from llamatrain.data import build_train_data, resolve_inputs
+from llamatrain.data.chat_template import ChatTemplate, chat_template_for
+from llamatrain.data.examples import LineEncoder, read_examples
+from llamatrain.data.jsonl import BadLines, ChatLine, CompletionLine, TextLine, parse_line
+from llamatrain.data.layouts import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+from llamatrain.errors import ConfigError, DataError
+from llamatrain.gguf.llama import read_tokenizer
+
+ALPACA = [
+    {"instruction": "Name a colour.", "input": "", "output": "Red."},
+    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+]
+SHAREGPT = [
+    {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi?"},
+            {"from": "gpt", "value": "Hello."},
+            {"from": "human", "value": "Sky colour?"},
+            {"from": "gpt", "value": "Blue."},
+        ]
+    },
+    {
+        "system": "Answer in French.",
+        "conversations": [{"from": "human", "value": "Cat?"}, {"from": "gpt", "value": "Chat."}],
+    },
+]
+ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+def native_of_alpaca(row: dict) -> dict:
+    template = ALPACA_PROMPT if row["input"] else ALPACA_PROMPT_NO_INPUT
+    return {"prompt": template.format(**row), "completion": row["output"]}
+
+
+def native_of_sharegpt(row: dict) -> dict:
+    system = [{"role": "system", "content": row["system"]}] if "system" in row else []
+    turns = [{"role": ROLES[t["from"]], "content": t["value"]} for t in row["conversations"]]
+    return {"messages": system + turns}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def encoder(vocab_dir: Path) -> LineEncoder:
+    tokenizer = read_tokenizer(vocab_dir / "ggml-vocab-qwen2.gguf")
+    template = chat_template_for("chatml", None, bos_token="", eos_token="<|endoftext|>")
+    return LineEncoder(tokenizer, template, train_on="completion")
+
+
+def examples(paths, encoder, **kwargs):
+    return read_examples(paths, encoder, BadLines("error"), **kwargs)
+
+
+def assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert np.array_equal(x.ids, y.ids) and np.array_equal(x.scored, y.scored)
+
+
+# ---- layouts -------------------------------------------------------------------------------
+
+
+def test_alpaca_rows_are_alpaca_prompts_with_the_output_as_completion():
+    with_input = parse_line(json.dumps(ALPACA[1]), need_assistant=True)
+    assert with_input == CompletionLine(
+        "Below is an instruction that describes a task, paired with an input that provides "
+        "further context. Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n",
+        "5",
+    )
+    no_input = parse_line(json.dumps({"instruction": "Hi", "output": "Yo"}), need_assistant=True)
+    assert no_input.prompt.endswith("### Instruction:\nHi\n\n### Response:\n")
+    assert "### Input" not in no_input.prompt
+
+
+def test_sharegpt_rows_are_conversations():
+    line = parse_line(json.dumps(SHAREGPT[1]), need_assistant=True)
+    assert line == ChatLine(
+        (
+            {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "Cat?"},
+            {"role": "assistant", "content": "Chat."},
+        )
+    )
+
+
+def test_alpaca_and_sharegpt_train_the_tokens_of_their_jsonl_equivalents(tmp_path, encoder):
+    rows = ALPACA + SHAREGPT
+    natives = [native_of_alpaca(r) for r in ALPACA] + [native_of_sharegpt(r) for r in SHAREGPT]
+    theirs = examples([write_jsonl(tmp_path / "theirs.jsonl", rows)], encoder)
+    ours = examples([write_jsonl(tmp_path / "ours.jsonl", natives)], encoder)
+    assert_same(theirs, ours)
+    assert all(ex.scored.any() for ex in theirs)
+
+
+@pytest.mark.parametrize(
+    ("layout", "row", "problem"),
+    [
+        ("alpaca", {"messages": []}, "data.layout = 'alpaca' expects \"instruction\""),
+        ("sharegpt", {"text": "x"}, "this row is in the text layout"),
+        ("auto", {"conversations": [{"from": "robot", "value": "x"}]}, "is \"from\" 'robot'"),
+        ("auto", {"conversations": [{"from": "gpt"}]}, 'needs a string "value"'),
+        ("auto", {"instruction": "x", "output": 3}, 'Alpaca "output" must be a string'),
+        ("auto", {"id": 1}, "Alpaca's"),
+    ],
+)
+def test_rows_not_of_the_layout_say_what_is_wrong(layout, row, problem):
+    with pytest.raises(DataError, match=None) as caught:
+        parse_line(json.dumps(row), need_assistant=False, layout=layout)
+    assert problem in str(caught.value)
+
+
+def test_a_declared_layout_accepts_its_rows():
+    row = json.dumps(ALPACA[0])
+    assert isinstance(parse_line(row, need_assistant=True, layout="alpaca"), CompletionLine)
+    text = json.dumps({"text": "x"})
+    assert parse_line(text, need_assistant=True, layout="text") == TextLine("x")
+
+
+# ---- tool use ------------------------------------------------------------------------------
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function | tojson }}</call>{% endfor %}"
+    "{% if m.tool_call_id %} [{{ m.name }} {{ m.tool_call_id }}]{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Ask the tool.",
+        "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{}"}}],
+    },
+    {"role": "tool", "name": "weather", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny."},
+]
+
+
+def test_tool_calls_reasoning_and_tools_reach_the_template(encoder):
+    line = parse_line(json.dumps({"messages": TOOL_CHAT, "tools": TOOLS}), need_assistant=True)
+    assert line.tools == tuple(TOOLS) and line.messages[1]["content"] == ""
+    template = ChatTemplate(TOOL_TEMPLATE)
+    text = "".join(s.text for s in template.segments(line.messages, tools=line.tools))
+    assert text.startswith('<tools>[{"type": "function"')
+    assert "<think>Ask the tool.</think><call>" in text and "sunny [weather c1]" in text
+    tool_encoder = LineEncoder(encoder.tokenizer, template, train_on="completion")
+    example = tool_encoder.encode(line)
+    scored = encoder.tokenizer.decode(example.ids[example.scored].tolist())
+    assert "Ask the tool." in scored and "Sunny." in scored and "Paris" not in scored
+
+
+def test_tools_may_be_a_json_string_and_nulls_of_a_table_row_are_missing_keys():
+    row = {
+        "messages": [
+            {"role": "user", "content": "x", "tool_calls": None, "name": None},
+            {"role": "assistant", "content": "y", "tool_call_id": None},
+        ],
+        "tools": json.dumps(TOOLS),
+        "prompt": None,  # another row's column
+    }
+    line = parse_line(row, need_assistant=True)
+    assert line.tools == tuple(TOOLS)
+    assert line.messages == (
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y"},
+    )
+    with pytest.raises(DataError, match='"tools" must be a list of objects'):
+        parse_line({"messages": row["messages"], "tools": 3}, need_assistant=True)
+
+
+# ---- tables --------------------------------------------------------------------------------
+
+MIXED = [
+    {"text": "Plain text."},
+    {"prompt": "Q: 1+1?\nA:", "completion": " 2"},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}]},
+] * 3
+
+
+def columns(rows: list[dict]) -> dict[str, list]:
+    """Every row's keys as columns, null where a row lacks one (``from_pylist`` and
+    ``from_list`` would take the first row's keys alone)."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: [r.get(k) for r in rows] for k in keys}
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pa = pytest.importorskip("pyarrow")
+    parquet = pytest.importorskip("pyarrow.parquet")
+    parquet.write_table(pa.table(columns(rows)), path)
+    return path
+
+
+def test_parquet_rows_train_the_tokens_of_the_jsonl_lines(tmp_path, encoder):
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    write_parquet(folder / "a.parquet", MIXED)  # one schema for all: nulls where a row lacks
+    write_parquet(folder / "b.parquet", ALPACA)
+    paths = resolve_inputs(str(folder), format="parquet")
+    assert [p.name for p in paths] == ["a.parquet", "b.parquet"]
+    jsonl = [write_jsonl(tmp_path / "a.jsonl", MIXED), write_jsonl(tmp_path / "b.jsonl", ALPACA)]
+    assert_same(examples(paths, encoder, format="parquet"), examples(jsonl, encoder))
+
+
+def test_hf_folders_train_the_tokens_of_the_jsonl_lines(tmp_path, encoder):
+    datasets = pytest.importorskip("datasets")
+    rows = [native_of_sharegpt(r) for r in SHAREGPT]
+    datasets.Dataset.from_dict(columns(SHAREGPT)).save_to_disk(str(tmp_path / "one"))
+    table = datasets.Dataset.from_dict(columns(MIXED))
+    splits = {"train": table, "test": table.select([0])}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dict"))
+    paths = resolve_inputs([str(tmp_path / "one"), str(tmp_path / "dict")], format="hf")
+    jsonl = [write_jsonl(tmp_path / "a.jsonl", rows), write_jsonl(tmp_path / "b.jsonl", MIXED)]
+    assert_same(examples(paths, encoder, format="hf"), examples(jsonl, encoder))
+
+
+def test_a_bad_table_row_is_named_by_file_and_row(tmp_path, encoder):
+    path = write_parquet(
+        tmp_path / "bad.parquet", [ALPACA[0], {"instruction": "x", "output": None}]
+    )
+    with pytest.raises(DataError, match=r"bad\.parquet:2: .*Alpaca \"output\" must be a string"):
+        examples([path], encoder, format="parquet")
+    bad = BadLines("skip")
+    assert len(read_examples([path], encoder, bad, format="parquet")) == 1
+    assert "skipped 1 of 2 lines" in bad.summaries()[0]
+
+
+def test_inputs_that_are_not_tables_are_refused(tmp_path):
+    text = tmp_path / "x.parquet"
+    text.write_text("not parquet at all")
+    with pytest.raises(DataError, match="is not a Parquet file"):
+        resolve_inputs(str(text), format="parquet")
+    with pytest.raises(DataError, match="contains no \\*.parquet files"):
+        resolve_inputs(str(_empty(tmp_path)), format="parquet")
+    with pytest.raises(DataError, match="save_to_disk"):
+        resolve_inputs(str(tmp_path), format="hf")
+
+
+def _empty(tmp_path: Path) -> Path:
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    return folder
+
+
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as if absent
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    path = tmp_path / "x.parquet"
+    path.write_bytes(b"PAR1" + b"\0" * 8 + b"PAR1")
+    with pytest.raises(DataError) as caught:
+        read_examples([path], None, BadLines("error"), format="parquet")
+    assert str(caught.value) == (
+        "pyarrow.parquet is not installed; pip install 'llamatrain[parquet]' to read this data"
+    )
+    with pytest.raises(DataError, match=r"pip install 'llamatrain\[datasets\]'"):
+        read_examples([tmp_path], None, BadLines("error"), format="hf")
+
+
+def test_table_formats_need_a_tokenizer_that_is_not_trained_on_them():
+    with pytest.raises(ConfigError, match="set tokenizer.path"):
+        load_config("tiny", ['data.format="parquet"', 'data.path="x.parquet"'])
+
+
+def test_build_train_data_reads_a_parquet_file(tmp_path, vocab_dir):
+    path = write_parquet(tmp_path / "chats.parquet", SHAREGPT * 4)
+    vocab = vocab_dir / "ggml-vocab-qwen2.gguf"
+    overrides = [
+        f'tokenizer.path="{vocab}"',
+        f'data.path="{path}"',
+        'data.format="parquet"',
+        'data.layout="sharegpt"',
+        'data.chat_template="chatml"',
+        "data.val_fraction=0.25",
+        "train.n_batch=128",
+    ]
+    cfg = load_config("tiny", overrides)
+    data = build_train_data(cfg, read_tokenizer(vocab), model_template=None)
+    assert data.paths == [path] and len(data.train) >= 1 and data.val is not None
