@@ -27,15 +27,17 @@ class SamplingError(ConfigError):
 class SamplingParams:
     """How to pick the next token. ``temperature == 0`` means greedy (argmax).
 
-    The defaults are llama.cpp's own sampler defaults (``llama-cli`` with no sampling flags,
-    minus min-p, which llamatrain does not implement), so a model sampled here and in
-    llama.cpp behaves alike out of the box. This is the one home of sampling defaults: the
+    The defaults are llama.cpp's own sampler defaults (``llama-cli`` with no sampling flags:
+    top-k 40, top-p 0.95, min-p 0.05, temperature 0.8, filters applied in llama.cpp's order
+    before the temperature), so a model sampled here and in llama.cpp behaves alike out of the
+    box. This is the one home of sampling defaults: the
     CLI, the API and the trainer's samples all start from it.
     """
 
     temperature: float = 0.8
     top_k: int | None = 40
     top_p: float | None = 0.95
+    min_p: float = 0.05
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
 
@@ -48,6 +50,8 @@ class SamplingParams:
             raise SamplingError("top_k", self.top_k, "an integer >= 1")
         if self.top_p is not None and (not _number(self.top_p) or not 0 < self.top_p <= 1):
             raise SamplingError("top_p", self.top_p, "a number in (0, 1] (1 = no top-p)")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise SamplingError("min_p", self.min_p, "a number in [0, 1] (0 = no min-p)")
         if not _number(self.repeat_penalty) or not 0 < self.repeat_penalty <= 1e6:
             raise SamplingError("repeat_penalty", self.repeat_penalty, "a number in (0, 1e6]")
         if not _integer(self.repeat_last_n) or self.repeat_last_n < -1:
@@ -88,6 +92,13 @@ def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def filter_min_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the tokens at least ``p`` times as probable as the most probable one (llama.cpp's
+    min-p): in logits, those within log(p) of the row's largest."""
+    floor = logits.max(dim=-1, keepdim=True).values + math.log(p)
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
 def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose probability mass reaches p (nucleus sampling)."""
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
@@ -123,5 +134,7 @@ def sample_next(
         logits = filter_top_k(logits, params.top_k)
     if params.top_p is not None and params.top_p < 1.0:
         logits = filter_top_p(logits, params.top_p)
+    if params.min_p > 0:
+        logits = filter_min_p(logits, params.min_p)
     probs = torch.softmax(logits / params.temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -6,6 +6,7 @@ import torch
 from llamatrain.sampling import (
     SamplingParams,
     apply_repeat_penalty,
+    filter_min_p,
     filter_top_k,
     filter_top_p,
     sample_next,
@@ -31,6 +32,15 @@ def test_top_p_keeps_smallest_set_reaching_mass():
     assert torch.isfinite(filter_top_p(probs.log(), 0.1)).sum() == 1
 
 
+def test_min_p_keeps_tokens_at_least_p_times_the_most_probable():
+    """llama.cpp's min-p (default 0.05): relative to the row's most probable token, whatever
+    the mass of the rest."""
+    probs = torch.tensor([[0.6, 0.3, 0.04, 0.031, 0.029]])
+    out = filter_min_p(probs.log(), 0.05)  # floor 0.03
+    assert torch.isfinite(out).tolist() == [[True, True, True, True, False]]
+    assert torch.isfinite(filter_min_p(probs.log(), 1.0)).sum() == 1
+
+
 def test_greedy_and_sampled_choices():
     logits = torch.tensor([[0.0, 5.0, 1.0]])
     assert sample_next(logits, SamplingParams(temperature=0)).item() == 1
@@ -40,7 +50,15 @@ def test_greedy_and_sampled_choices():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(temperature=-1), dict(top_k=0), dict(top_p=0.0), dict(repeat_penalty=0)]
+    "kwargs",
+    [
+        dict(temperature=-1),
+        dict(top_k=0),
+        dict(top_p=0.0),
+        dict(min_p=-0.1),
+        dict(min_p=float("nan")),
+        dict(repeat_penalty=0),
+    ],
 )
 def test_invalid_sampling_params_are_rejected(kwargs):
     with pytest.raises(ValueError):
@@ -50,7 +68,7 @@ def test_invalid_sampling_params_are_rejected(kwargs):
 def test_defaults_are_llama_cpps_sampler_defaults():
     """One home for sampling defaults, and it is llama.cpp's (llama-cli without flags)."""
     assert SamplingParams() == SamplingParams(
-        temperature=0.8, top_k=40, top_p=0.95, repeat_penalty=1.0, repeat_last_n=64
+        temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64
     )
 
 
@@ -64,6 +82,7 @@ def test_cli_generate_flags_take_their_defaults_from_sampling_params():
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+            min_p=args.min_p,
             repeat_penalty=args.repeat_penalty,
             repeat_last_n=args.repeat_last_n,
         )
