@@ -1,4 +1,5 @@
-"""What a run cost: the time and memory report printed at the end of ``fit``.
+"""What a run is about to do, said before its first step (:class:`RunPlan`), and what it cost:
+the time and memory report printed at the end of ``fit`` (:class:`RunReport`).
 
 The 2023 trainer told its user how long training took and how much memory it held; this is
 that report. Memory is the process's peak — resident set size on CPU (what the machine had to
@@ -21,6 +22,53 @@ from typing import Any, Protocol
 import torch
 
 MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The first screen of ``fit``: the model, the data, the work per step and in all, where
+    it runs and where the run goes — so a user knows before the first step whether this is
+    the run they meant (a wrong model, a tiny corpus or an hour per step shows at once)."""
+
+    model: str  # e.g. "qwen3, 8 layers x 256"
+    params: int
+    trained: int
+    device: str
+    dtype: str
+    stream_tokens: int | None  # a text corpus's tokens; None for rows of examples (JSONL)
+    train_rows: int  # windows of a text stream, or rows of examples
+    val_rows: int
+    n_ctx: int
+    seqs_per_step: int
+    micro_batches: int
+    steps: int
+    done: int  # steps a resumed run has already made
+    run_dir: str
+
+    def lines(self) -> list[str]:
+        trained = "" if self.trained == self.params else f", {self.trained:,} of them trained"
+        epochs = (self.steps - self.done) * self.seqs_per_step / max(self.train_rows, 1)
+        resumed = f" from step {self.done}" if self.done else ""
+        return [
+            f"model: {self.model}, {self.params:,} parameters{trained}; {self.device}, "
+            f"{self.dtype}",
+            self._data_line(),
+            f"steps: {self.steps}{resumed}, each {self.seqs_per_step} rows of {self.n_ctx} = "
+            f"{self.seqs_per_step * self.n_ctx:,} tokens in {self.micro_batches} "
+            f"micro-batch(es); about {epochs:.2f} epochs",
+            f"run folder: {self.run_dir}",
+        ]
+
+    def _data_line(self) -> str:
+        if self.stream_tokens is None:
+            return (
+                f"data: {self.train_rows:,} training rows of {self.n_ctx} tokens, "
+                f"{self.val_rows:,} held out"
+            )
+        return (
+            f"data: {self.stream_tokens:,} tokens; {self.train_rows:,} training windows of "
+            f"{self.n_ctx}, {self.val_rows:,} held out"
+        )
 
 
 @dataclass

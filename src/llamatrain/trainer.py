@@ -52,7 +52,7 @@ from llamatrain.model_source import LoraBase, checkpoint_dir
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
 from llamatrain.preference import PreferenceObjective, ReferenceTable, reference_table
-from llamatrain.report import RunReport, measure
+from llamatrain.report import RunPlan, RunReport, measure
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
 from llamatrain.trackers import Trackers, open_trackers
@@ -516,6 +516,9 @@ class Trainer:
             dynamic_ncols=True,
         )
         self._start_metrics()
+        if self.progress:
+            for line in self._plan().lines():
+                tqdm.write(line)
         if self.main:  # resuming at state.step continues the tracker runs kept in the run
             o = self.cfg.output
             self.trackers = open_trackers(o.loggers, o.dir, self.state.config, step=self.state.step)
@@ -534,6 +537,28 @@ class Trainer:
                 self.save()
             self._report()
         return self.history
+
+
+    def _plan(self) -> RunPlan:
+        """What this fit is about to do (its first screen)."""
+        cfg, model = self.cfg, parallel.whole_model(self.model)
+        m = model.cfg
+        return RunPlan(
+            model=f"{m.arch}, {m.n_layers} layers x {m.dim}",
+            params=sum(p.numel() for p in model.parameters()),
+            trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+            device=str(self.device),
+            dtype=cfg.train.dtype,
+            stream_tokens=None if self.data.tokens is None else len(self.data.tokens),
+            train_rows=len(self.data.train),
+            val_rows=0 if self.data.val is None else len(self.data.val),
+            n_ctx=cfg.data.n_ctx,
+            seqs_per_step=cfg.seqs_per_batch,
+            micro_batches=cfg.seqs_per_batch // cfg.seqs_per_ubatch,
+            steps=cfg.train.steps,
+            done=self.state.step,
+            run_dir=str(Path(cfg.output.dir).resolve()),
+        )
 
 
 def scored_count(targets: torch.Tensor) -> int:
