@@ -52,11 +52,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # every flag checked before the model is read
     seed = generation_seed(args.seed)
-    if not 1 <= args.max_tokens <= MAX_NEW_TOKENS:
-        raise ConfigError(
-            f"--max-tokens {args.max_tokens}: must be between 1 and {MAX_NEW_TOKENS:,} (the "
-            "cache for every token is allocated up front)"
-        )
+    check_max_tokens(args.max_tokens)
     from llamatrain import api
 
     if args.chat is not None:
@@ -88,12 +84,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Talk to a model over several turns: a user turn a line from standard input (a prompt
+    shows on a terminal), the reply streamed, the conversation kept; an empty line, ``/exit``
+    or the end of input ends it."""
+    params = sampling_params(args)
+    seed = generation_seed(args.seed)
+    check_max_tokens(args.max_tokens)
+    from llamatrain import api
+
+    model, tokenizer, template = api.load_chat(args.checkpoint, args.chat_template)
+    check_cache_fits(model, args.max_tokens)
+    turns = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while (line := _user_turn(interactive)) not in (None, "", "/exit"):
+        turns.append({"role": "user", "content": line})
+        reply = []
+        for piece in api.chat(
+            model, tokenizer, template, turns, max_tokens=args.max_tokens, params=params,
+            seed=seed,
+        ):  # fmt: skip
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        turns.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _user_turn(interactive: bool) -> str | None:
+    """The next user line (None at the end of input)."""
+    try:
+        line = input("> " if interactive else "")
+    except EOFError:
+        return None
+    return line.strip()
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampler flags as SamplingParams; a value out of range is one line naming its flag."""
     try:
         return SamplingParams(**{f.name: getattr(args, f.name) for f in fields(SamplingParams)})
     except SamplingError as e:
         raise ConfigError(f"--{e.field.replace('_', '-')} {e.value}: must be {e.rule}") from None
+
+
+def check_max_tokens(max_tokens: int) -> None:
+    """--max-tokens within what a cache allocated up front for every token can be."""
+    if not 1 <= max_tokens <= MAX_NEW_TOKENS:
+        raise ConfigError(
+            f"--max-tokens {max_tokens}: must be between 1 and {MAX_NEW_TOKENS:,} (the "
+            "cache for every token is allocated up front)"
+        )
 
 
 def check_cache_fits(model, max_tokens: int) -> None:
@@ -194,6 +235,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
+    """--max-tokens, llama.cpp's sampler flags with SamplingParams' defaults, and --seed."""
+    parser.add_argument("--max-tokens", type=int, default=128)
+    for f in fields(SamplingParams):  # llama.cpp's flag names, SamplingParams' defaults
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, type=float if "float" in f.type else int, default=f.default)
+    parser.add_argument("--seed", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llamatrain", description="Train llama models in PyTorch; run them in llama.cpp."
@@ -242,17 +292,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="for --chat: auto (the model's own, default), chatml, llama-3 or llama-2",
     )
-    gen.add_argument("--max-tokens", type=int, default=128)
-    for f in fields(SamplingParams):  # llama.cpp's flag names, SamplingParams' defaults
-        flag = "--" + f.name.replace("_", "-")
-        gen.add_argument(flag, type=float if "float" in f.type else int, default=f.default)
-    gen.add_argument("--seed", type=int, default=None)
+    _add_sampler_arguments(gen)
     gen.add_argument(
         "--seen-tokens-only",
         action="store_true",
         help="draw only tokens that occur in the run's training data (needs a checkpoint)",
     )
     gen.set_defaults(func=cmd_generate)
+
+    talk = sub.add_parser(
+        "chat", help="talk to a model over several turns (a user turn a line of input)"
+    )
+    talk.add_argument("checkpoint", help="run folder, checkpoint, GGUF model or HF folder")
+    talk.add_argument("--system", default=None, help="a system prompt for the conversation")
+    talk.add_argument(
+        "--chat-template",
+        default="auto",
+        metavar="NAME",
+        help="auto (the model's own, default), chatml, llama-3 or llama-2",
+    )
+    _add_sampler_arguments(talk)
+    talk.set_defaults(func=cmd_chat)
 
     ev = sub.add_parser("eval", help="perplexity of a model on a text file")
     ev.add_argument("checkpoint")

@@ -9,7 +9,8 @@ it grows, chat templates) is here.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -154,20 +155,23 @@ def chat(
     model: Llama,
     tokenizer: Tokenizer,
     template: ChatTemplate,
-    message: str,
+    message: str | Sequence[Mapping[str, Any]],
     *,
     max_tokens: int = 128,
     params: SamplingParams | None = None,
     seed: int | None = None,
 ) -> Iterator[str]:
-    """Stream the model's reply to one user ``message``, rendered with ``template`` as its
-    training conversations were, up to the template's end-of-turn marker (or EOS).
+    """Stream the model's reply to one user ``message``, or to a conversation (a list of
+    ``{"role", "content"}`` turns — system, user, assistant — ending with the user's), rendered
+    with ``template`` as its training conversations were, up to the template's end-of-turn
+    marker (or EOS).
 
     The marker is one control token in a chat model's vocabulary (``<|im_end|>``,
     ``<|eot_id|>``) and generation stops on it; where the vocabulary spells it in several
     tokens, the reply is cut where its text appears.
     """
-    prompt = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+    turns = [{"role": "user", "content": message}] if isinstance(message, str) else message
+    prompt = template.render(list(turns), add_generation_prompt=True)
     marker = template.end_of_turn
     marker_ids = tokenizer.encode(marker, special=True)
     stop = {tokenizer.eos_id} | ({marker_ids[0]} if len(marker_ids) == 1 else set())

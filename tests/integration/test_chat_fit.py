@@ -29,6 +29,7 @@ from llamatrain.data.chat_template import BUILTIN_TEMPLATES
 from llamatrain.gguf.file import read_gguf
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.model import Llama
+from llamatrain.sampling import SamplingParams
 from llamatrain.trainer import Trainer
 
 THINGS = {"cat": "red", "dog": "blue", "bird": "green", "fish": "black", "tree": "white"}
@@ -192,6 +193,32 @@ def test_generate_chat_prompts_as_llama_cpp_and_stops_at_the_end_of_turn(chat_ru
     assert main([*args, "--max-tokens", str(n_tokens)]) == 0
     # the reply is the words after the template's "[/INST] ", without that space
     assert capsys.readouterr().out == tokenizer.decode(reply).lstrip() + "\n"
+
+
+def test_chat_command_keeps_the_conversation_over_turns(chat_run, capsys, monkeypatch):
+    """`llamatrain chat RUN --system ...`: each input line is a user turn, each reply is the
+    model's greedy reply to the whole conversation so far (system prompt, earlier turns and
+    its own earlier replies), and the end of input ends it."""
+    import io
+
+    model, tokenizer, template = api.load_chat(chat_run.run_dir)
+    system, users = "Answer briefly.", ["Name the colour of the cat.", "And the dog?"]
+    params = SamplingParams(temperature=0)
+    turns, expected = [{"role": "system", "content": system}], []
+    for user in users:
+        turns.append({"role": "user", "content": user})
+        reply = "".join(api.chat(model, tokenizer, template, turns, max_tokens=8, params=params))
+        expected.append(reply)
+        turns.append({"role": "assistant", "content": reply})
+    alone = [{"role": "system", "content": system}, {"role": "user", "content": users[1]}]
+    without_history = "".join(
+        api.chat(model, tokenizer, template, alone, max_tokens=8, params=params)
+    )
+    assert without_history != expected[1]  # so the output below shows the history was kept
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(users) + "\n"))
+    args = ["chat", str(chat_run.run_dir), "--system", system, "--temperature", "0"]
+    assert main([*args, "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out == "".join(reply + "\n" for reply in expected)
 
 
 def test_chat_reply_is_cut_where_a_multi_token_marker_appears():
