@@ -3,6 +3,7 @@
 from llamatrain.model import Llama, ModelConfig
 
 API = (
+    "Conversation",
     "FitResult",
     "PerplexityResult",
     "chat",

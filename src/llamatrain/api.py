@@ -39,7 +39,7 @@ from llamatrain.device import configure_process, resolve_device
 from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.evaluate import PerplexityResult, perplexity
 from llamatrain.files import write_text_atomically
-from llamatrain.generate import chat, generate_text
+from llamatrain.generate import Conversation, chat, generate_text
 from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
 from llamatrain.gguf.describe import describe_gguf
 from llamatrain.gguf.export_types import QUANTIZER_TYPES
@@ -59,6 +59,7 @@ from llamatrain.tokenizer import (
 from llamatrain.trainer import History, Trainer
 
 __all__ = [
+    "Conversation",
     "FitResult",
     "PerplexityResult",
     "chat",

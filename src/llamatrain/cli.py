@@ -86,8 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Talk to a model over several turns: a user turn a line from standard input (a prompt
-    shows on a terminal), the reply streamed, the conversation kept; an empty line, ``/exit``
-    or the end of input ends it."""
+    shows on a terminal), the reply streamed, the conversation kept; ``/reset`` forgets it
+    (the system prompt stays), ``/exit``, an empty line or the end of input ends it."""
     params = sampling_params(args)
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
@@ -95,19 +95,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     model, tokenizer, template = api.load_chat(args.checkpoint, args.chat_template)
     check_cache_fits(model, args.max_tokens)
-    turns = [{"role": "system", "content": args.system}] if args.system else []
+    conversation = api.Conversation(
+        model, tokenizer, template, args.system, max_tokens=args.max_tokens, params=params,
+        seed=seed,
+    )  # fmt: skip
     interactive = sys.stdin.isatty()
+    if interactive:
+        print("type a message; /reset forgets the conversation, /exit (or Ctrl-D) ends it")
     while (line := _user_turn(interactive)) not in (None, "", "/exit"):
-        turns.append({"role": "user", "content": line})
-        reply = []
-        for piece in api.chat(
-            model, tokenizer, template, turns, max_tokens=args.max_tokens, params=params,
-            seed=seed,
-        ):  # fmt: skip
-            reply.append(piece)
+        if line == "/reset":
+            conversation.reset()
+            continue
+        for piece in conversation.say(line):
             print(piece, end="", flush=True)
         print()
-        turns.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
 

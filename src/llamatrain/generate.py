@@ -20,7 +20,7 @@ from llamatrain.model import KVCache, Llama
 from llamatrain.sampling import SamplingParams, sample_next
 from llamatrain.tokenizer import Tokenizer
 
-__all__ = ["chat", "generate", "generate_stream", "generate_text"]
+__all__ = ["Conversation", "chat", "generate", "generate_stream", "generate_text"]
 
 
 @torch.no_grad()
@@ -179,6 +179,39 @@ def chat(
         model, tokenizer, prompt_ids(tokenizer, prompt), frozenset(stop), max_tokens, params, seed
     )
     return _reply(pieces, marker)
+
+
+class Conversation:
+    """A multi-turn chat with a model, the history kept (``llamatrain chat`` and notebooks):
+    each :meth:`say` streams the reply to the whole conversation so far and, once the reply
+    is read to its end, adds it to the history."""
+
+    def __init__(
+        self,
+        model: Llama,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        system: str | None = None,
+        **generation: Any,
+    ) -> None:
+        """``generation``: :func:`chat`'s keywords (``max_tokens``, ``params``, ``seed``)."""
+        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.system, self.generation = system, generation
+        self.turns: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every turn but the system prompt."""
+        self.turns = [{"role": "system", "content": self.system}] if self.system else []
+
+    def say(self, message: str) -> Iterator[str]:
+        """Stream the reply to ``message`` after the turns so far."""
+        turns = [*self.turns, {"role": "user", "content": message}]
+        pieces = []
+        for piece in chat(self.model, self.tokenizer, self.template, turns, **self.generation):
+            pieces.append(piece)
+            yield piece
+        self.turns = [*turns, {"role": "assistant", "content": "".join(pieces)}]
 
 
 def _reply(pieces: Iterator[str], marker: str) -> Iterator[str]:

@@ -23,6 +23,7 @@ looked up by the rows the sampler draws.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -516,8 +517,9 @@ class Trainer:
             dynamic_ncols=True,
         )
         self._start_metrics()
+        plan = self._plan()
         if self.progress:
-            for line in self._plan().lines():
+            for line in plan.lines():
                 tqdm.write(line)
         if self.main:  # resuming at state.step continues the tracker runs kept in the run
             o = self.cfg.output
@@ -525,6 +527,7 @@ class Trainer:
         self.step_seconds: list[float] = []
         self.model.train()
         with self.trackers:  # closed (flushed, finished) however fit ends
+            self._log({"step": self.state.step, "plan": dataclasses.asdict(plan)})
             with self.stop.on_signals():  # also over the saves: a signal must not kill them
                 try:
                     self._train_until_done(bar)
@@ -537,7 +540,6 @@ class Trainer:
                 self.save()
             self._report()
         return self.history
-
 
     def _plan(self) -> RunPlan:
         """What this fit is about to do (its first screen)."""

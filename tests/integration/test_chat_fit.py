@@ -221,6 +221,42 @@ def test_chat_command_keeps_the_conversation_over_turns(chat_run, capsys, monkey
     assert capsys.readouterr().out == "".join(reply + "\n" for reply in expected)
 
 
+def test_chat_in_a_terminal_resets_and_exits_as_a_person_would(chat_run):
+    """Driven through a pseudo-terminal: a prompt for each turn, /reset forgets the
+    conversation (the same message then gets the first reply again), /exit ends it."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    main_fd, sub_fd = pty.openpty()
+    command = [sys.executable, "-m", "llamatrain", "chat", str(chat_run.run_dir),
+               "--temperature", "0", "--max-tokens", "6"]  # fmt: skip
+    process = subprocess.Popen(command, stdin=sub_fd, stdout=sub_fd, stderr=sub_fd)
+    os.close(sub_fd)
+    os.write(main_fd, b"Name the colour of the cat.\n/reset\nName the colour of the cat.\n/exit\n")
+    output = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert process.wait(timeout=120) == 0
+    os.close(main_fd)
+    text = output.decode("utf-8", "replace").replace("\r\n", "\n")
+    assert "type a message; /reset" in text  # the terminal also echoes what was typed
+    model, tokenizer, template = api.load_chat(chat_run.run_dir)
+    reply = "".join(
+        api.chat(model, tokenizer, template, "Name the colour of the cat.", max_tokens=6,
+                 params=SamplingParams(temperature=0))
+    )  # fmt: skip
+    assert text.count(f"{reply}\n") >= 2  # the same reply before and after /reset
+    assert text.count("> ") >= 4  # a prompt for every line read
+
+
 def test_chat_reply_is_cut_where_a_multi_token_marker_appears():
     """Where the vocabulary spells the end-of-turn marker in several tokens, the streamed reply
     stops where the marker's text begins, even when it arrives split across pieces; the

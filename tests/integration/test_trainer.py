@@ -75,16 +75,22 @@ def test_resume_latest_is_bit_identical(straight, tiny_overrides):
     # metrics.jsonl keeps the first part's lines (steps <= 4, with that fit's own report) and
     # adds the resumed ones
     lines = [json.loads(s) for s in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
-    kinds = [(r["step"], next(k for k in ("loss", "val_loss", "report") if k in r)) for r in lines]
+    kinds = [
+        (r["step"], next(k for k in ("plan", "loss", "val_loss", "report") if k in r))
+        for r in lines
+    ]
     assert kinds == [
+        (0, "plan"),  # each fit opens with what it is about to do
         (4, "loss"),
         (4, "val_loss"),
         (4, "report"),
+        (4, "plan"),
         (8, "loss"),
         (8, "val_loss"),
         (8, "report"),
     ]
-    assert lines[3]["loss"] == straight_losses[-1]
+    assert lines[4]["plan"]["done"] == 4 and lines[4]["plan"]["steps"] == 8
+    assert lines[5]["loss"] == straight_losses[-1]
     assert lines[-1]["report"]["steps"] == 4  # the resumed fit reports its own 4 steps
 
 
