@@ -10,7 +10,14 @@ message (a tool's result) a ``name`` and ``tool_call_id``. The template comes fr
 is untrusted code: it only ever runs in Jinja's immutable sandbox, set up as transformers sets it
 up (same whitespace handling, extensions and helpers: ``tojson``, ``raise_exception``,
 ``strftime_now``, loop controls, ``{% generation %}``), and sees only plain JSON data, so a
-template renders here byte for byte as ``apply_chat_template`` renders it.
+template renders here byte for byte as ``apply_chat_template`` renders it. Every render has a
+budget of steps, characters, nesting and time (``template_sandbox``), so a template cannot
+hang or exhaust memory either.
+
+A failure is blamed on what is at fault: a template that goes past its budget, tries an unsafe
+operation, or fails on a plain conversation as well is a :class:`TemplateFault` (the fix is
+another template, whatever the data); a template that renders a plain conversation but not
+this one (a ``raise_exception`` on the order of roles) is a DataError about the conversation.
 
 Which text is trained is found without knowing the template: what assistant message ``i`` adds
 is the render of the first ``i + 1`` messages minus the render of the first ``i`` with the
@@ -34,12 +41,19 @@ from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from llamatrain.errors import DataError
+from llamatrain.data.template_sandbox import BUDGET, MeteredSandbox, OverBudget, charge, metered
+from llamatrain.errors import ConfigError, DataError
 
-__all__ = ["BUILTIN_TEMPLATES", "ROLES", "ChatTemplate", "Segment", "chat_template_for"]
+__all__ = [
+    "BUILTIN_TEMPLATES",
+    "ROLES",
+    "ChatTemplate",
+    "Segment",
+    "TemplateFault",
+    "chat_template_for",
+]
 
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a message may have (``tool``: a tool's result, which templates with tools read)."""
@@ -109,7 +123,21 @@ _PROBE = [
     {"role": "user", "content": "Say something."},
     {"role": "assistant", "content": "Something-probe-reply."},
 ]
-"""A conversation rendered to learn how the template ends an assistant turn."""
+"""A conversation rendered to learn how the template ends an assistant turn, and whether a
+failure is the template's (it fails on this too) or the conversation's."""
+_BUILTIN = (
+    "data.chat_template = 'chatml' (or "
+    f"{', '.join(repr(n) for n in list(BUILTIN_TEMPLATES)[1:])}; --chat-template NAME for "
+    "generate --chat)"
+)
+_FIX = f"use a built-in template instead: {_BUILTIN}"
+"""What to do about a template at fault."""
+
+
+class TemplateFault(ConfigError):
+    """The chat template itself is unusable, whatever the conversation: no line of the data
+    would render with it, so skipping lines cannot help; the fix is another template (a
+    setting, hence a ConfigError rather than a DataError about a line)."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +166,9 @@ class ChatTemplate:
         try:
             self._template = _sandbox().from_string(source)
         except TemplateSyntaxError as e:
-            raise DataError(
+            raise TemplateFault(
                 f"{name} is not a valid Jinja template: {_one_line(e.message)} "
-                f"(template line {e.lineno}); fix it or set data.chat_template to a built-in"
+                f"(template line {e.lineno}); {_FIX}"
             ) from None
 
     def render(
@@ -173,10 +201,11 @@ class ChatTemplate:
         after an assistant turn's end-of-turn marker (chatml's newline) is untrained: the model
         stops before it. A conversation without an assistant turn is one untrained piece."""
         chat, context = _checked(messages), _context(tools, documents, variables)
-        whole = self._render(chat, False, context)
+        shapes: dict = {}  # the renders of one conversation measure its data once
+        whole = self._render(chat, False, context, shapes)
         pieces: list[Segment] = []
         done = 0
-        for start, end in self._assistant_spans(chat, whole, context):
+        for start, end in self._assistant_spans(chat, whole, context, shapes):
             _append(pieces, whole[done:start], trained=False)
             cut = self._turn_end(whole[start:end])
             _append(pieces, whole[start : start + cut], trained=True)
@@ -214,7 +243,11 @@ class ChatTemplate:
         return at + len(self._marker) if at >= 0 else len(turn)
 
     def _assistant_spans(
-        self, chat: list[dict[str, Any]], whole: str, context: dict[str, Any]
+        self,
+        chat: list[dict[str, Any]],
+        whole: str,
+        context: dict[str, Any],
+        shapes: dict | None = None,
     ) -> list[tuple[int, int]]:
         """``(start, end)`` in ``whole`` of the text each assistant message adds, found by
         rendering prefixes of the conversation."""
@@ -222,8 +255,8 @@ class ChatTemplate:
         for i, message in enumerate(chat):
             if message["role"] != "assistant":
                 continue
-            before = self._render(chat[:i], True, context)
-            after = self._render(chat[: i + 1], False, context)
+            before = self._render(chat[:i], True, context, shapes)
+            after = self._render(chat[: i + 1], False, context, shapes)
             if whole.startswith(before) and len(before) <= len(after) and done <= len(before):
                 if not whole.startswith(after):
                     raise DataError(
@@ -236,20 +269,38 @@ class ChatTemplate:
                         "reasoning_content"
                     )
             else:
-                raise DataError(
+                problem = (
                     f"{self.name} does not render a conversation turn by turn (its render of "
                     f"the first {i} messages with the generation prompt does not begin its "
-                    f"render of the first {i + 1}), so the assistant turns cannot be told "
-                    "apart; use a template that does, e.g. data.chat_template = 'chatml'"
+                    f"render of the first {i + 1}), so the assistant turns cannot be told apart"
                 )
+                if chat is not _PROBE and not self._splits_plain_chat:
+                    raise TemplateFault(f"{problem}, not even in a plain conversation; {_FIX}")
+                raise DataError(f"{problem}; use a template that does, e.g. {_BUILTIN}")
             spans.append((len(before), len(after)))
             done = len(after)
         return spans
 
     def _render(
-        self, chat: list[dict[str, Any]], add_generation_prompt: bool, context: dict[str, Any]
+        self,
+        chat: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        context: dict[str, Any],
+        shapes: dict | None = None,
     ) -> str:
         try:
+            return self._render_unchecked(chat, add_generation_prompt, context, shapes)
+        except Exception as e:  # the template is user code: any failure of it is the user's
+            raise self._fault(e) from None
+
+    def _render_unchecked(
+        self,
+        chat: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        context: dict[str, Any],
+        shapes: dict | None = None,
+    ) -> str:
+        with metered(BUDGET, shapes):
             return self._template.render(
                 **context,
                 messages=chat,
@@ -257,17 +308,60 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except _TemplateRefused as e:
-            raise DataError(f"{self.name} refused the conversation: {_one_line(e)}") from None
-        except SecurityError as e:
-            raise DataError(
+
+    def _fault(self, error: Exception) -> DataError | TemplateFault:
+        """The one-line error for a failed render, blaming the template when it is at fault
+        whatever the conversation, else the conversation."""
+        where = _template_line(error)
+        at = f" (template line {where})" if where else ""
+        if isinstance(error, OverBudget | RecursionError | MemoryError):
+            what = (
+                f"went {error}"
+                if isinstance(error, OverBudget)
+                else f"ran out ({_error_name(error)})"
+            )
+            return TemplateFault(
+                f"{self.name} {what}{at}; a chat template needs a tiny fraction of that, so "
+                f"this one is broken or hostile: {_FIX}"
+            )
+        if isinstance(error, SecurityError):
+            return TemplateFault(
                 f"{self.name} tried an unsafe operation, which the sandbox stopped "
-                f"({_one_line(e)}); use the model's published template or a built-in"
-            ) from None
-        except Exception as e:  # the template is user code: any failure of it is the user's
-            raise DataError(
-                f"{self.name} failed to render: {type(e).__name__}: {_one_line(e)}"
-            ) from None
+                f"({_one_line(error)}){at}; {_FIX}"
+            )
+        if isinstance(error, _TemplateRefused):
+            what = f"refused the conversation: {_one_line(error)}"
+        else:
+            what = f"failed to render: {type(error).__name__}: {_one_line(error)}{at}"
+        if self._renders_plain_chat:
+            return DataError(f"{self.name} {what}")
+        return TemplateFault(
+            f"{self.name} {what}; it fails on a plain user/assistant conversation too, so the "
+            f"fault is the template, not the data: {_FIX}"
+        )
+
+    @cached_property
+    def _renders_plain_chat(self) -> bool:
+        """Whether the template renders a plain conversation (with and without a system
+        message, with the generation prompt): if not, no line of data would render."""
+        context = _context(None, None, {})
+        for chat in (_PROBE, [{"role": "system", "content": "Be brief."}, *_PROBE]):
+            try:
+                self._render_unchecked(chat, False, context)
+                self._render_unchecked(chat[:-1], True, context)
+                return True
+            except Exception:  # what failed is reported from the line that failed
+                continue
+        return False
+
+    @cached_property
+    def _splits_plain_chat(self) -> bool:
+        """Whether the template renders a plain conversation turn by turn."""
+        try:
+            self._marker  # noqa: B018 (found by splitting the probe conversation)
+        except (DataError, ConfigError):
+            return False
+        return True
 
 
 def chat_template_for(
@@ -315,6 +409,8 @@ def _tojson(
 
 def _strftime_now(format: str) -> str:
     """Today's date for templates that put it in the system prompt (Llama 3.1)."""
+    if isinstance(format, str):
+        charge(32 * len(format))  # "%c" is 24 characters
     return datetime.now().strftime(format)
 
 
@@ -363,10 +459,11 @@ class _Dict:
 
 
 @cache
-def _sandbox() -> ImmutableSandboxedEnvironment:
+def _sandbox() -> MeteredSandbox:
     """The environment every template compiles in: immutable sandbox (no attribute access to
-    Python internals, no mutating the messages), with transformers' settings and helpers."""
-    env = ImmutableSandboxedEnvironment(
+    Python internals, no mutating the messages) with a budget per render, with transformers'
+    settings and helpers."""
+    env = MeteredSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -374,6 +471,7 @@ def _sandbox() -> ImmutableSandboxedEnvironment:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _Dict()
     env.globals["namespace"] = _Namespace
+    env.meter_filters()
     return env
 
 
@@ -467,6 +565,21 @@ def _append(pieces: list[Segment], text: str, *, trained: bool) -> None:
         pieces[-1] = Segment(pieces[-1].text + text, trained)
     else:
         pieces.append(Segment(text, trained))
+
+
+def _template_line(error: BaseException) -> int | None:
+    """The line of the template a render failed on (Jinja puts the template's lines in the
+    traceback), or None."""
+    line, tb = None, error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _error_name(error: BaseException) -> str:
+    return f"{type(error).__name__}: {_one_line(error)}" if str(error) else type(error).__name__
 
 
 def _one_line(error: object) -> str:

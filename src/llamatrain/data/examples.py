@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from llamatrain.data.chat_template import ChatTemplate, Segment, chat_template_for
+from llamatrain.data.chat_template import ChatTemplate, Segment, TemplateFault, chat_template_for
 from llamatrain.data.jsonl import (
     BadLines,
     ChatLine,
@@ -206,7 +206,10 @@ def read_examples(
 ) -> list[Example]:
     """Every usable line (or table row: ``format``) of ``paths`` encoded, in order; ``bad``
     decides about the others (a line that does not parse, or that its template cannot
-    render). ``layout``: ``data.layout``."""
+    render). ``layout``: ``data.layout``. A template at fault whatever the line
+    (:class:`TemplateFault`: over its budget, unsafe, or failing on a plain conversation too)
+    stops the reading at the first line it failed on, whatever ``data.on_bad_line`` says:
+    skipping would skip every conversation."""
     examples = []
     for path in paths:
         for number, line in numbered_rows(path, format):
@@ -214,6 +217,8 @@ def read_examples(
             try:
                 parsed = parse_line(line, need_assistant=not encoder.train_all, layout=layout)
                 examples.append(encoder.encode(parsed))
+            except TemplateFault as fault:
+                raise TemplateFault(f"{path}:{number}: {fault}") from None
             except DataError as problem:
                 bad.bad(path, number, problem)
     if not examples:

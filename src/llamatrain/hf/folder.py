@@ -28,6 +28,7 @@ from llamatrain.errors import CheckpointError
 from llamatrain.files import staged_folder
 from llamatrain.gguf.llama import LlamaFile
 from llamatrain.hf.config import hf_config, model_config_from_hf, read_json_object
+from llamatrain.hf.inside import file_in_folder
 from llamatrain.hf.rope import hf_rope_scaling, rope_freqs_from_hf
 from llamatrain.hf.tokenizer_files import (
     TOKENIZER_CONFIG,
@@ -66,7 +67,7 @@ def read_hf_folder(path: str | os.PathLike[str]) -> LlamaFile:
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; pass an HF checkpoint folder")
-    config_path = folder / CONFIG_FILE
+    config_path = file_in_folder(folder, CONFIG_FILE)
     if not config_path.is_file():
         raise CheckpointError(
             f"{folder} has no {CONFIG_FILE}; an HF checkpoint folder holds config.json, "

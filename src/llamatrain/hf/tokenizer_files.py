@@ -17,6 +17,7 @@ from typing import Any
 from llamatrain.errors import CheckpointError
 from llamatrain.gguf.vocab import tokenizer_metadata
 from llamatrain.hf.config import read_json_object
+from llamatrain.hf.inside import file_in_folder
 from llamatrain.tokenizer import Tokenizer
 from llamatrain.tokenizer.hf_json import read_hf_tokenizer, write_hf_tokenizer
 
@@ -32,10 +33,15 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """Where transformers 5 saves the chat template instead of tokenizer_config.json."""
+MAX_TEMPLATE_BYTES = 1 << 20
+"""The largest chat_template.jinja read (published ones are at most tens of KiB)."""
 
 
 def read_folder_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
-    """The folder's tokenizer, which must have exactly ``vocab_size`` ids (config.json's)."""
+    """The folder's tokenizer, which must have exactly ``vocab_size`` ids (config.json's);
+    its files (tokenizer.json, tokenizer_config.json, config.json) must lie in the folder."""
+    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG, "config.json"):
+        file_in_folder(folder, name)
     if not (folder / TOKENIZER_FILE).is_file():
         raise CheckpointError(
             f"{folder} has no {TOKENIZER_FILE}; copy the model's tokenizer files into it"
@@ -54,15 +60,22 @@ def read_chat_template(folder: Path) -> str | None:
     """The folder's default chat template, or None: from tokenizer_config.json (a string, or
     a list of named templates of which ``default`` is the one llama.cpp's converter keeps),
     else from ``chat_template.jinja``."""
-    config = read_json_object(folder / TOKENIZER_CONFIG)
+    config = read_json_object(file_in_folder(folder, TOKENIZER_CONFIG))
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if isinstance(template, str):
         return template
-    jinja = folder / CHAT_TEMPLATE_FILE
-    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+    jinja = file_in_folder(folder, CHAT_TEMPLATE_FILE)
+    if not jinja.is_file():
+        return None
+    if jinja.stat().st_size > MAX_TEMPLATE_BYTES:
+        raise CheckpointError(
+            f"{jinja} is {jinja.stat().st_size:,} bytes, more than a chat template "
+            f"({MAX_TEMPLATE_BYTES >> 10} KiB at most); remove it or use a built-in template"
+        )
+    return jinja.read_text(encoding="utf-8")
 
 
 def write_tokenizer_files(

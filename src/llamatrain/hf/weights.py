@@ -21,7 +21,11 @@ to HF and back bit for bit (g - 1 is exact there, Sterbenz), an HF value w comes
 one float32 rounding of 1 + w.
 
 Reading opens one shard at a time and converts one tensor at a time, so the float32 tensors
-returned are the only copy of the model in memory.
+returned are the only copy of the model in memory. The folder is untrusted: the index may only
+name plain file names of the folder (``hf.inside``), a bounded number of them, each tensor in
+the shard the index says and in no other; safetensors itself checks each shard's header
+against its size (a header of at most 100 MB, offsets within the file, byte counts that match
+dtype and shape) before any tensor is read.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from llamatrain.errors import CheckpointError
+from llamatrain.hf.inside import file_in_folder
 from llamatrain.model import ModelConfig, tensor_shapes
 
 __all__ = [
@@ -78,6 +83,10 @@ NORM_SHIFT = {"gemma3": 1.0}
 """What HF's norm weights of a family lack of ours (Gemma's ``1 + w``)."""
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers older transformers saved with the weights; they are recomputed, never loaded."""
+MAX_INDEX_BYTES = 64 << 20
+"""The largest index read (the largest published ones, with ~10^5 tensors, are ~10 MB)."""
+MAX_SHARDS = 4096
+"""The most shards an index may name (published models have at most a few hundred)."""
 
 
 def hf_tensor_name(name: str, arch: str = "llama") -> str:
@@ -127,21 +136,47 @@ def weight_files(folder: Path) -> list[Path]:
 
     Raises CheckpointError when there are none (naming what an HF folder holds instead).
     """
-    index = folder / INDEX_FILE
+    return _files(folder, _weight_map(folder))
+
+
+def _files(folder: Path, weight_map: Mapping[str, Path] | None) -> list[Path]:
+    if weight_map is None:
+        return [folder / SINGLE_FILE]
+    return sorted(set(weight_map.values()))
+
+
+def _weight_map(folder: Path) -> dict[str, Path] | None:
+    """The index's tensor -> shard map, its shards checked (plain names of files inside the
+    folder, at most :data:`MAX_SHARDS`, all present); None when the folder has one
+    ``model.safetensors`` and no index. CheckpointError when it has neither."""
+    index = file_in_folder(folder, INDEX_FILE)
     if index.is_file():
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise CheckpointError(
+                f"{index} is {index.stat().st_size:,} bytes, more than any safetensors index "
+                f"({MAX_INDEX_BYTES >> 20} MiB at most); re-save the model"
+            )
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            shards = sorted(set(weight_map.values()))
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+            names = set(weight_map.values())
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(
                 f"{index} is not a safetensors index (no weight_map: {e}); re-save the model"
             ) from e
-        missing = [name for name in shards if not (folder / name).is_file()]
+        if len(names) > MAX_SHARDS:
+            raise CheckpointError(
+                f"{index} names {len(names):,} shards, more than any model has "
+                f"({MAX_SHARDS:,} at most); re-save the model"
+            )
+        shards = {name: file_in_folder(folder, name, INDEX_FILE) for name in names}
+        missing = sorted(name for name, path in shards.items() if not path.is_file())
         if missing:
             raise CheckpointError(f"{folder} lacks the shard(s) {', '.join(missing)}; copy them")
-        return [folder / name for name in shards]
-    if (folder / SINGLE_FILE).is_file():
-        return [folder / SINGLE_FILE]
+        return {tensor: shards[name] for tensor, name in weight_map.items()}
+    if file_in_folder(folder, SINGLE_FILE).is_file():
+        return None
     legacy = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
     hint = (
         f"; it has PyTorch pickles ({legacy[0]}…) — re-save it with save_pretrained(..., "
@@ -161,8 +196,9 @@ def read_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     ours = {
         hf_tensor_name(name, cfg.arch): name for name in tensor_shapes(cfg) if name not in COMPUTED
     }
-    files = weight_files(folder)
-    stored = {path: _tensor_names(path) for path in files}
+    listed = _weight_map(folder)
+    stored = {path: _tensor_names(path) for path in _files(folder, listed)}
+    _check_tensor_places(folder, stored, listed or {})
     present = {name for names in stored.values() for name in names}
     if cfg.tie_embeddings:  # transformers ties lm_head to the embedding and ignores a stored one
         present.discard(hf_tensor_name("output.weight"))
@@ -183,6 +219,28 @@ def read_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                     name = ours[hf_name]
                     tensors[name] = _converted(f.get_tensor(hf_name), name, shapes[name], cfg, path)
     return tensors
+
+
+def _check_tensor_places(
+    folder: Path, stored: Mapping[Path, list[str]], listed: Mapping[str, Path]
+) -> None:
+    """Each tensor is in one shard, the one the index names (a tensor in two shards, or
+    elsewhere than the index says, makes which one is read a guess)."""
+    seen: dict[str, Path] = {}
+    for path, names in stored.items():
+        for name in names:
+            if name in seen:
+                raise CheckpointError(
+                    f"{folder}: the tensor {name} is in both {seen[name].name} and {path.name}; "
+                    "re-save the model"
+                )
+            seen[name] = path
+    for name, path in seen.items():
+        if listed.get(name, path) != path:
+            raise CheckpointError(
+                f"{folder}: {INDEX_FILE} puts {name} in {listed[name].name} but it is in "
+                f"{path.name}; re-save the model"
+            )
 
 
 def _tensor_names(path: Path) -> list[str]:

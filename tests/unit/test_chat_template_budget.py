@@ -1,0 +1,295 @@
+"""A chat template is untrusted code: every render has a budget (steps, characters made,
+nested calls, integer size, time), so a hostile template ends in one line naming the template,
+the limit and the fix, quickly and within a memory bound — while real templates render exactly
+as before at no measurable cost. A failure is blamed on the template when it fails whatever
+the conversation, on the line when it depends on it."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from test_chat_template_families import CASES, source, template
+from user_errors import error_of
+
+from llamatrain.data import chat_template as ct
+from llamatrain.data import template_sandbox
+from llamatrain.data.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateFault
+from llamatrain.data.examples import LineEncoder, read_examples
+from llamatrain.data.jsonl import BadLines
+from llamatrain.data.template_sandbox import BUDGET, metered
+from llamatrain.errors import DataError
+
+USER = [{"role": "user", "content": "hi"}]
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6."},
+]
+HOSTILE = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+    "{% endfor %}x",
+    "a huge product": '{{ "a" * 4000000000 }}',
+    "doubling in a loop": '{% set ns = namespace(s="ab") %}{% for i in range(64) %}'
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+    "doubling with ~": '{% set a = "ab" %}' + "{% set a = a ~ a %}" * 40 + "{{ a }}",
+    "center": '{{ "x" | center(10**10) }}',
+    "center, folded while compiling": '{{ "x" | center(10000000000) }}',
+    "a huge range in a filter": '{{ range(100000)|map("string")|map("center", 100000)|join }}',
+    "a list of lists": '{{ range(100000)|map("string")|list|map("list")|list|length }}',
+    "macro recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "branching macros": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
+    "{% endmacro %}{{ f(40) }}",
+    "a recursive loop": "{% for x in range(3) recursive %}{{ loop(range(100000)) }}{% endfor %}",
+    "join of a giant generator": '{{ range(100000)|map("string")|map("replace", "", "x" * 60)'
+    "|join }}",
+    "join of shared strings": '{% set s = "a" * 1000000 %}'
+    "{{ dict.fromkeys(range(100000), s).values()|list|join }}",
+    "printing shared strings": '{% set s = "a" * 1000000 %}{{ dict.fromkeys(range(100000), s) }}',
+    "a list product": "{{ (range(100000)|list) * 100000 }}",
+    "a huge power": "{{ 2 ** 100000000 }}",
+    "% width": '{{ "%99999999999d" % 1 }}',
+    "format width": '{{ "{:>9999999999}".format(1) }}',
+    "ljust": '{{ "x".ljust(10**10) }}',
+    "indent": '{{ "a\\nb"|indent(10**10) }}',
+    "tojson indent": "{{ range(1000)|list|tojson(indent=10**8) }}",
+    "batch fill": '{{ [1]|batch(10**9, "x")|list }}',
+    "to_bytes": '{{ (1).to_bytes(10**10, "big") }}',
+    "lipsum": "{{ lipsum(10**6) }}",
+    "a block set": '{% set x %}{% for i in range(100000) %}{{ "a" * 1000 }}{% endfor %}'
+    "{% endset %}{{ x }}",
+    "slices": '{% set s = "a" * 10000000 %}{% for i in range(1000) %}{% set t = s[1:] %}'
+    "{% endfor %}",
+    "a scan in a loop": '{% set s = "a" * 1000000 %}{% for i in range(100000) %}'
+    '{% if "zz" in s %}{% endif %}{% endfor %}',
+    "scans in a row": '{% set s = "a" * 30000000 %}' + '{% if "zz" in s %}{% endif %}' * 500,
+    "a cyclic namespace": "{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}",
+}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_template_ends_in_one_line_quickly_within_memory(name):
+    before, start = peak_rss_mb(), time.perf_counter()
+    chat = ChatTemplate(HOSTILE[name], name="the model's chat template")
+    message = error_of(chat.render, USER, add_generation_prompt=True)
+    assert time.perf_counter() - start < 2
+    assert peak_rss_mb() - before < 500
+    assert message.startswith("the model's chat template went past its budget of ")
+    assert "per render" in message and "data.chat_template = 'chatml'" in message
+    assert "on_bad_line" not in message
+
+
+def test_the_message_names_the_limit_and_the_template_line():
+    message = error_of(ChatTemplate(HOSTILE["nested loops"], name="qwen").render, USER)
+    assert f"{BUDGET.steps:,} steps (loop iterations, calls, filters and operators)" in message
+    message = error_of(ChatTemplate("\n\n" + HOSTILE["a huge product"], name="qwen").render, USER)
+    assert f"{BUDGET.chars:,} characters made" in message and "(template line 3)" in message
+    assert "64 nested calls" in error_of(ChatTemplate(HOSTILE["macro recursion"]).render, USER)
+
+
+def test_the_budget_holds_for_segments_and_the_end_of_turn_marker_too():
+    chat = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}" + HOSTILE["center"])
+    with pytest.raises(TemplateFault, match="went past its budget"):
+        chat.segments(CHAT)
+    with pytest.raises(TemplateFault, match="went past its budget"):
+        chat.end_of_turn  # noqa: B018
+
+
+def test_a_render_not_metered_is_refused():
+    compiled = ct._sandbox().from_string("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(Exception, match="render only inside metered"):
+        compiled.render(messages=USER)
+    with metered():
+        assert compiled.render(messages=USER) == "hi"
+
+
+# ---------------------------------------------------------------------- real templates, as before
+
+
+def reference(source_text: str):
+    """The template compiled as it was before the budget: Jinja's immutable sandbox with
+    transformers' settings and helpers, unmetered."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[ct._Generation, loopcontrols]
+    )
+    env.filters["tojson"] = ct._tojson
+    env.globals.update(
+        raise_exception=ct._raise_exception,
+        strftime_now=lambda format: datetime.now().strftime(format),
+        dict=ct._Dict(),
+        namespace=ct._Namespace,
+    )
+    return env.from_string(source_text)
+
+
+def unmetered_render(compiled, chat: ChatTemplate, messages, generation: bool, **kwargs) -> str:
+    context = ct._context(kwargs.pop("tools", None), kwargs.pop("documents", None), kwargs)
+    return compiled.render(
+        **context,
+        messages=ct._checked(messages),
+        add_generation_prompt=generation,
+        bos_token=chat.bos_token,
+        eos_token=chat.eos_token,
+    )
+
+
+FAMILY_CASES = [
+    pytest.param(family, messages, kwargs, id=f"{family}: {name}")
+    for family, cases in CASES.items()
+    for name, messages, kwargs in cases
+]
+
+
+@pytest.mark.parametrize("family, messages, kwargs", FAMILY_CASES)
+def test_real_templates_render_exactly_as_without_the_budget(family, messages, kwargs):
+    chat, compiled = template(family), reference(source(family))
+    for generation in (False, True):
+        expected = unmetered_render(compiled, chat, messages, generation, **dict(kwargs))
+        assert chat.render(messages, add_generation_prompt=generation, **kwargs) == expected
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_TEMPLATES))
+def test_builtins_render_exactly_as_without_the_budget(name):
+    chat = ChatTemplate(BUILTIN_TEMPLATES[name], bos_token="<s>", eos_token="</s>")
+    compiled = reference(BUILTIN_TEMPLATES[name])
+    conversation = CHAT[1:] if name == "llama-2" else CHAT
+    expected = unmetered_render(compiled, chat, conversation, False)
+    assert chat.render(conversation) == expected
+
+
+@pytest.fixture
+def meter_of(monkeypatch):
+    """The steps and characters each render of a template used."""
+    used: list[tuple[int, int]] = []
+
+    class Spied(metered):
+        __slots__ = ()
+
+        def __exit__(self, *exc):
+            meter = template_sandbox._METER.get()  # what is left
+            used.append((BUDGET.steps - meter.steps, BUDGET.chars - meter.chars))
+            super().__exit__(*exc)
+
+    monkeypatch.setattr(ct, "metered", Spied)
+    return used
+
+
+def test_real_templates_use_a_tiny_fraction_of_the_budget_in_proportion_to_the_chat(meter_of):
+    """Counting the work: a long conversation (201 messages, tools) takes a few steps per
+    message and a few characters per character of the conversation, far from the limits."""
+    from test_chat_template_families import TOOL_TRACE, TOOLS, msg
+
+    long = [TOOL_TRACE[0]]
+    for i in range(100):
+        long += [msg("user", f"question {i} " * 20), msg("assistant", f"answer {i} " * 50)]
+    size = sum(len(m["content"]) for m in long)
+    for family in CASES:
+        meter_of.clear()
+        kwargs = {"tools": TOOLS} if family.startswith("qwen") else {}
+        template(family).render(long, add_generation_prompt=True, **kwargs)
+        ((steps, chars),) = meter_of
+        assert steps < 20 * len(long) < BUDGET.steps / 30, family
+        assert chars < 8 * size < BUDGET.chars / 50, family
+
+
+def best_of(fn, repeats: int = 7, number: int = 20) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.perf_counter() - start) / number)
+    return best
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "gemma3", "smollm3"])
+def test_the_budget_costs_little_per_render(family):
+    """Metered vs. unmetered renders of the same template, interleaved in one test (measured
+    about 1.3x on renders alone, a few percent of encoding an example): a generous bound."""
+    chat, compiled = template(family), reference(source(family))
+    _, messages, kwargs = CASES[family][0]
+    checked = ct._checked(messages)
+
+    def plain():
+        compiled.render(messages=checked, add_generation_prompt=False, tools=None)
+
+    def budgeted():
+        chat.render(messages, **kwargs)
+
+    assert best_of(budgeted) < 3 * best_of(plain)
+
+
+# -------------------------------------------------------------------------- who is at fault
+
+
+def test_a_template_that_fails_on_any_conversation_is_blamed_for_it():
+    chat = ChatTemplate("{{ messages[0].content + 1 }}", name="the model's chat template")
+    message = error_of(chat.render, USER)
+    assert "failed to render: TypeError" in message and "(template line 1)" in message
+    assert "the fault is the template, not the data" in message
+    assert "data.chat_template = 'chatml'" in message and "on_bad_line" not in message
+    with pytest.raises(TemplateFault):
+        chat.segments(CHAT)
+
+
+def test_a_template_that_refuses_this_conversation_blames_the_conversation():
+    llama2 = ChatTemplate(BUILTIN_TEMPLATES["llama-2"], bos_token="<s>", eos_token="</s>")
+    with pytest.raises(DataError, match="refused the conversation: Conversation roles must"):
+        llama2.render([{"role": "assistant", "content": "I speak first"}])
+    boom = ChatTemplate(
+        "{% for m in messages %}{{ m.content }}{% if m.content == 'boom' %}{{ 1 // 0 }}"
+        "{% endif %}{% endfor %}"
+    )
+    message = error_of(boom.render, [{"role": "user", "content": "boom"}])
+    assert (
+        "failed to render: ZeroDivisionError" in message and "fault is the template" not in message
+    )
+
+
+def test_a_template_that_always_refuses_is_blamed_for_it():
+    message = error_of(ChatTemplate("{{ raise_exception('not for chat') }}").render, USER)
+    assert "refused the conversation: not for chat" in message
+    assert "fault is the template" in message
+
+
+def test_a_syntax_error_is_the_template_s_fault():
+    with pytest.raises(TemplateFault, match="not a valid Jinja template.*data.chat_template"):
+        ChatTemplate("{% for m in messages %}")
+
+
+def write_chats(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(n)))
+    return path
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+@pytest.mark.parametrize(
+    "source_text, fragment",
+    [
+        ("{{ messages[0].content + 1 }}", "fault is the template, not the data"),
+        (HOSTILE["nested loops"], "went past its budget"),
+        ("{{ ''.__class__.__mro__ }}{{ messages[0].append(1) }}", "unsafe operation"),
+    ],
+)
+def test_reading_data_stops_at_the_first_line_a_faulty_template_fails_on(
+    tmp_path, policy, source_text, fragment
+):
+    """Skipping lines cannot help a template at fault: it would skip every line."""
+    chat = ChatTemplate(source_text, name="the model's chat template")
+    encoder = LineEncoder(None, chat, train_on="completion")  # it fails before tokenizing
+    path = write_chats(tmp_path / "chats.jsonl", 3)
+    message = error_of(read_examples, [path], encoder, BadLines(policy))
+    assert message.startswith(f"{path}:1: the model's chat template") and fragment in message
+    assert "on_bad_line" not in message and "data.chat_template = 'chatml'" in message
