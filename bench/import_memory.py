@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ops import finish, load_average, machine_info  # noqa: E402
 from train import _status_kb  # noqa: E402
 
-from llamatrain.model import ModelConfig, tensor_shapes  # noqa: E402
+from llamatrain.model_config import ModelConfig, tensor_shapes  # noqa: E402
 from llamatrain.tokenizer import (  # noqa: E402
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,

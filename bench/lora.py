@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from import_memory import MB, peak_rss_bytes, synthetic_vocabulary  # noqa: E402
 from ops import finish, load_average, machine_info  # noqa: E402
 
-from llamatrain.model import ModelConfig, tensor_shapes  # noqa: E402
+from llamatrain.model_config import ModelConfig, tensor_shapes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CACHE = HERE / ".cache" / "lora"

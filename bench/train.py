@@ -102,7 +102,8 @@ from ops import (  # noqa: E402
 from llamatrain import activation_checkpointing  # noqa: E402
 from llamatrain.config import Config, OptimSection, validate  # noqa: E402
 from llamatrain.device import configure_process  # noqa: E402
-from llamatrain.model import ARCHS, FAMILIES, Llama, ModelConfig  # noqa: E402
+from llamatrain.model import Llama  # noqa: E402
+from llamatrain.model_config import ARCHS, FAMILIES, ModelConfig  # noqa: E402
 from llamatrain.optim import build_optimizer  # noqa: E402
 from llamatrain.trainer import Trainer  # noqa: E402
 

@@ -1,6 +1,7 @@
 """llamatrain: train llama models in PyTorch, run them in llama.cpp."""
 
-from llamatrain.model import Llama, ModelConfig
+from llamatrain.model import Llama
+from llamatrain.model_config import ModelConfig
 
 API = (
     "Conversation",

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from llamatrain import parallel
 from llamatrain.data import Batch, check_text_file, read_text
 from llamatrain.errors import DataError
-from llamatrain.model import IGNORE_INDEX, Llama
+from llamatrain.model import Llama
+from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.tokenizer import Tokenizer
 
 CHUNK_LOGITS = 4 << 20

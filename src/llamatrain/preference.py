@@ -60,7 +60,8 @@ from llamatrain.data.examples import ExampleRows
 from llamatrain.errors import TrainingError
 from llamatrain.files import write_text_atomically, written_atomically
 from llamatrain.lora import adapters_disabled
-from llamatrain.model import IGNORE_INDEX, Llama
+from llamatrain.model import Llama
+from llamatrain.ops.sets import IGNORE_INDEX
 
 __all__ = [
     "METRICS",

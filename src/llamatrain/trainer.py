@@ -48,8 +48,9 @@ from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.generate import generate
 from llamatrain.interrupt import StopRequest
 from llamatrain.lora import lora_modules
-from llamatrain.model import IGNORE_INDEX, Llama
+from llamatrain.model import Llama
 from llamatrain.model_source import LoraBase, checkpoint_dir
+from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
 from llamatrain.preference import PreferenceObjective, ReferenceTable, reference_table

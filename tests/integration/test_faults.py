@@ -216,5 +216,5 @@ def test_a_torn_metrics_line_is_dropped_by_plot_and_resume(saved_run, tmp_path, 
     api.fit("tiny", overrides=[*tiny_overrides(), *QUICK, "train.steps=4"], resume="latest",
             progress=False)  # fmt: skip
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert all(json.loads(line)["step"] for line in lines)  # the torn line is gone
+    assert all("step" in json.loads(line) for line in lines)  # the torn line is gone
     assert [r["step"] for r in read_metrics(run)[0]] == [2, 3, 4]

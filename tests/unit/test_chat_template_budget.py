@@ -19,11 +19,11 @@ from test_chat_template_families import CASES, source, template
 from user_errors import error_of
 
 from llamatrain.data import chat_template as ct
-from llamatrain.data import template_sandbox
+from llamatrain.data import template_budget
 from llamatrain.data.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateFault
 from llamatrain.data.examples import LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
-from llamatrain.data.template_sandbox import BUDGET, metered
+from llamatrain.data.template_budget import BUDGET, metered
 from llamatrain.errors import DataError
 
 USER = [{"role": "user", "content": "hi"}]
@@ -178,7 +178,7 @@ def meter_of(monkeypatch):
         __slots__ = ()
 
         def __exit__(self, *exc):
-            meter = template_sandbox._METER.get()  # what is left
+            meter = template_budget.METER.get()  # what is left
             used.append((BUDGET.steps - meter.steps, BUDGET.chars - meter.chars))
             super().__exit__(*exc)
 

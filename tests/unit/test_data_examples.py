@@ -30,7 +30,7 @@ from llamatrain.data.examples import (
 from llamatrain.data.jsonl import BadLines, ChatLine, CompletionLine, TextLine
 from llamatrain.errors import ConfigError, DataError
 from llamatrain.gguf.llama import read_tokenizer
-from llamatrain.model import IGNORE_INDEX
+from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.tokenizer import TOKEN_TYPE_CONTROL
 
 CHAT = (

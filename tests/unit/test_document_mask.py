@@ -13,8 +13,9 @@ import torch
 from test_flash_attn import _inputs  # the same random q, k, v
 
 from llamatrain import activation_checkpointing as ac
-from llamatrain.model import IGNORE_INDEX, KVCache, Llama, ModelConfig, document_positions
+from llamatrain.model import KVCache, Llama, ModelConfig, document_positions
 from llamatrain.ops.attention import flash_attn
+from llamatrain.ops.sets import IGNORE_INDEX
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors (conftest)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from llamatrain.errors import ConfigError
-from llamatrain.model import KVCache, Llama, ModelConfig, tensor_shapes
+from llamatrain.model import KVCache, Llama, ModelConfig
+from llamatrain.model_config import tensor_shapes
 
 SMALL = dict(
     arch="gemma3", dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=40,

@@ -20,7 +20,7 @@ from llamatrain.hf import weights as weights_module
 from llamatrain.hf.inside import file_in_folder
 from llamatrain.hf.tokenizer_files import read_chat_template, read_folder_tokenizer
 from llamatrain.hf.weights import INDEX_FILE, hf_state_dict, read_hf_weights, weight_files
-from llamatrain.model import ModelConfig, tensor_shapes
+from llamatrain.model_config import ModelConfig, tensor_shapes
 
 CFG = ModelConfig(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=40, max_seq_len=16

@@ -17,7 +17,7 @@ from llamatrain.hf.weights import (
     to_adjacent_pairs,
     to_rotate_half,
 )
-from llamatrain.model import ModelConfig, tensor_shapes
+from llamatrain.model_config import ModelConfig, tensor_shapes
 from llamatrain.ops.sets import torch_rope
 
 CFG = ModelConfig(

@@ -33,7 +33,8 @@ from llamatrain.lora import (
     stored_type,
     trainable_parameter_count,
 )
-from llamatrain.model import Llama, ModelConfig, tensor_shapes
+from llamatrain.model import Llama, ModelConfig
+from llamatrain.model_config import tensor_shapes
 
 SMALL = dict(vocab_size=40, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
 

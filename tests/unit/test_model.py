@@ -9,7 +9,9 @@ import torch
 from llamatrain import Llama, ModelConfig
 from llamatrain.errors import ConfigError
 from llamatrain.generate import generate
-from llamatrain.model import ATTENTIONS, KVCache, tensor_shapes
+from llamatrain.model import KVCache
+from llamatrain.model_config import tensor_shapes
+from llamatrain.ops.sets import ATTENTIONS
 from llamatrain.sampling import SamplingParams
 
 SMALL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)

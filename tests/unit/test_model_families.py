@@ -17,7 +17,8 @@ from torch.autograd import gradcheck
 
 from llamatrain.config import load_config
 from llamatrain.errors import ConfigError
-from llamatrain.model import ARCHS, FAMILIES, Llama, ModelConfig, tensor_shapes
+from llamatrain.model import Llama, ModelConfig
+from llamatrain.model_config import ARCHS, FAMILIES, tensor_shapes
 from llamatrain.ops import rope
 from llamatrain.ops.sets import op_set, torch_rope
 

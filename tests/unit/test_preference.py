@@ -35,7 +35,8 @@ from llamatrain.data.preferences import (
 from llamatrain.errors import ConfigError, DataError
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.lora import adapters_disabled, apply_lora
-from llamatrain.model import IGNORE_INDEX, Llama, ModelConfig
+from llamatrain.model import Llama, ModelConfig
+from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.preference import (
     PreferenceObjective,
     dpo_losses,

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from llamatrain.config import load_config
 from llamatrain.evaluate import validation_metrics
-from llamatrain.model import IGNORE_INDEX, Llama
+from llamatrain.model import Llama
+from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.trainer import Trainer
 
 VOCAB, N_SEQ, N_CTX = 64, 8, 32

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from llamatrain.config.fields import config_keys
 from llamatrain.gguf.adapter import ALL_TARGETS
 from llamatrain.gguf.export_types import ALL_EXPORT_TYPES
-from llamatrain.model import ModelConfig
+from llamatrain.model_config import ModelConfig
 from llamatrain.settings import setting
 
 __all__ = [

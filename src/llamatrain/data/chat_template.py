@@ -43,7 +43,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.utils import Namespace
 
-from llamatrain.data.template_sandbox import BUDGET, MeteredSandbox, OverBudget, charge, metered
+from llamatrain.data.template_budget import BUDGET, OverBudget, charge, metered
+from llamatrain.data.template_sandbox import MeteredSandbox
 from llamatrain.errors import ConfigError, DataError
 
 __all__ = [

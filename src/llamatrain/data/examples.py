@@ -41,7 +41,7 @@ from llamatrain.data.jsonl import (
 )
 from llamatrain.data.windows import Batch
 from llamatrain.errors import ConfigError, DataError
-from llamatrain.model import IGNORE_INDEX
+from llamatrain.ops.sets import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from llamatrain.tokenizer import Tokenizer

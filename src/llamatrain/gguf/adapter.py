@@ -44,7 +44,7 @@ from llamatrain.gguf.file import (
     write_gguf,
 )
 from llamatrain.gguf.llama import CHECKPOINT_TENSOR_PREFIXES
-from llamatrain.model import PROJECTIONS
+from llamatrain.model_config import PROJECTIONS
 
 __all__ = [
     "ALL_TARGETS",

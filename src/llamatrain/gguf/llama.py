@@ -1,7 +1,7 @@
 """The llama mapping of GGUF: which keys and tensors make a file llama.cpp runs as a llama.
 
 llama.cpp expects ``general.architecture`` (``"llama"``, or another family of
-``llamatrain.model.FAMILIES``: ``"qwen2"``, ``"qwen3"``, ``"smollm3"``, ``"gemma3"``), the
+``llamatrain.model_config.FAMILIES``: ``"qwen2"``, ``"qwen3"``, ``"smollm3"``, ``"gemma3"``), the
 hyper-parameter keys under that name (``llama.block_count``, ``qwen3.block_count``, …), the
 ``tokenizer.ggml.*`` keys and *exactly* the model's tensors (an extra tensor makes it refuse
 the file). An exported model, a training checkpoint (the model plus ``training.*`` keys and
@@ -38,7 +38,7 @@ from llamatrain.gguf.file import (
     write_gguf,
 )
 from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
-from llamatrain.model import ARCHS, FAMILIES, ModelConfig, tensor_shapes
+from llamatrain.model_config import ARCHS, FAMILIES, ModelConfig, tensor_shapes
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = [

@@ -32,7 +32,7 @@ from llamatrain.files import check_target, is_gguf, replace_durably, temporary_p
 from llamatrain.gguf.export_types import EXPORT_TYPES, QUANTIZER_TYPES
 from llamatrain.gguf.file import GGUF_KIND
 from llamatrain.gguf.llama import write_model
-from llamatrain.model import ModelConfig
+from llamatrain.model_config import ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = ["INSTALL_QUANTIZER", "require_quantizer", "write_quantized_model"]

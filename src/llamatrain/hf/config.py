@@ -25,7 +25,7 @@ from typing import Any
 
 from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.hf.rope import rope_scaling_of, rope_theta_of
-from llamatrain.model import ModelConfig
+from llamatrain.model_config import ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = [

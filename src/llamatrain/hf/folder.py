@@ -38,7 +38,7 @@ from llamatrain.hf.tokenizer_files import (
     write_tokenizer_files,
 )
 from llamatrain.hf.weights import SINGLE_FILE, hf_state_dict, read_hf_weights, weight_files
-from llamatrain.model import ModelConfig
+from llamatrain.model_config import ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = ["CONFIG_FILE", "read_hf_folder", "write_hf_folder"]

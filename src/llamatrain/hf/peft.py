@@ -32,7 +32,7 @@ from llamatrain.errors import CheckpointError
 from llamatrain.files import staged_folder
 from llamatrain.gguf.adapter import adapter_rank, adapter_tensors, check_alpha
 from llamatrain.hf.weights import _rope_heads, hf_tensor_name, to_rotate_half
-from llamatrain.model import ModelConfig
+from llamatrain.model_config import ModelConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "write_peft_adapter"]
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from llamatrain.errors import CheckpointError
-from llamatrain.model import ModelConfig
+from llamatrain.model_config import ModelConfig
 
 __all__ = [
     "hf_rope_scaling",

@@ -1,8 +1,9 @@
 """The tokenizer side of an HF folder: ``tokenizer.json`` and ``tokenizer_config.json``.
 
-``tokenizer.json`` itself is read and written by ``llamatrain.tokenizer.hf_json``, which also
-sizes the vocabulary as llama.cpp's converter does (ids up to config.json's ``vocab_size``
-that the tokenizer leaves unused become ``[PAD<id>]`` tokens). What belongs to the folder is
+``tokenizer.json`` itself is read by ``llamatrain.tokenizer.hf_json``, which also sizes the
+vocabulary as llama.cpp's converter does (ids up to config.json's ``vocab_size`` that the
+tokenizer leaves unused become ``[PAD<id>]`` tokens), and written by
+``llamatrain.tokenizer.hf_json_write``. What belongs to the folder is
 handled here: a tokenizer larger than the embedding is refused (llama.cpp's converter refuses
 it too), the chat template is found, and ``tokenizer_config.json`` — the special tokens
 ``tokenizer.json`` does not name — is written beside it on export.
@@ -19,7 +20,8 @@ from llamatrain.gguf.vocab import tokenizer_metadata
 from llamatrain.hf.config import read_json_object
 from llamatrain.hf.inside import file_in_folder
 from llamatrain.tokenizer import Tokenizer
-from llamatrain.tokenizer.hf_json import read_hf_tokenizer, write_hf_tokenizer
+from llamatrain.tokenizer.hf_json import read_hf_tokenizer
+from llamatrain.tokenizer.hf_json_write import write_hf_tokenizer
 
 __all__ = [
     "TOKENIZER_CONFIG",

@@ -39,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 
 from llamatrain.errors import CheckpointError
 from llamatrain.hf.inside import file_in_folder
-from llamatrain.model import ModelConfig, tensor_shapes
+from llamatrain.model_config import ModelConfig, tensor_shapes
 
 __all__ = [
     "INDEX_FILE",

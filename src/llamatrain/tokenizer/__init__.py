@@ -23,7 +23,8 @@ from llamatrain.tokenizer.base import (
 )
 from llamatrain.tokenizer.bpe import BpeTokenizer
 from llamatrain.tokenizer.bpe_train import train_byte_bpe
-from llamatrain.tokenizer.hf_json import read_hf_tokenizer, write_hf_tokenizer
+from llamatrain.tokenizer.hf_json import read_hf_tokenizer
+from llamatrain.tokenizer.hf_json_write import write_hf_tokenizer
 from llamatrain.tokenizer.pretokenizers import PRE_TOKENIZERS
 from llamatrain.tokenizer.sentencepiece_load import load_sentencepiece, spm_from_model_proto
 from llamatrain.tokenizer.sentencepiece_train import train_spm

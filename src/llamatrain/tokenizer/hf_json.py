@@ -19,8 +19,8 @@ What llama.cpp ignores is ignored here too: the normalizer (Qwen2's NFC, say), B
 ``add_prefix_space``, and the per-token ``lstrip``/``rstrip`` flags (llama.cpp gives those by
 model name; see :func:`~llamatrain.tokenizer.special.rstrip_ids`).
 
-:func:`write_hf_tokenizer` goes the other way for a byte-level BPE vocabulary, so that a model
-exported for transformers ships a ``tokenizer.json`` that encodes as llama.cpp does.
+Every value the files give is checked before anything is built (``hf_json_checks``);
+:func:`~llamatrain.tokenizer.hf_json_write.write_hf_tokenizer` goes the other way.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import TokenizerError
-from llamatrain.files import write_text_atomically
 from llamatrain.tokenizer.base import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
@@ -45,6 +44,7 @@ from llamatrain.tokenizer.base import (
     Tokenizer,
 )
 from llamatrain.tokenizer.bpe import BYTE_TO_CHAR, BpeTokenizer
+from llamatrain.tokenizer.hf_json_checks import SPECIAL_TYPES, check_files
 from llamatrain.tokenizer.pretokenizers import (
     HF_BYTE_LEVEL,
     HF_PRE_TOKENIZERS,
@@ -53,20 +53,14 @@ from llamatrain.tokenizer.pretokenizers import (
 )
 from llamatrain.tokenizer.spm import SPACE, SpmTokenizer
 
-__all__ = ["read_hf_tokenizer", "tokenizer_from_hf", "write_hf_tokenizer"]
+__all__ = ["TOKENIZER_JSON", "read_hf_tokenizer", "tokenizer_from_hf"]
 
 TOKENIZER_JSON = "tokenizer.json"
 MAX_JSON_BYTES = 128 << 20
 """Largest tokenizer.json / tokenizer_config.json / config.json read (4x Gemma 3's 33 MB
 tokenizer.json, the largest of the common models): parsing costs ~10x the file in memory, so a
 larger file is refused before it is read."""
-UNUSED_ID_SLACK = 65_536
-"""How far a vocabulary may outgrow the tokens the files define (ids nobody uses become
-``[PAD<id>]`` tokens, as config.json's vocab_size pads the embedding to a round number):
-2x the tokens defined, plus this. Real models pad by a few thousand at most; a claim of 10^8
-ids in a small file is refused before anything is allocated."""
 _BPE_DEFAULT_SPECIAL = 11  # llama.cpp's BOS/EOS id for a gpt2 vocabulary whose file names none
-_SPECIAL_TYPES = ("bos", "eos", "unk", "pad")
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -103,7 +97,7 @@ def tokenizer_from_hf(
     ``config``: tokenizer_config.json, ``model_config``: config.json); ``source`` names them
     in errors."""
     config, model_config = config or {}, model_config or {}
-    _check_files(doc, config, model_config, source)
+    check_files(doc, config, model_config, source)
     model = doc.get("model") or {}
     if model.get("type") != "BPE":
         raise TokenizerError(
@@ -158,135 +152,6 @@ def _read_json(file: Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise TokenizerError(f"{file} holds no JSON object; re-download it")
     return doc
-
-
-# ------------------------------------------------------------------ checking what the files say
-
-
-_KIND_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
-
-
-def _shown(value: Any) -> str:
-    """A value for an error message: short, on one line."""
-    text = json.dumps(value, ensure_ascii=True, default=str) if value is not ... else "absent"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _typed(value: Any, kind: type, field: str, source: str) -> Any:
-    """``value`` when it is a JSON ``kind`` (an integer is never a bool), else a TokenizerError
-    naming ``field``."""
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TokenizerError(
-            f"{source}: {field} must be {_KIND_NAMES[kind]}, got {_shown(value)}; the file is "
-            "damaged or not a tokenizer file — re-download it"
-        )
-    return value
-
-
-def _optional(container: Mapping[str, Any], key: str, kind: type, field: str, source: str) -> Any:
-    """``container[key]`` checked to be a ``kind``, or None when absent or null."""
-    value = container.get(key)
-    return None if value is None else _typed(value, kind, field, source)
-
-
-def _text(value: Any, field: str, source: str) -> str:
-    """A string that is UTF-8 text (JSON can spell a lone surrogate, which no file can hold)."""
-    _typed(value, str, field, source)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise TokenizerError(
-            f"{source}: {field} {_shown(value)} holds a lone surrogate, which is not text; the "
-            "file is damaged — re-download it"
-        ) from None
-    return value
-
-
-def _token_id(value: Any, field: str, source: str) -> int:
-    _typed(value, int, field, source)
-    if value < 0:
-        raise TokenizerError(f"{source}: {field} is {value}, a negative token id; re-download it")
-    return value
-
-
-def _check_files(
-    doc: Mapping[str, Any],
-    config: Mapping[str, Any],
-    model_config: Mapping[str, Any],
-    source: str,
-) -> None:
-    """Every value the reader uses has the JSON type it must have, every id is in range, and the
-    vocabulary the files claim is one they can define: checked before anything is built, so a
-    damaged or crafted file is one line naming the field, never a traceback or an allocation
-    of what it claims."""
-    _typed(doc, dict, "the file", source)
-    _typed(config, dict, "tokenizer_config.json", source)
-    _typed(model_config, dict, "config.json", source)
-    model = _typed(doc.get("model") or {}, dict, "model", source)
-    vocab = _optional(model, "vocab", dict, "model.vocab", source) or {}
-    largest = -1
-    for token, i in vocab.items():
-        _text(token, "a model.vocab token", source)
-        largest = max(largest, _token_id(i, f"model.vocab[{_shown(token)}]", source))
-    for n, merge in enumerate(_optional(model, "merges", list, "model.merges", source) or []):
-        parts = merge if isinstance(merge, list) else [merge]
-        for part in parts:
-            _text(part, f"model.merges[{n}]", source)
-    _optional(model, "unk_token", str, "model.unk_token", source)
-    added = _optional(doc, "added_tokens", list, "added_tokens", source) or []
-    for n, token in enumerate(added):
-        _typed(token, dict, f"added_tokens[{n}]", source)
-        largest = max(largest, _token_id(token.get("id", ...), f"added_tokens[{n}].id", source))
-        _text(token.get("content", ...), f"added_tokens[{n}].content", source)
-    for key in ("normalizer", "pre_tokenizer", "post_processor"):
-        _check_component(doc, key, source)
-    for typ in _SPECIAL_TYPES:
-        entry = config.get(f"{typ}_token")
-        if isinstance(entry, dict):
-            entry = entry.get("content")
-        if entry is not None:
-            _text(entry, f"tokenizer_config.json {typ}_token", source)
-        special_id = model_config.get(f"{typ}_token_id")
-        if isinstance(special_id, int) and not isinstance(special_id, bool):
-            _token_id(special_id, f"config.json {typ}_token_id", source)
-    claimed = _optional(model_config, "vocab_size", int, "config.json vocab_size", source) or 0
-    defined = len(vocab) + len(added)
-    most = 2 * defined + UNUSED_ID_SLACK
-    for field, value in (("config.json vocab_size", claimed), ("the largest token id", largest)):
-        if value >= most:
-            raise TokenizerError(
-                f"{source}: {field} is {value:,}, but the files define only {defined:,} tokens; "
-                f"a vocabulary of more than {most - 1:,} ids cannot be built from them — the "
-                "files are damaged or do not belong together"
-            )
-
-
-def _check_component(doc: Mapping[str, Any], key: str, source: str) -> None:
-    """A normalizer / pre-tokenizer / post-processor: an object whose parts (a Sequence's
-    list, a template's items) are objects, with the nested objects the reader looks into."""
-    component = _optional(doc, key, dict, key, source)
-    if component is None:
-        return
-    parts_key = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers"}.get(
-        key, "processors"
-    )
-    parts = _optional(component, parts_key, list, f"{key}.{parts_key}", source)
-    for n, part in enumerate([component] if parts is None else parts):
-        field = key if parts is None else f"{key}.{parts_key}[{n}]"
-        _typed(part, dict, field, source)
-        pattern = _optional(part, "pattern", dict, f"{field}.pattern", source) or {}
-        for name in ("Regex", "String"):
-            if name in pattern:
-                _text(pattern[name], f"{field}.pattern.{name}", source)
-        for name in ("content", "prepend", "replacement"):
-            if part.get(name) is not None:
-                _text(part[name], f"{field}.{name}", source)
-        for n_item, item in enumerate(_optional(part, "single", list, f"{field}.single", source)
-                                      or []):  # fmt: skip
-            _typed(item, dict, f"{field}.single[{n_item}]", source)
-            special = _optional(item, "SpecialToken", dict, f"{field}.single[{n_item}]", source)
-            if special is not None and special.get("id") is not None:
-                _text(special["id"], f"{field}.single[{n_item}].SpecialToken.id", source)
 
 
 def _read_optional_json(file: Path) -> dict[str, Any]:
@@ -362,7 +227,7 @@ def _special_ids(
     """bos/eos/unk/pad ids as gguf's SpecialVocab finds them: the tokenizer config's token text
     looked up among the added tokens, else ``config.json``'s ``<type>_token_id``."""
     ids: dict[str, int] = {}
-    for typ in _SPECIAL_TYPES:
+    for typ in SPECIAL_TYPES:
         entry = config.get(f"{typ}_token")
         text = entry.get("content") if isinstance(entry, dict) else entry
         found = next((t["id"] for t in _added(doc) if text and t["content"] == text), None)
@@ -561,138 +426,3 @@ def _scores_from_merge_order(
         else:
             scores.append(-float(rank_of.get(token, len(merges) + i)))
     return scores
-
-
-# ------------------------------------------------------------------------------- writing
-
-
-def write_hf_tokenizer(tokenizer: BpeTokenizer, path: str | os.PathLike[str]) -> Path:
-    """Write ``tokenizer`` as an HF ``tokenizer.json`` (atomically); returns its path.
-
-    ``path`` is the file or a folder (then ``folder/tokenizer.json``). Control and unknown
-    tokens become special added tokens, user-defined ones plain added tokens, the
-    pre-tokenizer the tokenizer.json form of its regexes, and add_bos/add_eos a template
-    post-processor. HF ``tokenizers`` loads the file and encodes as llama.cpp does (special
-    tokens parsed). The BOS/EOS/UNK/PAD names belong in ``tokenizer_config.json``, which this
-    does not write; :func:`read_hf_tokenizer` needs it to give the same ids back.
-    """
-    if not isinstance(tokenizer, BpeTokenizer):
-        raise TokenizerError(
-            f"cannot write a {type(tokenizer).__name__} as tokenizer.json; llamatrain writes "
-            "byte-level BPE vocabularies only"
-        )
-    splits = tokenizer.pre_tokenizer.hf_splits
-    if splits is None:
-        raise TokenizerError(
-            f"the pre-tokenizer {tokenizer.pre!r} has no tokenizer.json form; llamatrain "
-            f"writes those of: {', '.join(HF_PRE_TOKENIZERS)}"
-        )
-    target = Path(path)
-    target = target / TOKENIZER_JSON if target.is_dir() else target
-    text = json.dumps(_tokenizer_json(tokenizer, splits), ensure_ascii=False)
-    write_text_atomically(target, text, "tokenizer.json")
-    return target
-
-
-def _tokenizer_json(tokenizer: BpeTokenizer, splits: tuple[str, ...]) -> dict[str, Any]:
-    tokens, types = tokenizer.tokens, tokenizer.token_types
-    added = [i for i, t in enumerate(types) if t != TOKEN_TYPE_NORMAL and t != TOKEN_TYPE_UNUSED]
-    # Added tokens are in the model's vocabulary too: HF renumbers those that are not.
-    vocab = {
-        token: i
-        for i, token in enumerate(tokens)
-        if not (types[i] == TOKEN_TYPE_UNUSED and token == f"[PAD{i}]")
-    }
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            _added_token(tokens[i], types[i], i in tokenizer.rstrip_ids, i) for i in added
-        ],
-        "normalizer": None,
-        "pre_tokenizer": _hf_pre_tokenizer(splits),
-        "post_processor": _hf_post_processor(tokenizer),
-        "decoder": {"type": "ByteLevel", **_BYTE_LEVEL_FLAGS, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,  # every byte has a token
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": tokenizer.pre_tokenizer.ignore_merges,
-            "vocab": vocab,
-            "merges": tokenizer.merges,
-        },
-    }
-
-
-_BYTE_LEVEL_FLAGS = {"add_prefix_space": False, "trim_offsets": True}
-
-
-def _added_token(token: str, token_type: int, rstrip: bool, i: int) -> dict[str, Any]:
-    special = token_type != TOKEN_TYPE_USER_DEFINED
-    return {
-        "id": i,
-        "content": token,
-        "single_word": False,
-        "lstrip": False,
-        "rstrip": rstrip,
-        "normalized": not special,
-        "special": special,
-    }
-
-
-def _hf_pre_tokenizer(splits: tuple[str, ...]) -> dict[str, Any]:
-    """The pre-tokenizer steps that split by ``splits`` in turn, ending with (or, where one
-    of them is GPT-2's regex, holding) the ByteLevel step that maps bytes to characters."""
-    steps = [_hf_step(split) for split in splits]
-    if HF_BYTE_LEVEL not in splits:
-        steps.append({"type": "ByteLevel", **_BYTE_LEVEL_FLAGS, "use_regex": False})
-    return steps[0] if len(steps) == 1 else {"type": "Sequence", "pretokenizers": steps}
-
-
-def _hf_step(split: str) -> dict[str, Any]:
-    if split == HF_BYTE_LEVEL:
-        return {"type": "ByteLevel", **_BYTE_LEVEL_FLAGS, "use_regex": True}
-    if split in (r"\p{N}", r"\p{N}+"):
-        return {"type": "Digits", "individual_digits": split == r"\p{N}"}
-    if split == HF_PUNCTUATION:
-        return {"type": "Punctuation", "behavior": "Contiguous"}
-    return {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False}
-
-
-def _hf_post_processor(tokenizer: BpeTokenizer) -> dict[str, Any] | None:
-    """A template that puts BOS/EOS around the text as llama.cpp's ``add_special`` does."""
-    if not (tokenizer.add_bos or tokenizer.add_eos):
-        return None
-    bos = [tokenizer.bos_id] if tokenizer.add_bos else []
-    eos = [tokenizer.eos_id] if tokenizer.add_eos else []
-
-    def special(ids: list[int], type_id: int = 0) -> list[dict[str, Any]]:
-        return [{"SpecialToken": {"id": tokenizer.tokens[i], "type_id": type_id}} for i in ids]
-
-    sequence = {"Sequence": {"id": "A", "type_id": 0}}
-    second = {"Sequence": {"id": "B", "type_id": 1}}
-    return {
-        "type": "TemplateProcessing",
-        "single": [*special(bos), sequence, *special(eos)],
-        "pair": [
-            *special(bos),
-            sequence,
-            *special(eos),
-            *special(bos, 1),
-            second,
-            *special(eos, 1),
-        ],
-        "special_tokens": {
-            tokenizer.tokens[i]: {
-                "id": tokenizer.tokens[i],
-                "ids": [i],
-                "tokens": [tokenizer.tokens[i]],
-            }
-            for i in {*bos, *eos}
-        },
-    }
