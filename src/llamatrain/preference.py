@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llamatrain.data.cache import read_description
 from llamatrain.data.examples import ExampleRows
 from llamatrain.errors import TrainingError
 from llamatrain.files import write_text_atomically, written_atomically
@@ -544,12 +545,9 @@ def _read_table(
     val: ExampleRows | None,
 ) -> tuple[str | None, ReferenceTable | None]:
     """(what is wrong with an entry, or None; its table when nothing is)."""
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return "has an unreadable description", None
-    if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in expected.items()):
-        return "is described for other settings than this run's", None
+    problem, meta = read_description(meta_path, expected)
+    if problem:
+        return problem, None
     data = bin_path.read_bytes()
     shapes = [expected["train_shape"]] + ([] if val is None else [expected["val_shape"]])
     sizes = [int(np.prod(shape)) for shape in shapes]

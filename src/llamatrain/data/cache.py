@@ -45,6 +45,7 @@ __all__ = [
     "PROGRESS_MIN_BYTES",
     "chunk_text",
     "load_tokens",
+    "read_description",
     "token_dtype",
 ]
 
@@ -179,12 +180,9 @@ def _checked_stream(
     bin_path: Path, meta_path: Path, expected: dict[str, Any], vocab_size: int
 ) -> tuple[str | None, np.ndarray | None]:
     """(what is wrong with a cache entry or None, its stream when nothing is)."""
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return "has an unreadable description", None
-    if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in expected.items()):
-        return "is described for other settings than this run's", None
+    problem, meta = read_description(meta_path, expected)
+    if problem:
+        return problem, None
     n_tokens = meta.get("n_tokens")
     dtype = np.dtype(expected["dtype"])
     if type(n_tokens) is not int or bin_path.stat().st_size != n_tokens * dtype.itemsize:
@@ -200,6 +198,19 @@ def _checked_stream(
     if top >= vocab_size:
         return f"holds id {top}, outside the {vocab_size}-token vocabulary", None
     return None, stream
+
+
+def read_description(meta_path: Path, expected: dict[str, Any]) -> tuple[str | None, dict]:
+    """A cache entry's JSON description, when it is readable and says exactly ``expected``
+    (what this run would write); else what is wrong with it. Every cache of derived data (the
+    token streams, a preference run's reference log-probs) starts its checks here."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return "has an unreadable description", {}
+    if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in expected.items()):
+        return "is described for other settings than this run's", {}
+    return None, meta
 
 
 def _scan(stream: np.ndarray, chunk: int = 1 << 24) -> tuple[str, int]:
