@@ -39,6 +39,10 @@ class RunInUseError(LlamatrainError):
     """Another process is training into the same run folder."""
 
 
+class ModelError(LlamatrainError):
+    """A model cannot be used as it is: its weights hold NaN or infinite values."""
+
+
 class OutputError(LlamatrainError):
     """An output path is not llamatrain's to write: a link, a pipe, a device, a folder, a file
     of another kind, or a run folder that holds a run."""

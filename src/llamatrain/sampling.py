@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llamatrain.errors import ConfigError
+from llamatrain.errors import ConfigError, ModelError
 
 
 class SamplingError(ConfigError):
@@ -123,6 +123,11 @@ def sample_next(
     other step, so greedy decoding and every filter see the restricted vocabulary.
     """
     logits = logits.float()
+    if bool(torch.isnan(logits).any()):  # multinomial would fail with a traceback
+        raise ModelError(
+            "the model's next-token logits are NaN: its weights hold NaN or infinite values "
+            "(llamatrain info --verify FILE names them); use an earlier checkpoint"
+        )
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if recent is not None and params.repeat_penalty != 1.0:

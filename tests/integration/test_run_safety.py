@@ -208,6 +208,13 @@ def test_info_escapes_what_a_file_supplies_and_verify_names_nan_weights(quick_ru
     assert done.returncode == 1
     assert "output_norm.weight holds NaN or infinite values" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+    done = subprocess.run(
+        [sys.executable, "-m", "llamatrain", "generate", str(model), "--prompt", "From",
+         "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and "logits are NaN" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 # ---- 2. writes only where owned ------------------------------------------------------------

@@ -104,3 +104,14 @@ def test_allowed_tokens_are_the_only_ones_ever_drawn(temperature):
     assert set(drawn.tolist()) <= {3, 7, 11, 40}
     if temperature > 0:
         assert set(drawn.tolist()) == {3, 7, 11, 40}  # every allowed token still has its chance
+
+
+def test_nan_logits_are_one_model_error_not_a_traceback():
+    """A model whose weights hold NaN samples NaN logits: one line naming the cause and the
+    fix, before torch.multinomial would fail on them."""
+    from llamatrain.errors import ModelError
+
+    logits = torch.tensor([[0.0, float("nan"), 1.0]])
+    for params in (SamplingParams(), SamplingParams(temperature=0)):
+        with pytest.raises(ModelError, match="NaN or infinite values.*info --verify"):
+            sample_next(logits, params)
