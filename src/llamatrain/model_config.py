@@ -23,6 +23,9 @@ from llamatrain.settings import check_rules, divisors, setting
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 """A block's linear layers, by their llama.cpp names (``blk.N.<name>.weight``): the one list
 the name map, LoRA's targets and the adapter format use."""
+UINT32_MAX = 2**32 - 1
+"""The largest count or width a GGUF holds (llama.cpp's hyper-parameter keys are uint32): a
+larger one is refused here, not at export, where it would not fit the key."""
 RUN_CHOICES = ("ops", "attention", "init_from")
 """Fields that choose how a model is built or run, not what the network computes."""
 
@@ -100,14 +103,18 @@ class ModelConfig:
         "and sandwich norms, GELU gating, sliding-window attention on 5 of 6 layers)",
         choices=ARCHS,
     )
-    dim: int = setting(256, "embedding width (llama.embedding_length)", gt=0)
-    n_layers: int = setting(4, "number of transformer blocks (llama.block_count)", gt=0)
-    n_heads: int = setting(8, "attention heads; head_dim = dim / n_heads must be even", gt=0)
+    dim: int = setting(256, "embedding width (llama.embedding_length)", gt=0, le=UINT32_MAX)
+    n_layers: int = setting(
+        4, "number of transformer blocks (llama.block_count)", gt=0, le=UINT32_MAX
+    )
+    n_heads: int = setting(
+        8, "attention heads; head_dim = dim / n_heads must be even", gt=0, le=UINT32_MAX
+    )
     n_kv_heads: int | None = setting(
-        None, "key/value heads for grouped-query attention; unset = n_heads", gt=0
+        None, "key/value heads for grouped-query attention; unset = n_heads", gt=0, le=UINT32_MAX
     )
     ffn_dim: int | None = setting(
-        None, "feed-forward width; unset = 2/3·4·dim rounded up to multiple_of", gt=0
+        None, "feed-forward width; unset = 2/3·4·dim rounded up to multiple_of", gt=0, le=UINT32_MAX
     )
     multiple_of: int = setting(32, "rounding of the default ffn_dim", gt=0)
     norm_eps: float = setting(
@@ -127,6 +134,7 @@ class ModelConfig:
         "gemma3: the sliding layers' attention window, keys i-w < j <= i "
         "(gemma3.attention.sliding_window); unset = 4096",
         gt=0,
+        le=UINT32_MAX,
     )
     rope_theta_swa: float | None = setting(
         None,
@@ -139,7 +147,10 @@ class ModelConfig:
         gt=0,
     )
     key_length: int | None = setting(
-        None, "attention head width (llama.attention.key_length); unset = dim / n_heads", gt=0
+        None,
+        "attention head width (llama.attention.key_length); unset = dim / n_heads",
+        gt=0,
+        le=UINT32_MAX,
     )
     attention_bias: bool = setting(False, "q/k/v/output projections carry bias vectors")
     mlp_bias: bool = setting(False, "gate/up/down projections carry bias vectors")
@@ -163,9 +174,15 @@ class ModelConfig:
         "model to finetune from: a llama GGUF or an HF folder (config.json + safetensors); its "
         "architecture then overrides this section",
     )
-    vocab_size: int | None = setting(None, "vocabulary size: the tokenizer's", gt=0, derived=True)
+    vocab_size: int | None = setting(
+        None, "vocabulary size: the tokenizer's", gt=0, le=UINT32_MAX, derived=True
+    )
     max_seq_len: int | None = setting(
-        None, "trained context length (llama.context_length): data.n_ctx", gt=0, derived=True
+        None,
+        "trained context length (llama.context_length): data.n_ctx",
+        gt=0,
+        le=UINT32_MAX,
+        derived=True,
     )
 
     def __post_init__(self) -> None:

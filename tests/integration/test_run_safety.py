@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -312,3 +313,22 @@ def test_checkpoints_are_pruned_by_their_step_number(tmp_path):
         manager.path_for(step).write_bytes(b"GGUF")
     manager._prune(30)  # resumed from 20, now at 30: 40 and the 10M ones are abandoned
     assert sorted(manager.numbered()) == [20, 30]
+
+
+def test_a_context_no_gguf_key_can_hold_is_one_line_at_export(quick_run, tmp_path):
+    """A file claiming a 2^62-token context (stored as UINT64, without our config record):
+    refused in one line when read, before an export would fail to write it back."""
+    model = tmp_path / "model.gguf"
+    assert export_cli(str(quick_run.run_dir), "-o", str(model)).returncode == 0
+    contents = read_gguf(model)
+    metadata = {k: typed_value(contents, k) for k in contents.metadata}
+    arch = metadata.pop("general.architecture")
+    metadata.pop("llamatrain.model_config")
+    metadata["llama.context_length"] = np.uint64(2**62)
+    tensors = {name: (t, "f32") for name, t in contents.tensors.items()}
+    model.unlink()
+    write_gguf(model, arch, metadata, tensors)
+    done = export_cli(str(model), "-o", str(tmp_path / "out.gguf"))
+    assert done.returncode == 1 and "max_seq_len must be <= 4294967295" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.gguf").exists()
