@@ -12,7 +12,8 @@ Each step lives in its own module:
   (:mod:`~llamatrain.data.jsonl`; Alpaca and ShareGPT rows mapped by
   :mod:`~llamatrain.data.layouts`), renders conversations with a chat template
   (:mod:`~llamatrain.data.chat_template`) and lays the tokens into rows whose targets score
-  only what is trained (:mod:`~llamatrain.data.examples`); the same sampler draws them.
+  only what is trained (:mod:`~llamatrain.data.examples`, encoded once into the cache of
+  :mod:`~llamatrain.data.example_cache`); the same sampler draws them.
 - A preference objective (``train.objective`` other than ``"sft"``) reads JSONL pairs of a
   chosen and a rejected reply (:mod:`~llamatrain.data.preferences`), laid whole into rows.
 
@@ -32,12 +33,12 @@ import torch
 
 from llamatrain.data.cache import load_tokens
 from llamatrain.data.chat_template import ChatTemplate
+from llamatrain.data.example_cache import load_examples
 from llamatrain.data.examples import (
     ExampleRows,
     LineEncoder,
     pack_rows,
     pad_rows,
-    read_examples,
     resolve_chat_template,
     split_examples,
     truncate,
@@ -179,7 +180,9 @@ def _jsonl_data(
     template = resolve_chat_template(d.chat_template, model_template, tokenizer)
     bad = BadLines(d.on_bad_line)
     encoder = LineEncoder(tokenizer, template, train_on=d.train_on)
-    examples = read_examples(paths, encoder, bad, format=d.format, layout=d.layout)
+    examples = load_examples(
+        paths, encoder, bad, d.cache_dir, format=d.format, layout=d.layout
+    )  # cached, before truncation: n_ctx is not part of the key
     span = d.n_ctx + 1
     examples, cut, emptied = truncate(examples, span)
     notes = bad.summaries() + _truncation_notes(cut, emptied, span)

@@ -15,8 +15,9 @@ Rows are ``n_ctx + 1`` tokens (inputs ``row[:-1]``, targets ``row[1:]``, -100 wh
 scored). Packed, several whole examples share a row, in order, each its own document (its
 attention and rope positions start afresh, see ``Llama.forward(documents=...)``); unpacked,
 each example has a row of its own. Either way the rest of a row is padding, never scored. An
-example longer than a row is cut to it. Chats tokenize quickly, so nothing is cached: the files
-are re-read and re-tokenized at every start (and a resume checks the row count is unchanged).
+example longer than a row is cut to it. The encoded examples are cached before that cut
+(:mod:`~llamatrain.data.example_cache`), so a restart reads them back instead of re-tokenizing
+(and a resume checks the row count is unchanged).
 """
 
 from __future__ import annotations

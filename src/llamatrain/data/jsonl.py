@@ -205,6 +205,17 @@ class BadLines:
         tally.skipped += 1
         tally.first = tally.first or f"line {number}: {problem}"
 
+    def tallies(self, paths: list[Path]) -> list[list[Any]]:
+        """``[lines, skipped, first]`` for each of ``paths``, in order: what a cache keeps to
+        report the same skipped lines again (:meth:`restore`)."""
+        found = [self._files.get(p, _FileTally()) for p in paths]
+        return [[t.lines, t.skipped, t.first] for t in found]
+
+    def restore(self, paths: list[Path], tallies: list[list[Any]]) -> None:
+        """Count what :meth:`tallies` gave, as if ``paths`` had been read again."""
+        for path, (lines, skipped, first) in zip(paths, tallies, strict=True):
+            self._files[path] = _FileTally(lines, skipped, first)
+
     def summaries(self) -> list[str]:
         """One line per file with skipped lines, e.g. "skipped 2 of 120 lines of chats.jsonl
         (first: line 7: invalid JSON …)"."""
