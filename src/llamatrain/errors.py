@@ -7,6 +7,16 @@ it); anything else is a bug and keeps its traceback.
 """
 
 
+def shown(text: str, limit: int | None = 80) -> str:
+    """Text a file or a flag supplied (a key, a tensor name, a value), as a message or report
+    shows it: every character that is not printable escaped as Python writes it (``\\n``,
+    ``\\x1b``, ``\\ud800``), so it can neither break a one-line message nor forge lines of a
+    report; cut to ``limit`` characters, marked ``...`` (a name may be 100 kB; None: whole)."""
+    head = text if limit is None else text[: limit + 1]
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in head)
+    return out if limit is None or len(out) <= limit else out[: limit - 3] + "..."
+
+
 class LlamatrainError(Exception):
     """Base class: a problem the user can act on."""
 

@@ -10,6 +10,7 @@ exactly what :func:`encode_state` writes is refused.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,13 +99,6 @@ def _tensor(node: dict, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise StateFormatError(f"tensor {name}'s shape {str(shape)[:60]} is not a list of sizes")
     if stored.dim() != 1 or stored.dtype != _AS_STORED.get(dtype, dtype):
         raise StateFormatError(f"tensor {name} is stored as {stored.dtype}, not as {dtype}")
-    if stored.numel() != _numel(shape):
+    if stored.numel() != math.prod(shape):
         raise StateFormatError(f"tensor {name} holds {stored.numel()} values, not shape {shape}")
     return stored.view(dtype).reshape(shape).clone()
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n

@@ -23,13 +23,12 @@ from llamatrain.config.fields import (
     check_type,
     config_keys,
     convert,
-    one_line,
     type_hints,
     union_args,
 )
 from llamatrain.config.sections import SECTIONS, Config
 from llamatrain.config.validate import validate
-from llamatrain.errors import ConfigError
+from llamatrain.errors import ConfigError, shown
 from llamatrain.settings import show
 
 __all__ = [
@@ -45,7 +44,7 @@ __all__ = [
 
 
 def unknown_key(section: str, name: str, where: str) -> ConfigError:
-    name = one_line(name)  # a file's key: shown escaped, never as lines of its own
+    name = shown(name)  # a file's key: shown escaped, never as lines of its own
     derived = {f.name: f for f in dataclasses.fields(SECTIONS[section])}.get(name)
     if derived is not None:
         return ConfigError(
@@ -68,7 +67,7 @@ def unknown_key(section: str, name: str, where: str) -> ConfigError:
 
 
 def unknown_section(name: str, where: str) -> ConfigError:
-    name = one_line(name)
+    name = shown(name)
     close = difflib.get_close_matches(name, list(SECTIONS), n=1, cutoff=0.5)
     hint = f"did you mean [{close[0]}]? " if close else ""
     for sec, cls in SECTIONS.items():
@@ -149,7 +148,7 @@ def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     """Apply ``section.key=value`` strings in order (later wins); returns ``cfg``."""
     for item in overrides:
         key, sep, raw = item.partition("=")
-        where = f"--set {one_line(item)}"
+        where = f"--set {shown(item)}"
         if not sep or not key.strip():
             raise ConfigError(
                 f"--set expects section.key=value (like optim.lr=3e-4), got {where[6:]!r}"

@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any
 
-from llamatrain.errors import ConfigError
+from llamatrain.errors import ConfigError, shown
 from llamatrain.settings import is_config_key, show
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "check_type",
     "config_keys",
     "convert",
-    "one_line",
     "type_hints",
     "union_args",
 ]
@@ -125,11 +124,4 @@ def _shown(value: Any) -> str:
         text = show(value)
     except ValueError:  # an int past Python's digit limit
         return f"an integer of {value.bit_length()} bits"
-    return one_line(text)
-
-
-def one_line(text: str, limit: int = 80) -> str:
-    """``text`` for an error message: characters that are not printable text (newlines,
-    controls, lone surrogates) escaped, cut to ``limit`` characters."""
-    text = "".join(c if c.isprintable() and _is_text(c) else ascii(c)[1:-1] for c in text[:limit])
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return shown(text)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from llamatrain.errors import shown
 from llamatrain.gguf.file import TENSOR_SHA256_KEY, GGUFContents, read_gguf
 from llamatrain.tokenizer import TOKEN_TYPE_NAMES
 
@@ -37,8 +38,8 @@ def describe_gguf(path: str | os.PathLike[str]) -> str:
     """A human-readable summary: architecture, hyper-parameters, tokenizer, tensors, counters.
 
     Only the header is read (a summary of a 7B model costs no 7B read). Every character a file
-    supplies is shown printable (:func:`_printable`): a file cannot clear the screen or forge
-    lines of the report.
+    supplies is shown printable (``llamatrain.errors.shown``): a file cannot clear the screen or
+    forge lines of the report.
     """
     contents = read_gguf(path, tensor_data=False)
     meta = contents.metadata
@@ -63,15 +64,7 @@ def describe_gguf(path: str | os.PathLike[str]) -> str:
     ]
     if contents.tensors:
         lines += _tensor_table(contents, total)
-    return "\n".join(_printable(line) for line in lines)
-
-
-def _printable(text: str) -> str:
-    """``text`` with every non-printable character (ESC, CR, newlines, BiDi controls…) escaped
-    as Python would write it (``\\x1b``)."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    return "\n".join(shown(line, None) for line in lines)
 
 
 def _kind(contents: GGUFContents) -> str:

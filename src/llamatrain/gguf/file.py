@@ -42,10 +42,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 
-from llamatrain.errors import GGUFError
+from llamatrain.errors import GGUFError, shown
 from llamatrain.files import is_gguf, written_atomically
 from llamatrain.gguf.export_types import FILE_TYPES, check_export_type
-from llamatrain.gguf.header import TensorInfo, ValueType, parse_header, shown
+from llamatrain.gguf.header import TensorInfo, ValueType, parse_header
 
 GGUF_KIND = "GGUF file"
 """How refusals name what is being written (see :func:`llamatrain.files.check_target`)."""

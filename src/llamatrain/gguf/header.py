@@ -21,10 +21,10 @@ from typing import Any, TypeAlias
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from llamatrain.errors import GGUFError
+from llamatrain.errors import GGUFError, shown
 from llamatrain.gguf.export_types import EXPORT_TYPES
 
-__all__ = ["TensorInfo", "ValueType", "parse_header", "shown"]
+__all__ = ["TensorInfo", "ValueType", "parse_header"]
 
 _V = GGUFValueType
 
@@ -50,14 +50,6 @@ _MIN_STRING_BYTES = 8  # a string's length field
 _MIN_KEY_BYTES = 8 + 4 + 1  # a key's name length, value type and the smallest value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset (a 0-d tensor)
 _PREAMBLE_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key count
-
-
-def shown(text: str, limit: int = 80) -> str:
-    """A name a file supplies (a key, a tensor name), as an error message shows it: characters
-    that are not printable escaped (``\\n``, ``\\x1b``), cut to ``limit``, so a crafted name
-    can neither break the one-line message nor bury it."""
-    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[: limit + 1])
-    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 class _Corrupt(Exception):

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llamatrain.errors import TokenizerError
+from llamatrain.errors import TokenizerError, shown
 from llamatrain.tokenizer.base import (
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
@@ -304,10 +304,9 @@ def _byte_level_bpe(
     model = doc["model"]
     pre = pre_tokenizer_for_hf(splits, bool(model.get("ignore_merges")))
     if pre is None:
-        escaped = ("".join(c if c.isprintable() else ascii(c)[1:-1] for c in s) for s in splits)
-        shown = " then ".join(s if len(s) <= 60 else s[:57] + "..." for s in escaped)
+        described = " then ".join(shown(s, 60) for s in splits)
         raise TokenizerError(
-            f"{source}: its pre-tokenizer (splits by {shown or 'nothing'}) is none llama.cpp "
+            f"{source}: its pre-tokenizer (splits by {described or 'nothing'}) is none llama.cpp "
             f"tokenizes like; llamatrain knows those of: {', '.join(HF_PRE_TOKENIZERS)}"
         )
     tokens, types = _byte_level_tokens(doc, _vocab_size(doc, model_config))
