@@ -19,11 +19,11 @@ from test_chat_template_families import CASES, source, template
 from user_errors import error_of
 
 from llamatrain.data import chat_template as ct
-from llamatrain.data import template_budget
+from llamatrain.data import template_budget, template_sandbox
 from llamatrain.data.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateFault
 from llamatrain.data.examples import LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
-from llamatrain.data.template_budget import BUDGET, metered
+from llamatrain.data.template_budget import BUDGET
 from llamatrain.errors import DataError
 
 USER = [{"role": "user", "content": "hi"}]
@@ -109,10 +109,9 @@ def test_the_budget_holds_for_segments_and_the_end_of_turn_marker_too():
 
 def test_a_render_not_metered_is_refused():
     compiled = ct._sandbox().from_string("{% for m in messages %}{{ m.content }}{% endfor %}")
-    with pytest.raises(Exception, match="render only inside metered"):
+    with pytest.raises(Exception, match="render only metered"):
         compiled.render(messages=USER)
-    with metered():
-        assert compiled.render(messages=USER) == "hi"
+    assert template_sandbox.render(compiled, {"messages": USER}) == "hi"
 
 
 # ---------------------------------------------------------------------- real templates, as before
@@ -172,18 +171,17 @@ def test_builtins_render_exactly_as_without_the_budget(name):
 @pytest.fixture
 def meter_of(monkeypatch):
     """The steps and characters each render of a template used."""
-    used: list[tuple[int, int]] = []
+    meters: list[template_budget.Meter] = []
 
-    class Spied(metered):
+    class Spied(template_budget.Meter):
         __slots__ = ()
 
-        def __exit__(self, *exc):
-            meter = template_budget.METER.get()  # what is left
-            used.append((BUDGET.steps - meter.steps, BUDGET.chars - meter.chars))
-            super().__exit__(*exc)
+        def __init__(self, *args):
+            super().__init__(*args)
+            meters.append(self)
 
-    monkeypatch.setattr(ct, "metered", Spied)
-    return used
+    monkeypatch.setattr(template_sandbox, "Meter", Spied)
+    return meters
 
 
 def test_real_templates_use_a_tiny_fraction_of_the_budget_in_proportion_to_the_chat(meter_of):
@@ -199,7 +197,7 @@ def test_real_templates_use_a_tiny_fraction_of_the_budget_in_proportion_to_the_c
         meter_of.clear()
         kwargs = {"tools": TOOLS} if family.startswith("qwen") else {}
         template(family).render(long, add_generation_prompt=True, **kwargs)
-        ((steps, chars),) = meter_of
+        ((steps, chars),) = [(BUDGET.steps - m.steps, BUDGET.chars - m.chars) for m in meter_of]
         assert steps < 20 * len(long) < BUDGET.steps / 30, family
         assert chars < 8 * size < BUDGET.chars / 50, family
 

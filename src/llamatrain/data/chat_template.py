@@ -43,8 +43,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.utils import Namespace
 
-from llamatrain.data.template_budget import BUDGET, OverBudget, charge, metered
-from llamatrain.data.template_sandbox import MeteredSandbox
+from llamatrain.data.template_budget import OverBudget, charge
+from llamatrain.data.template_sandbox import MeteredSandbox, render
 from llamatrain.errors import ConfigError, DataError
 
 __all__ = [
@@ -301,14 +301,14 @@ class ChatTemplate:
         context: dict[str, Any],
         shapes: dict | None = None,
     ) -> str:
-        with metered(BUDGET, shapes):
-            return self._template.render(
-                **context,
-                messages=chat,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
+        variables = {
+            **context,
+            "messages": chat,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+        }
+        return render(self._template, variables, shapes)
 
     def _fault(self, error: Exception) -> DataError | TemplateFault:
         """The one-line error for a failed render, blaming the template when it is at fault

@@ -1,6 +1,6 @@
 """The budget of one render of a chat template, and the meter that counts it down.
 
-A render of an untrusted template runs inside :func:`metered`, which puts a fresh
+A render of an untrusted template (``template_sandbox.render``) puts a fresh
 :class:`Meter` for a :class:`RenderBudget` in a context variable. Every metered operation of
 the sandbox (``template_sandbox``, with the size checks of ``template_costs``) charges it
 steps and characters, and a render past a limit raises :class:`OverBudget` naming it. Kept
@@ -24,7 +24,6 @@ __all__ = [
     "Shapes",
     "charge",
     "current_meter",
-    "metered",
 ]
 
 
@@ -106,32 +105,15 @@ METER: ContextVar[Meter | None] = ContextVar("llamatrain_template_meter", defaul
 
 
 class _Unmetered(Exception):  # noqa: N818
-    """A metered operation outside :func:`metered`: Jinja folding constants while compiling
+    """A metered operation outside a metered render: Jinja folding constants while compiling
     (it then leaves the expression to the render), or a render that is not metered."""
 
 
 def current_meter() -> Meter:
     meter = METER.get()
     if meter is None:
-        raise _Unmetered("chat templates render only inside metered()")
+        raise _Unmetered("chat templates render only metered, by template_sandbox.render")
     return meter
-
-
-class metered:  # noqa: N801 (a context manager, used as a function)
-    """``with metered(budget, shapes):`` meters the render inside the block against
-    ``budget``. Renders of the same data may share ``shapes`` (a dict, empty at first), which
-    spares them measuring the same lists and mappings again (``tools | tojson``)."""
-
-    __slots__ = ("budget", "shapes", "token")
-
-    def __init__(self, budget: RenderBudget = BUDGET, shapes: Shapes | None = None) -> None:
-        self.budget, self.shapes = budget, shapes
-
-    def __enter__(self) -> None:
-        self.token = METER.set(Meter(self.budget, self.shapes))
-
-    def __exit__(self, *exc: object) -> None:
-        METER.reset(self.token)
 
 
 def charge(chars: int) -> None:

@@ -3,11 +3,12 @@
 Jinja's immutable sandbox keeps a template away from Python's internals, but not from time and
 memory: ``{% for i in range(100000) %}{% for j in range(100000) %}…`` runs for hours and
 ``{{ "a" * 4000000000 }}`` asks for gigabytes. Here every render is metered
-(:func:`~.template_budget.metered`), counting two things against a
+(:func:`render`), counting two things against a
 :class:`~.template_budget.RenderBudget`:
 
-- *steps*: loop iterations (a sized iterable is charged its length when the loop starts, an
-  iterator per item), calls (macros, methods, globals), filters, tests and arithmetic;
+- *steps*: loop iterations (a small loop over a sized iterable is charged its length when it
+  starts, a large one or an iterator per item), calls (macros, methods, globals), filters,
+  tests and the operators that can make more than they are given (``+``, ``*``, ``%``, ``**``);
 - *characters made*: the length of every string and list a call, filter, operator, slice, ``~``
   or output buffer makes — charged *before* the allocation wherever one step can make a lot
   (``*``, ``**``, ``%``, ``+``, ``center``/``ljust``/``zfill``/``expandtabs``/``replace``/
@@ -24,9 +25,11 @@ does by calling filters and operators on literals, is left to the metered render
 (``{{ "x"|center(10**10) }}`` would otherwise allocate while the template compiles).
 
 The metering is code around what Jinja already calls per operation (the sandbox's ``call``,
-``call_binop``, ``getitem``, the filters and tests), two rewrites of the parsed template (a
-loop's iterable and ``~`` go through a metering filter) and a bounded ``concat`` for output
-buffers, so a render of a real template costs about what it cost before. The budget and its
+``call_binop``, ``getitem``, the filters and tests), rewrites of the parsed template (a loop's
+iterable, ``+``, ``~``, comparisons and slices go through a metering filter; a loop's body is
+weighed once, when the template compiles), what ``{{ }}`` prints checked in line
+(:class:`_CodeGenerator`) and a bounded ``concat`` for output buffers. What it costs a real
+template per render is in bench/README.md (``bench/template_budget.py``). The budget and its
 meter are ``template_budget``; what each operation may make, checked before it is made, is
 ``template_costs``; this module is the environment that calls them.
 """
@@ -39,12 +42,23 @@ from types import FunctionType
 from typing import Any
 
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
+from jinja2.environment import Template
+from jinja2.exceptions import SecurityError
 from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg, generate_lorem_ipsum
 from jinja2.visitor import NodeTransformer
 
-from llamatrain.data.template_budget import METER, Meter, OverBudget, current_meter
+from llamatrain.data.template_budget import (
+    BUDGET,
+    METER,
+    Meter,
+    OverBudget,
+    RenderBudget,
+    Shapes,
+    current_meter,
+)
 from llamatrain.data.template_costs import (
     FILTER_CHECKS,
     SIZED,
@@ -59,7 +73,7 @@ from llamatrain.data.template_costs import (
     text_size,
 )
 
-__all__ = ["MeteredSandbox"]
+__all__ = ["MeteredSandbox", "render"]
 
 _BUILTIN_METHOD = type("".strip)
 
@@ -89,16 +103,28 @@ class _MeteredLoop:
         return _metered_items(self._meter, self._items)
 
 
-def _loop(value: Any) -> Any:
-    """A loop's iterable, each iteration charged a step (the time limit is checked as they
-    go, so a loop whose body is slow stops too)."""
+_CHARGED_AHEAD = 1 << 14
+"""The most work (iterations times the nodes of the loop's body) a loop may be charged for
+before it starts; a larger loop is charged as it goes, checking the clock every few
+iterations, so that a long body of operations that cost no step cannot run long unseen."""
+
+
+def _loop(value: Any, body: int = 1) -> Any:
+    """A loop's iterable (``body``: the nodes of the loop's body, counted when the template
+    is compiled), each iteration charged a step: all before the loop starts when the loop is
+    small (one call, as a real template's loop over its messages; a loop that breaks early is
+    charged in full, an upper bound), else as they happen."""
     meter = METER.get() or current_meter()
-    meter.step()
     try:
-        len(value)
-    except TypeError:
+        n = len(value)
+    except (TypeError, OverflowError):  # no length (charged per item) or a huge range
+        meter.step()
         return _metered_items(meter, iter(value))
-    return _MeteredLoop(meter, value)
+    if n * body > _CHARGED_AHEAD:
+        meter.step()
+        return _MeteredLoop(meter, value)
+    meter.step(n + 1)
+    return value
 
 
 def _sized(value: Any) -> Any:
@@ -229,8 +255,8 @@ _LOOP, _ADD, _CONCAT, _SIZED_ = (
 name in a template is an identifier)."""
 
 
-def _filtered(node: nodes.Expr, name: str) -> nodes.Filter:
-    return nodes.Filter(node, name, [], [], None, None, lineno=node.lineno)
+def _filtered(node: nodes.Expr, name: str, *args: nodes.Expr) -> nodes.Filter:
+    return nodes.Filter(node, name, list(args), [], None, None, lineno=node.lineno)
 
 
 class _Rewrite(NodeTransformer):
@@ -268,7 +294,8 @@ class _Rewrite(NodeTransformer):
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         node = self.generic_visit(node)
-        node.iter = _filtered(node.iter, _LOOP)
+        body = sum(1 + sum(1 for _ in n.find_all(nodes.Node)) for n in node.body + node.else_)
+        node.iter = _filtered(node.iter, _LOOP, nodes.Const(body, lineno=node.lineno))
         return node
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
@@ -276,12 +303,34 @@ class _Rewrite(NodeTransformer):
         return _filtered(nodes.List(node.nodes, lineno=node.lineno), _CONCAT)
 
 
+class _CodeGenerator(CodeGenerator):
+    """Jinja's code generator, with what ``{{ value }}`` prints checked in line: a string is
+    printed as it is (``str()`` of a string is that string), anything else goes through
+    :func:`_finalize`, which charges its text first. The most frequent operation of a chat
+    template costs less than it did unmetered."""
+
+    def _output_child_pre(self, node: nodes.Expr, frame: Frame, finalize: Any) -> None:
+        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
+            super()._output_child_pre(node, frame, finalize)
+        else:
+            self.write("(_llamatrain_out if type(_llamatrain_out := ")
+
+    def _output_child_post(self, node: nodes.Expr, frame: Frame, finalize: Any) -> None:
+        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
+            super()._output_child_post(node, frame, finalize)
+        else:
+            self.write(") is str else str(environment.finalize(_llamatrain_out)))")
+
+
 class MeteredSandbox(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox with every render metered (see the module docstring).
-    Templates of it render only inside :func:`metered`. Filters and tests added after it is
+    Templates of it render only by :func:`render`. Filters and tests added after it is
     made must be metered by :meth:`meter_filters`."""
 
-    intercepted_binops = frozenset({"-", "*", "/", "//", "%", "**"})  # "+": see _Rewrite
+    intercepted_binops = frozenset({"*", "%", "**"})
+    """The operators that can make more than they are given (``+``: see :class:`_Rewrite`);
+    ``-``, ``/`` and ``//`` make at most one bit more than their operands."""
+    code_generator_class = _CodeGenerator
 
     def __init__(self, **options: Any) -> None:
         super().__init__(finalize=_finalize, **options)
@@ -310,7 +359,10 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
         """The output of a render, a macro, a block ``set`` or ``filter``: its length charged
         before it is joined."""
         pieces = parts if type(parts) is list else list(parts)
-        current_meter().make(sum(map(len, pieces)))
+        meter = METER.get() or current_meter()
+        meter.chars -= sum(map(len, pieces))
+        if meter.chars < 0:
+            raise OverBudget(meter.budget, "chars")
         return "".join(pieces)
 
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
@@ -342,7 +394,9 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
         try:
             if meter.depth < 0:
                 raise OverBudget(meter.budget, "depth")
-            result = super().call(__context, __obj, *args, **kwargs)
+            if not __self.is_safe_callable(__obj):  # SandboxedEnvironment.call, in line
+                raise SecurityError(f"{__obj!r} is not safely callable")
+            result = __context.call(__obj, *args, **kwargs)
         finally:
             meter.depth += 1
         kind = type(result)
@@ -351,3 +405,28 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
             if meter.chars < 0:
                 raise OverBudget(meter.budget, "chars")
         return result
+
+
+def render(
+    template: Template,
+    variables: dict[str, Any],
+    shapes: Shapes | None = None,
+    budget: RenderBudget = BUDGET,
+) -> str:
+    """One render of a template of a :class:`MeteredSandbox` within ``budget``: what
+    ``template.render(**variables)`` does, from its root render function, so a render costs no
+    call or copy of the variables more than an unmetered one. Renders of the same data may
+    share ``shapes`` (a dict, empty at first), which spares them measuring the same lists and
+    mappings again (``tools | tojson``)."""
+    meter = Meter(budget, shapes)
+    token = METER.set(meter)
+    try:
+        pieces = list(template.root_render_func(template.new_context(variables)))
+        meter.chars -= sum(map(len, pieces))  # what concat() does, in line
+        if meter.chars < 0:
+            raise OverBudget(budget, "chars")
+        return "".join(pieces)
+    except Exception:
+        template.environment.handle_exception()  # raises it, the template's lines in it
+    finally:
+        METER.reset(token)
