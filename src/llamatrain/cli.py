@@ -106,8 +106,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line == "/reset":
             conversation.reset()
             continue
-        for piece in conversation.say(line):
-            print(piece, end="", flush=True)
+        try:
+            for piece in conversation.say(line):
+                print(piece, end="", flush=True)
+        except ConfigError as e:  # a turn too long for the context: the chat goes on
+            print(f"llamatrain: error: {e}", file=sys.stderr)
+            continue
         print()
     return 0
 

@@ -16,11 +16,19 @@ import torch
 
 from llamatrain.data import ChatTemplate
 from llamatrain.data.examples import prompt_ids
+from llamatrain.errors import ConfigError
 from llamatrain.model import KVCache, Llama
 from llamatrain.sampling import SamplingParams, sample_next
 from llamatrain.tokenizer import Tokenizer
 
-__all__ = ["Conversation", "chat", "generate", "generate_stream", "generate_text"]
+__all__ = [
+    "Conversation",
+    "chat",
+    "check_prompt",
+    "generate",
+    "generate_stream",
+    "generate_text",
+]
 
 
 @torch.no_grad()
@@ -114,12 +122,14 @@ def generate_text(
     seed: int | None = None,
     allowed: torch.Tensor | None = None,
 ) -> Iterator[str]:
-    """Stream the decoded continuation of ``prompt`` piece by piece (stops at EOS).
+    """Stream the decoded continuation of ``prompt`` piece by piece (stops at EOS); a
+    prompt longer than the model's context is a ConfigError here (:func:`check_prompt`).
 
     ``params`` defaults to llama.cpp's sampler settings (``SamplingParams()``); ``allowed``
     restricts the vocabulary (e.g. to ``llamatrain.api.seen_tokens``).
     """
     ids = tokenizer.encode(prompt, bos=True)
+    check_prompt(len(ids), model.cfg.max_seq_len)  # now, not at the stream's first step
     stop = frozenset({tokenizer.eos_id})
     return _continuation(model, tokenizer, ids, stop, max_tokens, params, seed, allowed)
 
@@ -151,6 +161,21 @@ def _continuation(
         shown = text
 
 
+def check_prompt(n_tokens: int, context: int) -> None:
+    """Refuse a prompt of more tokens than ``context`` (the model's trained context,
+    llama.context_length), as llama.cpp's ``llama-cli`` refuses one longer than its context
+    ("prompt is too long"), whose default is the trained one: the model never saw positions
+    past it, and reading them first would take minutes before the first word. Generation may
+    still run past the context after a prompt that fits, with a warning (see
+    :func:`generate_stream`), as llama.cpp goes on."""
+    if n_tokens > context:
+        raise ConfigError(
+            f"the prompt is {n_tokens:,} tokens, longer than the model's context of "
+            f"{context:,} (llama.context_length), which llama.cpp refuses too; shorten the "
+            "prompt (in a chat, /reset starts the conversation over)"
+        )
+
+
 def chat(
     model: Llama,
     tokenizer: Tokenizer,
@@ -175,9 +200,9 @@ def chat(
     marker = template.end_of_turn
     marker_ids = tokenizer.encode(marker, special=True)
     stop = {tokenizer.eos_id} | ({marker_ids[0]} if len(marker_ids) == 1 else set())
-    pieces = _continuation(
-        model, tokenizer, prompt_ids(tokenizer, prompt), frozenset(stop), max_tokens, params, seed
-    )
+    ids = prompt_ids(tokenizer, prompt)
+    check_prompt(len(ids), model.cfg.max_seq_len)
+    pieces = _continuation(model, tokenizer, ids, frozenset(stop), max_tokens, params, seed)
     return _reply(pieces, marker)
 
 

@@ -201,6 +201,16 @@ def test_generate_greedy_produces_every_token_past_the_context(export, capsys):
     assert capsys.readouterr().out == expected + "\n"
 
 
+def test_a_prompt_longer_than_the_context_is_refused_up_front(export, capsys):
+    """A 130 KB prompt on the 64-token model: one line naming its tokens and the context, as
+    llama.cpp refuses it ("prompt is too long"), not a minute of silent prefill; a prompt that
+    fits may still generate past the context, with a warning (the test above)."""
+    assert main(["generate", str(export), "--prompt", "From fairest creatures " * 5700]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "longer than the model's context of 64" in err, err
+    assert re.search(r"the prompt is [\d,]+ tokens", err) and "shorten the prompt" in err
+
+
 def test_generate_samples_reproducibly_with_llama_cpp_defaults(tiny_run, capsys):
     args = ["generate", str(tiny_run.run_dir), "--prompt", "Shall I", "--max-tokens", "20"]
     assert main([*args, "--seed", "1"]) == 0

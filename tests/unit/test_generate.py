@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from llamatrain import Llama, ModelConfig
-from llamatrain.generate import generate
+from llamatrain.data.chat_template import chat_template_for
+from llamatrain.errors import ConfigError
+from llamatrain.generate import Conversation, chat, generate, generate_text
 from llamatrain.sampling import SamplingParams
 
 SMALL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
@@ -53,3 +55,49 @@ def test_the_batch_ends_when_every_row_has_stopped(model: Llama) -> None:
     stop = frozenset({first[2]})
     out = generate(model, prompts, BUDGET, GREEDY, stop_tokens=stop)
     assert out.shape == (2, 4 + first.index(first[2]) + 1)
+
+
+class Bytes:
+    """A tokenizer of one id per byte (3 + byte), BOS 1 and EOS 2, control tokens unparsed:
+    enough for the prompt paths of generate_text and chat."""
+
+    bos_id, eos_id, add_bos, vocab_size = 1, 2, True, 259
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False, special: bool = False):
+        return [self.bos_id] * bos + [3 + b for b in text.encode()] + [self.eos_id] * eos
+
+    def decode(self, ids) -> str:
+        return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def byte_model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(ModelConfig(**{**SMALL, "vocab_size": Bytes.vocab_size}))
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_anything_runs(byte_model) -> None:
+    """llama-cli refuses a prompt past its context ("prompt is too long"): so do
+    generate_text and chat, when called (not at the stream's first step), in one line."""
+    template = chat_template_for("chatml", None, bos_token="", eos_token="")
+    long = "x" * 130_000
+    calls = [
+        lambda: generate_text(byte_model, Bytes(), long),
+        lambda: chat(byte_model, Bytes(), template, long),
+        lambda: chat(byte_model, Bytes(), template, [{"role": "user", "content": long}]),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError, match=r"the prompt is 130,0\d\d tokens, longer than "
+                           r"the model's context of 64 \(llama.context_length\)"):  # fmt: skip
+            call()
+    conversation = Conversation(byte_model, Bytes(), template, max_tokens=4)
+    with pytest.raises(ConfigError, match="/reset starts the conversation over"):
+        list(conversation.say(long))
+    assert conversation.turns == []  # the refused turn is not kept
+
+
+def test_a_prompt_that_fits_may_generate_past_the_context_with_a_warning(byte_model) -> None:
+    prompt = "y" * 60  # 61 tokens with BOS: within 64, and 8 more run past it
+    params = SamplingParams(temperature=0)
+    with pytest.warns(UserWarning, match="generating 69 tokens, past the 64 the model was"):
+        "".join(generate_text(byte_model, Bytes(), prompt, max_tokens=8, params=params))

@@ -37,6 +37,7 @@ from llamatrain.data.example_cache import load_examples
 from llamatrain.data.examples import (
     ExampleRows,
     LineEncoder,
+    cut_chars,
     pack_rows,
     pad_rows,
     resolve_chat_template,
@@ -179,13 +180,13 @@ def _jsonl_data(
     d = cfg.data
     template = resolve_chat_template(d.chat_template, model_template, tokenizer)
     bad = BadLines(d.on_bad_line)
-    encoder = LineEncoder(tokenizer, template, train_on=d.train_on)
+    span = d.n_ctx + 1
+    encoder = LineEncoder(tokenizer, template, train_on=d.train_on, max_chars=cut_chars(span))
     examples = load_examples(
         paths, encoder, bad, d.cache_dir, format=d.format, layout=d.layout
-    )  # cached, before truncation: n_ctx is not part of the key
-    span = d.n_ctx + 1
+    )  # cached before they are cut to a row
     examples, cut, emptied = truncate(examples, span)
-    notes = bad.summaries() + _truncation_notes(cut, emptied, span)
+    notes = bad.summaries() + _truncation_notes(cut, emptied, span) + _cut_text_notes(encoder)
     inexact = sum(ex.inexact for ex in examples)
     if inexact:
         notes.append(
@@ -211,10 +212,10 @@ def _preference_data(
     d = cfg.data
     template = resolve_chat_template(d.chat_template, model_template, tokenizer)
     bad = BadLines(d.on_bad_line)
-    encoder = PairEncoder(LineEncoder(tokenizer, template, train_on="completion"))
     span = d.n_ctx + 1
-    pairs, cut, dropped = cut_pairs(read_pairs(paths, encoder, bad), span)
-    notes = bad.summaries()
+    lines = LineEncoder(tokenizer, template, train_on="completion", max_chars=cut_chars(span))
+    pairs, cut, dropped = cut_pairs(read_pairs(paths, PairEncoder(lines), bad), span)
+    notes = bad.summaries() + _cut_text_notes(lines)
     if cut:
         lost = f"; {dropped} of them lost a whole reply and were left out" if dropped else ""
         notes.append(
@@ -231,6 +232,17 @@ def _preference_data(
     n_seq = cfg.seqs_per_batch
     sampler = BatchSampler(train, n_seq, cfg.train.seed)
     return TrainData(paths, None, train, val, sampler, n_seq, chat_template=template)
+
+
+def _cut_text_notes(encoder: LineEncoder) -> list[str]:
+    """The one line that reports lines cut before tokenizing (they held more text than a
+    row can take: :func:`~llamatrain.data.examples.cut_chars`), if any were."""
+    if not encoder.cut:
+        return []
+    return [
+        f"{encoder.cut} lines held more than {encoder.max_chars:,} characters, more than a row "
+        "of data.n_ctx tokens can take; they were cut to that before tokenizing"
+    ]
 
 
 def _truncation_notes(cut: int, emptied: int, span: int) -> list[str]:

@@ -12,9 +12,11 @@ text ends and llama.cpp stops generating there. Callers that prefix every traini
 BOS leave it out of the stream; otherwise each document starts with BOS so the model still
 learns what follows llama.cpp's always-present BOS.
 
-Documents are encoded in pieces of at most :data:`CHUNK_CHARS` characters cut at line ends,
-batched across documents into ``encode_batch`` calls: sentencepiece is superlinear on huge
-strings, and pieces give the progress bar something to count. Each piece start gets
+Documents are read a block at a time and encoded in pieces of at most :data:`CHUNK_CHARS`
+characters cut at line ends (a line longer than that mid-line), batched across documents into
+``encode_batch`` calls: no file, however large and however long its lines, is held or
+tokenized whole (sentencepiece is superlinear on huge strings), and pieces give the progress
+bar something to count. Each piece start gets
 sentencepiece's dummy-prefix space, i.e. about one word per piece is tokenized as if it
 followed a space; harmless, and stated here so nobody is surprised.
 """
@@ -25,14 +27,14 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llamatrain.data.sources import read_text
+from llamatrain.data.sources import text_blocks
 from llamatrain.errors import DataError
 from llamatrain.files import write_text_atomically, written_atomically
 
@@ -43,6 +45,7 @@ __all__ = [
     "CHUNK_CHARS",
     "GROUP_CHARS",
     "PROGRESS_MIN_BYTES",
+    "chunk_stream",
     "chunk_text",
     "load_tokens",
     "read_description",
@@ -72,16 +75,24 @@ def chunk_text(text: str, size: int = CHUNK_CHARS) -> list[str]:
 
     A line longer than ``size`` is cut mid-line. Joined, the pieces are ``text`` again.
     """
-    out: list[str] = []
-    start = 0
-    while len(text) - start > size:
-        cut = text.rfind("\n", start, start + size)
-        cut = start + size if cut < 0 else cut + 1
-        out.append(text[start:cut])
-        start = cut
-    if start < len(text):
-        out.append(text[start:])
-    return out
+    return list(chunk_stream([text], size))
+
+
+def chunk_stream(blocks: Iterable[str], size: int = CHUNK_CHARS) -> Iterator[str]:
+    """:func:`chunk_text` of the blocks' concatenation, holding no more than one block and
+    one piece of it at a time. The pieces are the same: a cut at ``start`` depends only on
+    ``text[start : start + size]`` and on more than ``size`` characters following ``start``,
+    and it is made only once that many are read."""
+    pending, start = "", 0
+    for block in blocks:
+        pending, start = pending[start:] + block, 0
+        while len(pending) - start > size:
+            cut = pending.rfind("\n", start, start + size)
+            cut = start + size if cut < 0 else cut + 1
+            yield pending[start:cut]
+            start = cut
+    if start < len(pending):
+        yield pending[start:]
 
 
 def load_tokens(
@@ -275,15 +286,25 @@ def _piece_groups(paths: Sequence[Path], chunk_chars: int) -> Iterator[list[_Pie
     group: list[_Piece] = []
     size = 0
     for path in paths:
-        texts = chunk_text(read_text(path), chunk_chars) or [""]  # an empty doc still gets EOS
-        for i, text in enumerate(texts):
-            group.append(_Piece(path, text, first=i == 0, last=i == len(texts) - 1))
-            size += len(text)
+        for piece in _pieces(path, chunk_chars):
+            group.append(piece)
+            size += len(piece.text)
             if size >= GROUP_CHARS:
                 yield group
                 group, size = [], 0
     if group:
         yield group
+
+
+def _pieces(path: Path, chunk_chars: int) -> Iterator[_Piece]:
+    """One document's pieces, read from its file a block at a time (a multi-GB corpus never
+    sits in memory whole); an empty document is one empty piece, so it still gets EOS."""
+    texts = chunk_stream(text_blocks(path), chunk_chars)
+    text, first = next(texts, ""), True
+    for following in texts:
+        yield _Piece(path, text, first=first, last=False)
+        text, first = following, False
+    yield _Piece(path, text, first=first, last=True)
 
 
 def _encode_group(group: list[_Piece], tokenizer: Tokenizer, layout: _Layout) -> np.ndarray:

@@ -22,10 +22,10 @@ example longer than a row is cut to it. The encoded examples are cached before t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
+    "CHARS_PER_TOKEN",
+    "MIN_CUT_CHARS",
     "Example",
     "ExampleRows",
     "LineEncoder",
@@ -59,6 +61,7 @@ __all__ = [
     "resolve_chat_template",
     "split_examples",
     "trained_tokens",
+    "cut_chars",
     "truncate",
 ]
 
@@ -98,21 +101,60 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return pieces[token_id]
 
 
+CHARS_PER_TOKEN = 64
+"""Characters of text allowed per token of a row before a line is cut (:func:`cut_chars`).
+Text averages 3–5 characters a token and code's whitespace runs at most a few dozen, so a cut
+line still has far more tokens than its row holds, and every row is filled as if the line had
+been tokenized whole."""
+
+MIN_CUT_CHARS = 1 << 18
+"""The fewest characters a line is cut to (a quarter of a second of tokenizing at most)."""
+
+
+def cut_chars(span: int) -> int:
+    """How many characters of a line can reach a row of ``span`` tokens: at least
+    :data:`CHARS_PER_TOKEN` a token, rounded up to a power of two (from
+    :data:`MIN_CUT_CHARS`), so the limit, and the examples encoded under it, change only when
+    ``data.n_ctx`` crosses one (every ``n_ctx`` below 4,096 cuts at 262,144 characters).
+
+    Text past it cannot be trained (a row keeps its first ``span`` tokens), so it is cut
+    before tokenizing: a 100 MB line costs reading and parsing it, not 100 MB of tokenizing
+    (about 48 bytes of memory a character). Lines within it are tokenized exactly as before.
+    """
+    return max(MIN_CUT_CHARS, 1 << (CHARS_PER_TOKEN * span - 1).bit_length())
+
+
 class LineEncoder:
     """Turns checked JSONL lines into :class:`Example` s as ``data.train_on`` says:
     ``"completion"`` trains assistant turns (with their end-of-turn marker), completions (with
-    EOS) and whole ``{"text"}`` lines; ``"all"`` trains every token."""
+    EOS) and whole ``{"text"}`` lines; ``"all"`` trains every token.
+
+    ``max_chars`` (:func:`cut_chars` of the row; None: no limit) bounds what is rendered and
+    tokenized: a line holding more text is cut to that many characters first — a
+    conversation's strings before its template renders them, then the rendered (or raw) text
+    — and ends without EOS, since its text did not end there. :attr:`cut` counts such lines.
+    """
 
     def __init__(
-        self, tokenizer: Tokenizer, template: ChatTemplate | None, *, train_on: str
+        self,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        *,
+        train_on: str,
+        max_chars: int | None = None,
     ) -> None:
         self.tokenizer, self.template, self.train_all = tokenizer, template, train_on == "all"
+        self.max_chars = max_chars
+        self.cut = 0
+        """Lines cut to ``max_chars`` before tokenizing, so far."""
+        self._chat_was_cut = False  # by bounded_chat, for the next example to count
 
     def encode(self, line: JsonlLine) -> Example:
         """The tokens of one line; DataError (from the template) for a conversation it cannot
         render."""
         if isinstance(line, ChatLine):
-            segments = self._chat_template().segments(line.messages, tools=line.tools)
+            messages, tools = self.bounded_chat(line.messages, line.tools)
+            segments = self._chat_template().segments(messages, tools=tools)
             return self._example(segments, special=True)
         if isinstance(line, CompletionLine):
             segments = [Segment(line.prompt, False), Segment(line.completion, True)]
@@ -129,6 +171,23 @@ class LineEncoder:
         is (a raw-text completion)."""
         return self._example(segments, special=special, eos=eos)
 
+    def bounded_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]] | None]:
+        """A conversation cut so that its tools and messages, in that order, cost at most
+        ``max_chars`` (:class:`_Budget`): what a template renders first can fill the row,
+        what comes after that cannot. Each string is cut to what is left and later messages
+        are left out (the first always stays). A conversation within it is returned as is."""
+        conversation = [None if tools is None else list(tools), list(messages)]
+        if self.max_chars is None or _Budget(self.max_chars).fits(conversation):
+            return conversation[1], conversation[0]
+        self._chat_was_cut = True
+        budget = _Budget(self.max_chars)
+        cut_tools = None if tools is None else budget.take(list(tools))
+        kept = [budget.message(messages[0])]
+        kept += [budget.message(m) for m in messages[1:] if budget.left > 0]
+        return kept, cut_tools
+
     def chat_template(self) -> ChatTemplate:
         """The template conversations are rendered with; ConfigError if there is none."""
         return self._chat_template()
@@ -143,6 +202,11 @@ class LineEncoder:
         return self.template
 
     def _example(self, segments: Sequence[Segment], *, special: bool, eos: bool = False) -> Example:
+        over = self.max_chars is not None and sum(len(s.text) for s in segments) > self.max_chars
+        if over:
+            segments = _cut_segments(segments, self.max_chars)
+        if over or self._chat_was_cut:
+            self.cut, self._chat_was_cut, eos = self.cut + 1, False, False
         ids, trained, inexact = trained_tokens(self.tokenizer, segments, special=special)
         tok = self.tokenizer
         if needs_bos(tok, ids):
@@ -152,6 +216,64 @@ class LineEncoder:
         scored = np.array(trained, dtype=bool) | self.train_all
         scored[:1] = False  # the first token is nobody's target
         return Example(np.array(ids, dtype=np.int64), scored, inexact)
+
+
+def _cut_segments(segments: Sequence[Segment], max_chars: int) -> list[Segment]:
+    """The segments' first ``max_chars`` characters, each piece keeping its class."""
+    out, left = [], max_chars
+    for s in segments:
+        if left <= 0:
+            break
+        out.append(Segment(s.text[:left], s.trained))
+        left -= len(s.text)
+    return out
+
+
+class _Budget:
+    """What a conversation may still spend: the characters of its strings, and one for each
+    value (so a million empty messages cost a million)."""
+
+    _DEPTH = 64
+    """Nesting kept by :meth:`take`; deeper values become empty (no template looks so deep,
+    and the walk stays far inside the recursion limit)."""
+
+    def __init__(self, chars: int) -> None:
+        self.left = chars
+
+    def fits(self, value: Any) -> bool:
+        """Whether ``value`` costs at most what is left; walks no further than that."""
+        stack = [value]
+        while stack:
+            item = stack.pop()
+            self.left -= 1 + (len(item) if isinstance(item, str) else 0)
+            if self.left < 0:
+                return False
+            if isinstance(item, Mapping):
+                stack += item.values()
+            elif isinstance(item, list | tuple):
+                stack += item
+        return True
+
+    def message(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """A message spent as :meth:`take` spends it, keeping every key (role, content)."""
+        self.left -= 1
+        return {key: self.take(item, 1) for key, item in message.items()}
+
+    def take(self, value: Any, depth: int = 0) -> Any:
+        """``value`` spent in order: each string cut to what is left, and the items of a list
+        or an object left out once nothing is."""
+        self.left -= 1
+        if isinstance(value, str):
+            kept = value[: max(self.left, 0)]
+            self.left -= len(kept)
+            return kept
+        if isinstance(value, Mapping):
+            items = value.items() if depth < self._DEPTH else ()
+            return {k: self.take(v, depth + 1) for k, v in items if self.left > 0}
+        if isinstance(value, list | tuple):
+            items = value if depth < self._DEPTH else ()
+            return [self.take(item, depth + 1) for item in items if self.left > 0]
+        return value
 
 
 def needs_bos(tokenizer: Tokenizer, ids: Sequence[int]) -> bool:
@@ -213,7 +335,7 @@ def read_examples(
     skipping would skip every conversation."""
     examples = []
     for path in paths:
-        for number, line in numbered_rows(path, format):
+        for number, line in numbered_rows(path, format, bad):
             bad.line_read(path)
             try:
                 parsed = parse_line(line, need_assistant=not encoder.train_all, layout=layout)

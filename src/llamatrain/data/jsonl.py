@@ -19,14 +19,14 @@ union of its rows' keys).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from llamatrain.data.json_text import load_json
 from llamatrain.data.layouts import decode_tools, to_native
-from llamatrain.data.sources import read_text, table_rows
+from llamatrain.data.sources import open_text, table_rows
 from llamatrain.errors import DataError
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "ChatLine",
     "CompletionLine",
     "JsonlLine",
+    "MAX_LINE_CHARS",
     "TextLine",
     "numbered_lines",
     "numbered_rows",
@@ -75,20 +76,60 @@ MESSAGE_KEYS = ("tool_calls", "reasoning_content", "name", "tool_call_id")
 that the message's role may have them)."""
 
 
-def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+MAX_LINE_CHARS = 1 << 27
+"""The longest line read (134M characters, e.g. a 100 MB line): a line is parsed whole, so
+this bounds what one line can hold in memory. No example needs more: a row holds
+``data.n_ctx + 1`` tokens, and the text beyond what fills it is cut before tokenizing
+(:class:`~llamatrain.data.examples.LineEncoder`)."""
+
+_SKIP_CHARS = 1 << 20
+"""Characters read at a time while skipping the rest of a line longer than MAX_LINE_CHARS."""
+
+
+def numbered_lines(
+    path: Path, bad: BadLines | None = None, *, max_chars: int = MAX_LINE_CHARS
+) -> Iterator[tuple[int, str]]:
     """``(line number, line)`` for every non-blank line of ``path``, numbered from 1 as an
-    editor shows them (line endings normalised by :func:`~llamatrain.data.sources.read_text`)."""
-    for number, line in enumerate(read_text(path).split("\n"), start=1):
-        if line.strip():
-            yield number, line
+    editor shows them (line endings normalised as
+    :func:`~llamatrain.data.sources.read_text` normalises them), read one line at a time.
+
+    A line longer than ``max_chars`` is never held whole: it is skipped as it is read, and
+    ``bad`` told about it (its line counted and its policy applied); without ``bad`` it is a
+    DataError naming ``file:line``.
+    """
+    with open_text(path) as f:
+        number = 0
+        while line := f.readline(max_chars + 1):
+            number += 1
+            if len(line) > max_chars and not line.endswith("\n"):
+                _skip_rest_of_line(f)
+                problem = DataError(
+                    f"a line of more than {max_chars:,} characters, more than any row can "
+                    "hold; split it, or leave it out"
+                )
+                if bad is None:
+                    raise DataError(f"{path}:{number}: {problem}")
+                bad.line_read(path)
+                bad.bad(path, number, problem)
+                continue
+            line = line.removesuffix("\n")
+            if line.strip():
+                yield number, line
 
 
-def numbered_rows(path: Path, format: str = "jsonl") -> Iterator[tuple[int, str | dict]]:
+def _skip_rest_of_line(f: TextIO) -> None:
+    while (part := f.readline(_SKIP_CHARS)) and not part.endswith("\n"):
+        pass
+
+
+def numbered_rows(
+    path: Path, format: str = "jsonl", bad: BadLines | None = None
+) -> Iterator[tuple[int, str | dict]]:
     """``(number, line or row)`` of one ``data.path`` input: JSONL lines as
-    :func:`numbered_lines` gives them, table rows (``format`` ``"parquet"`` or ``"hf"``) as
-    dicts numbered from 1."""
+    :func:`numbered_lines` gives them (``bad`` told about over-long ones), table rows
+    (``format`` ``"parquet"`` or ``"hf"``) as dicts numbered from 1."""
     if format == "jsonl":
-        return numbered_lines(path)
+        return numbered_lines(path, bad)
     return enumerate(table_rows(path, format), start=1)
 
 
@@ -103,10 +144,7 @@ def parse_line(
     ``layout``: ``data.layout`` (:mod:`~llamatrain.data.layouts`).
     """
     if isinstance(line, str):
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+        value = load_json(line)
         if not isinstance(value, dict):
             raise DataError(f"a line must be a JSON object ({_SHAPES}), not {_json_type(value)}")
     else:

@@ -19,10 +19,10 @@ gives the native row; :mod:`~llamatrain.data.jsonl` then checks it as it checks 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
+from llamatrain.data.json_text import load_json
 from llamatrain.errors import DataError
 
 __all__ = [
@@ -166,7 +166,7 @@ def decode_tools(tools: Any) -> Any:
     schemas as text, since their fields differ from tool to tool)."""
     if isinstance(tools, str):
         try:
-            return json.loads(tools)
-        except json.JSONDecodeError as e:
-            raise DataError(f'"tools" is a string that is not JSON ({e.msg})') from None
+            return load_json(tools)
+        except DataError as e:
+            raise DataError(f'"tools" is a string that is not usable JSON: {e}') from None
     return tools

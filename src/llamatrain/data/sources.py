@@ -18,7 +18,7 @@ import importlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TextIO
 
 from llamatrain.data.shakespeare import shakespeare_corpus
 from llamatrain.errors import DataError
@@ -30,9 +30,11 @@ __all__ = [
     "SONNETS_PATH",
     "TABLE_FORMATS",
     "check_text_file",
+    "open_text",
     "read_text",
     "resolve_inputs",
     "table_rows",
+    "text_blocks",
 ]
 
 TABLE_FORMATS = ("parquet", "hf")
@@ -56,6 +58,9 @@ small configs and tests run anywhere, from any working directory."""
 
 READ_BLOCK = 1 << 24
 """Bytes read at a time when checking a file, so multi-GB corpora never sit in memory whole."""
+
+TEXT_BLOCK = 1 << 20
+"""Characters :func:`text_blocks` reads at a time (4 MB of ``str`` at most)."""
 
 
 def check_text_file(path: Path, *, block_size: int = READ_BLOCK) -> None:
@@ -102,10 +107,23 @@ def read_text(path: Path) -> str:
 
     Line endings are normalised so that the same text gives the same tokens on every OS.
     """
-    text = path.read_text(encoding="utf-8")
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    with open_text(path) as f:
+        return f.read()
+
+
+def open_text(path: Path) -> TextIO:
+    """``path`` opened to read the text :func:`read_text` gives, a piece at a time: UTF-8
+    with a leading BOM dropped (``utf-8-sig``), CRLF and CR read as LF (universal newlines,
+    which also join a CR and LF that fall in different reads)."""
+    return path.open(encoding="utf-8-sig", newline=None)
+
+
+def text_blocks(path: Path, block_chars: int = TEXT_BLOCK) -> Iterator[str]:
+    """:func:`read_text`'s text in blocks of at most ``block_chars`` characters: joined, they
+    are that text, but a multi-GB corpus (or a 1 GB line) never sits in memory whole."""
+    with open_text(path) as f:
+        while block := f.read(block_chars):
+            yield block
 
 
 def resolve_inputs(

@@ -19,11 +19,12 @@ attention-logit soft-capping.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from llamatrain.errors import CheckpointError, ConfigError
+from llamatrain.errors import CheckpointError, ConfigError, shown
 from llamatrain.hf.rope import rope_scaling_of, rope_theta_of
 from llamatrain.model_config import ModelConfig
 from llamatrain.tokenizer import Tokenizer
@@ -89,8 +90,15 @@ def read_json_object(path: Path) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); fix or remove it") from e
+    except ValueError as e:  # not JSON, not UTF-8, or an integer past 4,300 digits
+        raise CheckpointError(
+            f"{path} is not valid JSON ({shown(str(e))}); fix or remove it"
+        ) from None
+    except RecursionError:
+        raise CheckpointError(
+            f"{path} nests deeper than Python can read (thousands of [ or {{); it is no model's "
+            "config — fix or remove it"
+        ) from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
     return value
@@ -99,15 +107,20 @@ def read_json_object(path: Path) -> dict[str, Any]:
 def model_config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
     """The ModelConfig of the model an HF ``config.json`` describes.
 
-    Raises CheckpointError, naming the key, for anything that is not a model we can run.
+    Raises CheckpointError, naming the key, for anything that is not a model we can run: a
+    value of the wrong type (a string, a bool or a fraction for a count; NaN or infinity for
+    a number) included, before any is believed. The counts are checked against the weights
+    by ``llamatrain.hf.weights.check_weights_fit`` before anything is built from them.
     """
     _check_is_llama(hf, source)
     missing = [key for key in _REQUIRED if hf.get(key) is None]
     if missing:
         raise CheckpointError(f"{source} lacks {', '.join(missing)}; it is not a complete config")
+    _check_value_types(hf, source)
     model_type = hf["model_type"]
     arch = _MODEL_TYPES[model_type]
     given = {k: v for k, v in hf.items() if v is not None}
+    given |= {k: _count_value(given[k], source, k) for k in _COUNTS if k in given}  # 4096.0
     if "hidden_activation" in given:  # Gemma's name for it
         given["hidden_act"] = given["hidden_activation"]
     get = {**_TRANSFORMERS_DEFAULTS, **_TYPE_DEFAULTS.get(model_type, {}), **given}.get
@@ -125,23 +138,23 @@ def model_config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
         gemma = {}
         scaling = rope_scaling_of(hf, source) or {}
         theta = rope_theta_of(hf, _ROPE_THETA_DEFAULTS.get(model_type, 10000.0))
-    dim, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    dim, n_heads = get("hidden_size"), get("num_attention_heads")
     head_dim = get("head_dim")
     try:
         cfg = ModelConfig(
             arch=arch,
-            vocab_size=int(get("vocab_size")),
+            vocab_size=get("vocab_size"),
             dim=dim,
-            n_layers=int(get("num_hidden_layers")),
+            n_layers=get("num_hidden_layers"),
             n_heads=n_heads,
-            n_kv_heads=int(get("num_key_value_heads", n_heads)),
-            ffn_dim=int(get("intermediate_size")),
-            max_seq_len=int(get("max_position_embeddings")),
+            n_kv_heads=get("num_key_value_heads", n_heads),
+            ffn_dim=get("intermediate_size"),
+            max_seq_len=get("max_position_embeddings"),
             norm_eps=float(get("rms_norm_eps")),
             rope_theta=theta,
             rope_scaling_factor=float(scaling["factor"]) if _is(scaling, "linear") else 1.0,
             rope_freq_factors=_is(scaling, "llama3"),
-            key_length=None if head_dim in (None, dim / n_heads) else int(head_dim),
+            key_length=None if head_dim in (None, dim / n_heads) else head_dim,
             attention_bias=bool(get("attention_bias")),
             mlp_bias=bool(get("mlp_bias")),
             tie_embeddings=bool(get("tie_word_embeddings")),
@@ -191,20 +204,24 @@ def _gemma3_fields(hf: Mapping[str, Any], get: Any, source: str) -> dict[str, An
 
 def _check_gemma3_layers(hf: Mapping[str, Any], get: Any, cfg: ModelConfig, source: str) -> None:
     """The layer types and attention scale must be those llama.cpp's gemma3 has."""
-    ours = [
-        "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)
-    ]
     pattern = hf.get("layer_types")
     if pattern is None:
-        step = int(hf.get("sliding_window_pattern") or cfg.family.swa_every)
-        pattern = [
-            "sliding_attention" if (i + 1) % step else "full_attention" for i in range(cfg.n_layers)
-        ]
-    if list(pattern) != ours:
-        raise CheckpointError(
-            f"{source} has the layer types {list(pattern)}; llama.cpp's gemma3 has sliding "
-            f"windows on 5 of every 6 layers, {ours}"
-        )
+        given = hf.get("sliding_window_pattern") or cfg.family.swa_every
+        step = _count_value(given, source, "sliding_window_pattern")
+        if _other_period(step, cfg.family.swa_every, cfg.n_layers):
+            raise CheckpointError(
+                f"{source} has sliding_window_pattern = {step}; llama.cpp's gemma3 has sliding "
+                f"windows on {cfg.family.swa_every - 1} of every {cfg.family.swa_every} layers"
+            )
+    else:
+        n = min(cfg.n_layers, len(pattern) if isinstance(pattern, list) else 0)
+        ours = ["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(n)]
+        if not isinstance(pattern, list) or pattern != ours or len(pattern) != cfg.n_layers:
+            raise CheckpointError(
+                f"{source} has the layer types {shown(json.dumps(pattern))} for "
+                f"{cfg.n_layers} layers; llama.cpp's gemma3 has sliding windows on 5 of every 6 "
+                "layers, the 6th full_attention"
+            )
     scalar, expected = get("query_pre_attn_scalar"), cfg.attention_scalar
     if scalar != expected:
         raise CheckpointError(
@@ -215,16 +232,113 @@ def _check_gemma3_layers(hf: Mapping[str, Any], get: Any, cfg: ModelConfig, sour
 
 def _check_no_rope_layers(hf: Mapping[str, Any], cfg: ModelConfig, source: str) -> None:
     """SmolLM3's NoPE layers must be the ones llama.cpp leaves rope out of (every 4th)."""
-    interval = int(hf.get("no_rope_layer_interval") or 4)
     pattern = hf.get("no_rope_layers")
     if pattern is None:
-        pattern = [int((i + 1) % interval != 0) for i in range(cfg.n_layers)]
-    ours = [int(cfg.uses_rope(i)) for i in range(cfg.n_layers)]
-    if [int(bool(x)) for x in pattern] != ours:
+        given = hf.get("no_rope_layer_interval") or 4
+        interval = _count_value(given, source, "no_rope_layer_interval")
+        if _other_period(interval, cfg.family.no_rope_every, cfg.n_layers):
+            raise CheckpointError(
+                f"{source} has no_rope_layer_interval = {interval}; llama.cpp's smollm3 leaves "
+                f"rope out of every {cfg.family.no_rope_every}th layer"
+            )
+        return
+    n = min(cfg.n_layers, len(pattern) if isinstance(pattern, list) else 0)
+    ours = [int(cfg.uses_rope(i)) for i in range(n)]
+    if (
+        not isinstance(pattern, list)
+        or len(pattern) != cfg.n_layers
+        or [int(x) if type(x) in (int, bool) else x for x in pattern] != ours
+    ):
         raise CheckpointError(
-            f"{source} applies rope on layers {list(pattern)} (no_rope_layers); llama.cpp's "
-            f"smollm3 leaves it out of every 4th layer only, {ours}"
+            f"{source} applies rope on layers {shown(json.dumps(pattern))} (no_rope_layers) of "
+            f"{cfg.n_layers}; llama.cpp's smollm3 leaves it out of every 4th layer only"
         )
+
+
+def _other_period(given: int, ours: int, n_layers: int) -> bool:
+    """Whether a layer pattern repeating every ``given`` layers differs from ours (every
+    ``ours``) in a model of ``n_layers``: unless equal, both must be past its last layer."""
+    return given != ours and min(given, ours) <= n_layers
+
+
+_COUNTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "head_dim",
+    "sliding_window",
+    "query_pre_attn_scalar",
+    "original_max_position_embeddings",
+)
+"""config.json's whole-number keys."""
+_NUMBERS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_local_base_freq",
+    "final_logit_softcapping",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "partial_rotary_factor",
+)
+"""Its real-number keys (top level, or in a rope dict)."""
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+"""Its true/false keys."""
+
+
+def _check_value_types(hf: Mapping[str, Any], source: str) -> None:
+    """CheckpointError naming the first key whose value is not of its kind: a count a
+    positive whole number (a bool, a fraction or a string is not; neither is ``4096.0``'s
+    kin ``"4096"``), a number finite, a flag true or false; rope dicts are checked too."""
+    rope = [(key, hf.get(key)) for key in ("rope_scaling", "rope_parameters")]
+    for key, value in rope:
+        if value is not None and not isinstance(value, Mapping):
+            raise CheckpointError(f"{source}: {key} must be an object or null, not {_kind(value)}")
+    places = [("", hf)] + [(f"{key}.", value) for key, value in rope if value]
+    places += [
+        (f"{key}.{kind}.", sub)
+        for key, value in rope
+        if value
+        for kind, sub in value.items()
+        if isinstance(sub, Mapping)  # gemma3's rope dict per layer type
+    ]
+    for prefix, values in places:
+        for key in _COUNTS:
+            if values.get(key) is not None:
+                _count_value(values[key], source, prefix + key)
+        for key in _NUMBERS:
+            value = values.get(key)
+            if value is not None and not (
+                type(value) in (int, float) and math.isfinite(value) and value >= 0
+            ):
+                raise CheckpointError(
+                    f"{source}: {prefix}{key} = {_shown(value)} must be a finite number >= 0"
+                )
+    for key in _FLAGS:
+        if hf.get(key) is not None and type(hf[key]) is not bool:
+            raise CheckpointError(f"{source}: {key} = {_shown(hf[key])} must be true or false")
+
+
+def _count_value(value: Any, source: str, key: str) -> int:
+    """``value`` as a positive whole number (``4096.0`` is one), or CheckpointError."""
+    if type(value) is float and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or value < 1:
+        raise CheckpointError(f"{source}: {key} = {_shown(value)} must be a whole number >= 1")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A config value as JSON writes it, cut short for a one-line message."""
+    return shown(json.dumps(value) if type(value) in (bool, int, float, str) else _kind(value))
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list"}.get(type(value), type(value).__name__)
 
 
 def _is(scaling: Mapping[str, Any], kind: str) -> bool:

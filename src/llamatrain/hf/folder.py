@@ -37,7 +37,12 @@ from llamatrain.hf.tokenizer_files import (
     read_folder_tokenizer,
     write_tokenizer_files,
 )
-from llamatrain.hf.weights import SINGLE_FILE, hf_state_dict, read_hf_weights, weight_files
+from llamatrain.hf.weights import (
+    SINGLE_FILE,
+    check_weights_fit,
+    hf_state_dict,
+    read_hf_weights,
+)
 from llamatrain.model_config import ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
@@ -75,7 +80,7 @@ def read_hf_folder(path: str | os.PathLike[str]) -> LlamaFile:
         )
     hf = read_json_object(config_path)
     cfg = model_config_from_hf(hf, str(config_path))
-    weight_files(folder)  # no weights: say so before reading the tokenizer
+    check_weights_fit(folder, cfg)  # no weights, or not these: say so before the tokenizer
     tokenizer = read_folder_tokenizer(folder, cfg.vocab_size)
     tensors = read_hf_weights(folder, cfg)
     if cfg.rope_freq_factors:

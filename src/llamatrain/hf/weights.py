@@ -31,6 +31,7 @@ dtype and shape) before any tensor is read.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from llamatrain.model_config import ModelConfig, tensor_shapes
 __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
+    "check_weights_fit",
     "hf_state_dict",
     "hf_tensor_name",
     "read_hf_weights",
@@ -187,12 +189,50 @@ def _weight_map(folder: Path) -> dict[str, Path] | None:
     raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
+_LAYER = re.compile(r"model\.layers\.(\d{1,10})\.")
+"""A block tensor's HF name, capturing its layer (a longer number is no layer of ours)."""
+
+
+def check_weights_fit(folder: Path, cfg: ModelConfig) -> None:
+    """config.json's claims checked against the tensors the safetensors headers hold, before
+    anything is built from them: the layers the names number must be ``num_hidden_layers``,
+    and the embedding's shape ``(vocab_size, hidden_size)``. A config claiming 10^9 layers or
+    a 10^8 vocabulary is then one CheckpointError instead of gigabytes of name maps and
+    tokenizer tables; every other shape is checked, tensor by tensor, as it is read."""
+    shapes = _stored_shapes(folder)
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
+    if len(layers) != cfg.n_layers or max(layers, default=-1) != cfg.n_layers - 1:
+        held = f"layers 0 to {max(layers)}" if layers else "no layers"
+        raise CheckpointError(
+            f"{folder}: config.json's num_hidden_layers is {cfg.n_layers:,} but the weights "
+            f"hold {held} ({len(layers):,} numbered); the config does not belong to these "
+            "weights — fix num_hidden_layers or use the model's own config.json"
+        )
+    embedding = shapes.get(hf_tensor_name("token_embd.weight", cfg.arch))
+    if embedding is not None and embedding != (cfg.vocab_size, cfg.dim):
+        raise CheckpointError(
+            f"{folder}: config.json's vocab_size {cfg.vocab_size:,} and hidden_size "
+            f"{cfg.dim:,} need an embedding of shape ({cfg.vocab_size}, {cfg.dim}), but "
+            f"model.embed_tokens.weight is {embedding}; use the model's own config.json"
+        )
+
+
+def _stored_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor's shape, from the safetensors headers alone (nothing loaded)."""
+    shapes = {}
+    for path in _files(folder, _weight_map(folder)):
+        with _open(path) as f:
+            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    return shapes
+
+
 def read_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our float32 tensors (minus ``COMPUTED``) from a folder's safetensors, q/k permuted.
 
     The tensor names and shapes are checked against ``cfg`` before anything is loaded: a
     missing or unexpected tensor is one CheckpointError naming it (with HF's name).
     """
+    check_weights_fit(folder, cfg)  # before tensor_shapes builds a name map of cfg's size
     ours = {
         hf_tensor_name(name, cfg.arch): name for name in tensor_shapes(cfg) if name not in COMPUTED
     }
