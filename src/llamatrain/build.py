@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import warnings
@@ -354,6 +355,9 @@ class PreparedModel:
     """How the ranks share the work (``train.parallel``), or nothing to share."""
     loss_fn: Callable[..., torch.Tensor]
     """The training loss: through DDP/FSDP when they wrap the model, compiled when asked."""
+    logits_fn: Callable[..., torch.Tensor]
+    """The model's logits, what a preference objective's loss is computed on: likewise
+    through DDP/FSDP and compiled when asked."""
     checkpoint_segment: int
     """Blocks per activation-checkpointed segment (0 = none)."""
 
@@ -366,9 +370,10 @@ def prepare(model: Llama, cfg: Config) -> PreparedModel:
     2. Activation checkpointing: after LoRA, so ``auto`` measures the block that will run.
     3. The device: after the module tree is final, so every tensor moves once.
     4. DDP/FSDP: wrap (or shard) the model on its device, as torch.distributed requires.
-    5. Compile: the loss of the wrapped model, with static shapes (training batches all have
-       one shape, and dynamic-shape tracing of the ggml ops' blockwise loops is slower to
-       compile and less robust).
+    5. Compile: the loss (and the logits) of the wrapped model, with static shapes (training
+       batches all have one shape, and dynamic-shape tracing of the ggml ops' blockwise loops
+       is slower to compile and less robust). Each compiles on its first call, so a run
+       compiles the one its objective calls.
     """
     if cfg.lora.rank:
         torch.manual_seed(cfg.train.seed)
@@ -387,9 +392,10 @@ def prepare(model: Llama, cfg: Config) -> PreparedModel:
     wrapped = parallel.apply(
         model, cfg.train.parallel, mixed_precision=bf16 and device.type == "cuda"
     )
-    loss = wrapped.loss
-    loss_fn = torch.compile(loss, dynamic=False) if cfg.train.compile else loss
-    return PreparedModel(model, device, wrapped, loss_fn, segment)
+    loss, logits = wrapped.loss, functools.partial(wrapped.logits, model)
+    if cfg.train.compile:
+        loss, logits = torch.compile(loss, dynamic=False), torch.compile(logits, dynamic=False)
+    return PreparedModel(model, device, wrapped, loss, logits, segment)
 
 
 # ---- the reference of a full finetune's DPO/IPO ----------------------------------------------
@@ -429,11 +435,25 @@ def reference_of(
                 f"from {cfg.model.init_from}",
                 stacklevel=3,
             )
-            _read_weights_into(model, read_model_source(cfg.model.init_from))
-        return reference_table(model, data.train, data.val, cfg.seqs_per_ubatch, device, autocast)
+        scorer = _initial_model(model, cfg, device, initial=initial)
+        return reference_table(scorer, data.train, data.val, cfg.seqs_per_ubatch, device, autocast)
 
     table, _ = cached_reference_table(cfg.data.cache_dir, key, data.train, data.val, compute)
     return table
+
+
+def _initial_model(model: Llama, cfg: Config, device: torch.device, *, initial: bool) -> Llama:
+    """A model with the run's initial weights to compute the reference table by: ``model``
+    when it holds them; ``model`` with ``model.init_from``'s weights read into it (a resumed
+    run's own are restored afterwards); for an FSDP model, a whole copy read from
+    ``model.init_from``, since a sharded forward needs every rank and rank 0 computes the
+    cache alone (``parallel.main_first``). That copy is freed after the table; every rank
+    held the whole model before sharding it, so the copy raises no peak."""
+    if parallel.sharded(model):
+        return _from_base(cfg, read_model_source(cfg.model.init_from)).to(device)
+    if not initial:
+        _read_weights_into(model, read_model_source(cfg.model.init_from))
+    return model
 
 
 def _read_weights_into(model: Llama, source: LlamaFile) -> None:

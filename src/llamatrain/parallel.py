@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -60,6 +60,8 @@ __all__ = [
     "reshard",
     "root_weights",
     "shard_like",
+    "sharded",
+    "summed",
     "whole_model",
     "world_size",
 ]
@@ -157,18 +159,24 @@ def barrier() -> None:
 # ---- reductions --------------------------------------------------------------------------
 
 
-def _all_reduce(value: float, op: dist.ReduceOp) -> float:
+def _all_reduce(values: Sequence[float], op: dist.ReduceOp) -> list[float]:
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=op)
-    return tensor.item()
+    return tensor.tolist()
+
+
+def summed(values: Sequence[float]) -> list[float]:
+    """Each of ``values`` summed over the ranks, in one collective (the values themselves
+    outside torchrun)."""
+    if not _joined():
+        return list(values)
+    return _all_reduce(values, dist.ReduceOp.SUM)
 
 
 def average(value: float) -> float:
     """The mean of ``value`` over the ranks (the value itself outside torchrun)."""
-    if not _joined():
-        return value
-    return _all_reduce(value, dist.ReduceOp.SUM) / dist.get_world_size()
+    return summed([value])[0] / world_size() if _joined() else value
 
 
 def any_rank(flag: bool) -> bool:
@@ -176,7 +184,7 @@ def any_rank(flag: bool) -> bool:
     same step, so none is left waiting in a collective."""
     if not _joined():
         return flag
-    return _all_reduce(float(flag), dist.ReduceOp.MAX) > 0
+    return _all_reduce([float(flag)], dist.ReduceOp.MAX)[0] > 0
 
 
 # ---- full and sharded tensors (checkpoints) ----------------------------------------------
@@ -190,8 +198,9 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     return module is not None and isinstance(tensor, module.DTensor)
 
 
-def _is_fsdp(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` wrapped ``model`` (see :func:`_is_sharded` for the lookup)."""
+def sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` wrapped ``model``: its forward is then a collective (see
+    :func:`_is_sharded` for the lookup)."""
     module = sys.modules.get("torch.distributed.fsdp")
     return module is not None and isinstance(model, module.FSDPModule)
 
@@ -212,7 +221,7 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor | None:
 def reshard(model: nn.Module) -> None:
     """Put an FSDP model's gathered weights back into shards: FSDP keeps the root's gathered
     after a forward without backward (an evaluation), and a checkpoint reads or loads shards."""
-    if _is_fsdp(model):
+    if sharded(model):
         model.reshard()
 
 
@@ -222,7 +231,7 @@ def root_weights(model: nn.Module) -> Iterator[None]:
     reads them outside a forward (evaluation takes the lm head a chunk of rows at a time),
     and put back into shards after; for any other model, nothing. The blocks gather their
     own weights when called, as in any forward."""
-    if not _is_fsdp(model):
+    if not sharded(model):
         yield
         return
     model.unshard()
@@ -253,34 +262,50 @@ def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 # ---- wrapping the model ------------------------------------------------------------------
 
 
-class _TrainingLoss(nn.Module):
-    """``model.loss`` as a module's forward, which DDP needs: it prepares the gradient
-    all-reduce in ``forward``, and the trainer's loss is not the model's forward."""
+class _Training(nn.Module):
+    """What the trainer computes as one module's forward, which DDP needs: it prepares the
+    gradient all-reduce in ``forward``, and one module's parameters have one DDP wrapper.
+    ``model.loss`` given ``targets`` (SFT's fused loss); without them ``model``'s logits
+    (what a preference objective scores)."""
 
     def __init__(self, model: Llama) -> None:
         super().__init__()
         self.model = model
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor, **options: torch.Tensor
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, **options: torch.Tensor
     ) -> torch.Tensor:
+        if targets is None:
+            return self.model(tokens, **options)
         return self.model.loss(tokens, targets, **options)
 
 
 @dataclass
 class Parallel:
-    """How a wrapped model trains: which rows of a batch this rank computes, the loss to call,
-    and when gradients are synchronised."""
+    """How a wrapped model trains: which rows of a batch this rank computes, the loss (or the
+    logits) to call, and when gradients are synchronised."""
 
     mode: str
     loss: Callable[..., torch.Tensor]
     _ddp: DistributedDataParallel | None = None
     _fsdp: FSDPModule | None = None
 
+    @property
+    def ranks(self) -> int:
+        """How many ranks share each batch (1 without ``train.parallel``)."""
+        return 1 if self.mode == "none" else world_size()
+
+    def logits(self, model: Llama, tokens: torch.Tensor, **options: torch.Tensor) -> torch.Tensor:
+        """``model``'s logits through its wrapper (as :attr:`loss` is): DDP's forward, so the
+        backward of a loss on them averages the gradients; an FSDP model's own forward."""
+        if self._ddp is not None:
+            return self._ddp(tokens, **options)
+        return model(tokens, **options)
+
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous, equal share of a global batch's rows."""
-        n = world_size()
-        if self.mode == "none" or n == 1:
+        n = self.ranks
+        if n == 1:
             return batch
         if len(batch) % n:
             n_ctx = batch.shape[-1]
@@ -306,7 +331,7 @@ def whole_model(model: Llama) -> Llama:
     """An FSDP model as a plain one with its whole weights on the CPU, on rank 0 (every rank
     takes part in gathering them; the others get ``model`` back); any other model as it is.
     What a run returns and exports is then the model a single process would have trained."""
-    if not _is_fsdp(model):
+    if not sharded(model):
         return model
     reshard(model)
     weights = {name: gathered(tensor) for name, tensor in model.state_dict().items()}
@@ -331,7 +356,7 @@ def apply(model: Llama, mode: str, *, mixed_precision: bool = False) -> Parallel
     if mode == "ddp":
         device = next(model.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(_TrainingLoss(model), device_ids=ids)
+        ddp = DistributedDataParallel(_Training(model), device_ids=ids)
         return Parallel(mode, ddp, _ddp=ddp)
     from torch.distributed.fsdp import (  # only here: see _is_sharded
         MixedPrecisionPolicy,

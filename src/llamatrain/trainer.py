@@ -14,10 +14,11 @@ packed examples (``documents`` None when each row holds one), all split alike by
 
 A preference objective (``train.objective``: dpo, ipo, orpo, simpo; ``llamatrain.preference``)
 trains on rows of whole chosen/rejected pairs instead: each micro-batch's loss is its pairs' share
-of the step's mean over pairs, and each step also reports the reward margin and accuracy and the
-chosen and rejected log-probs. DPO/IPO over a full finetune read their reference from a
+of the step's mean over the batch's pairs (every rank counts the whole batch's, which it holds),
+and each step also reports the reward margin and accuracy and the chosen and rejected log-probs,
+means over every rank's pairs. DPO/IPO over a full finetune read their reference from a
 :class:`~llamatrain.preference.ReferenceTable` (the initial model's log-probs of every row),
-looked up by the rows the sampler draws.
+looked up by the rows the sampler draws and cut among the ranks as the rows are.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -112,7 +113,7 @@ class Trainer:
         self.progress = progress and self.main
         prepared = model if isinstance(model, PreparedModel) else prepare(model, cfg)
         self.model, self.device, self.parallel = prepared.model, prepared.device, prepared.parallel
-        self.loss_fn = prepared.loss_fn
+        self.loss_fn, self.logits_fn = prepared.loss_fn, prepared.logits_fn
         t = cfg.train
         self.objective = None  # the next-token loss (sft), or a preference objective
         if t.objective != "sft":
@@ -134,6 +135,7 @@ class Trainer:
         self.convergence = ConvergenceTests(cfg.optim)
         self.stop = StopRequest()  # set by SIGTERM/SIGINT during fit()
         self.grad_norm: float | None = None  # of the last step, before clipping, when known
+        self.pair_metrics: dict[str, float] = {}  # of the last step, a preference objective's
         self.history = History()
         self.micro_batch = cfg.seqs_per_ubatch
         self.checkpoints = CheckpointManager(
@@ -209,20 +211,26 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.objective is not None:
             return self._accumulate_preference(inputs, targets, documents, reference)
-        batch_rows, batch_scored = len(targets), scored_count(targets)
-        inputs, targets = self.parallel.rows(inputs), self.parallel.rows(targets)
-        ranks = batch_rows // len(targets)
+        batch_scored, ranks = scored_count(targets), self.parallel.ranks
         total = 0.0
-        x_parts, y_parts = inputs.split(self.micro_batch), targets.split(self.micro_batch)
-        d_parts = [None] * len(x_parts)
-        if documents is not None:
-            d_parts = self.parallel.rows(documents).split(self.micro_batch)
-        for i, (x, y, d) in enumerate(zip(x_parts, y_parts, d_parts, strict=True)):
-            with self.parallel.gradient_sync(i == len(x_parts) - 1):
+        for last, (x, y, d) in self._micro_batches(inputs, targets, documents):
+            with self.parallel.gradient_sync(last):
                 loss = self._loss(x, y, d) * (scored_count(y) * ranks / batch_scored)
                 loss.backward()
             total += loss.item()
         return parallel.average(total)
+
+    def _micro_batches(
+        self, *parts: torch.Tensor | None
+    ) -> Iterator[tuple[bool, tuple[torch.Tensor | None, ...]]]:
+        """This rank's share of a batch's rows (``parts``: inputs, targets … cut alike, None
+        passed on), in micro-batches of whole rows; each with whether it is the last, whose
+        backward exchanges the gradients."""
+        mine = [None if part is None else self.parallel.rows(part) for part in parts]
+        n = math.ceil(len(mine[0]) / self.micro_batch)
+        cut = [[None] * n if part is None else part.split(self.micro_batch) for part in mine]
+        for i, micro_batch in enumerate(zip(*cut, strict=True)):
+            yield i == n - 1, micro_batch
 
     def _accumulate_preference(
         self,
@@ -232,9 +240,12 @@ class Trainer:
         reference: torch.Tensor | None,
     ) -> float:
         """:meth:`_accumulate_gradients` for a preference objective: micro-batches of whole
-        pairs (a pair is one row's two documents), each micro-batch's loss its share of the
-        step's mean over pairs; the step's metrics are kept in the objective. ``reference``:
-        the rows' cached reference slots (a full finetune's DPO/IPO), cut alike."""
+        pairs (a pair lies in one row), each micro-batch's loss its share of the step's mean
+        over the batch's pairs (``ranks``-fold, as SFT's); the step's metrics are kept in
+        :attr:`pair_metrics`. ``reference``: the rows' cached reference slots (a full
+        finetune's DPO/IPO), cut alike. The policy's logits come through the wrapper
+        (``logits_fn``: DDP, FSDP, compile); a LoRA run's reference is the plain model with
+        its adapters off, without gradients, so no wrapper is needed for it."""
         if documents is None:
             raise TrainingError(
                 f"train.objective = {self.cfg.train.objective!r} trains on rows of preference "
@@ -247,27 +258,36 @@ class Trainer:
             )
         objective = self.objective
         objective.start_step()
-        counts = objective.batch_counts(targets, documents)
+        counts = objective.batch_counts(targets, documents)  # the whole batch's, on every rank
         total = 0.0
-        r_parts = [None] * len(inputs.split(self.micro_batch))
-        if reference is not None:
-            r_parts = reference.split(self.micro_batch)
-        parts = zip(
-            inputs.split(self.micro_batch),
-            targets.split(self.micro_batch),
-            documents.split(self.micro_batch),
-            r_parts,
-            strict=True,
-        )
-        for x, y, d, r in parts:
+        for last, (x, y, d, r) in self._micro_batches(inputs, targets, documents, reference):
             x, y, d = x.to(self.device), y.to(self.device), d.to(self.device)
-            reference = objective.reference_logps(self.model, x, y, d, self._autocast(), r)
-            with self._autocast():
-                logits = self.model(x, documents=d)
-            loss = objective.loss(logits, y, d, reference, counts)
-            loss.backward()
+            with self.parallel.gradient_sync(last):
+                ref = objective.reference_logps(self.model, x, y, d, self._autocast(), r)
+                with self._autocast():
+                    logits = self.logits_fn(x, documents=d)
+                loss = objective.loss(logits, y, d, ref, counts) * self.parallel.ranks
+                loss.backward()
             total += loss.item()
-        return total
+        self.pair_metrics = self._batch_metrics(targets, documents, counts)
+        return parallel.average(total)
+
+    def _batch_metrics(
+        self, targets: torch.Tensor, documents: torch.Tensor, counts: tuple[int, int]
+    ) -> dict[str, float]:
+        """The step's preference metrics over the whole batch: each rank's means (over its
+        pairs; ORPO's nll over its chosen tokens) weighted by its counts, summed over the
+        ranks, divided by the batch's ``counts``. Every rank holds whole rows, each with a
+        pair, so every rank reports the same names."""
+        metrics = self.objective.metrics()
+        if self.parallel.ranks == 1:
+            return metrics
+        rows = self.parallel.rows
+        mine = self.objective.batch_counts(rows(targets), rows(documents))
+        names = sorted(metrics)
+        per = [int(name == "nll") for name in names]  # the count it is a mean over
+        sums = parallel.summed([metrics[n] * mine[i] for n, i in zip(names, per, strict=True)])
+        return {n: s / counts[i] for n, s, i in zip(names, sums, per, strict=True)}
 
     def _clip(self) -> None:
         """Clip the global gradient norm; remember the norm before clipping when it is known
@@ -441,7 +461,7 @@ class Trainer:
         if self.grad_norm is not None:
             record["grad_norm"] = self.grad_norm
         if self.objective is not None:
-            record |= self.objective.metrics()
+            record |= self.pair_metrics
         self.history.train.append(record)
         if self._every(t.log_every) or self.state.step == t.steps:
             self._log(record)

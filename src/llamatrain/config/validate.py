@@ -84,9 +84,9 @@ def _validate_parallel(cfg: Config) -> None:
 
 
 def _validate_objective(cfg: Config) -> None:
-    """A preference objective trains on JSONL pairs, single-process and uncompiled for now;
-    DPO/IPO need a reference model: a LoRA run's adapters switched off, or a full finetune's
-    model.init_from (its log-probs cached before training)."""
+    """A preference objective trains on JSONL pairs (on any train.parallel, compiled or
+    not, as SFT); DPO/IPO need a reference model: a LoRA run's adapters switched off, or a
+    full finetune's model.init_from (its log-probs cached before training)."""
     t = cfg.train
     objective = t.objective
     if objective == "sft":
@@ -114,13 +114,6 @@ def _validate_objective(cfg: Config) -> None:
             f"train.label_smoothing = {t.label_smoothing} "
             f"{_set_in(cfg, 'train.label_smoothing', 'train.objective')} is conservative DPO's "
             f"(and SimPO's); train.objective = {objective!r} has none: set it to 0"
-        )
-    if t.parallel != "none" or t.compile:
-        key = "train.parallel" if t.parallel != "none" else "train.compile"
-        raise ConfigError(
-            f"train.objective = {objective!r} {_set_in(cfg, 'train.objective', key)} trains in "
-            "one process, uncompiled, for now; set train.parallel = 'none' and train.compile "
-            "= false"
         )
 
 
