@@ -36,23 +36,31 @@ from torch import nn
 
 from llamatrain.errors import ConfigError
 from llamatrain.model_config import ModelConfig  # also offered here: public API
+from llamatrain.ops.layout import document_layout, layout_positions
 from llamatrain.ops.sets import OpSet, op_set
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
-    """Rope positions (B, T) of packed documents: each token's index within its document.
+    """Rope positions (B, T) of packed documents: each token's index within its document or,
+    with branch ids ((B, T, 2) ``documents``), within its trunk + own branch
+    (``llamatrain.ops.layout.layout_positions``).
 
-    ``documents`` holds non-decreasing ids per row, so a document starts at the first index
-    holding its id, which ``searchsorted`` finds for every token at once.
+    Ids must be non-decreasing along each row, and branch ids non-negative and non-decreasing
+    within a document (its trunk, 0, first): the attention mask relies on both.
     """
-    if documents.dim() != 2 or bool((documents.diff(dim=1) < 0).any()):
+    ids, branches = document_layout(documents)
+    if ids.dim() != 2 or bool((ids.diff(dim=1) < 0).any()):
         raise ValueError(
-            f"documents must be (batch, seq) ids, non-decreasing along seq; got shape "
-            f"{tuple(documents.shape)}"
+            f"documents must be (batch, seq) ids, non-decreasing along seq, or (batch, seq, 2) "
+            f"ids and branch ids; got shape {tuple(documents.shape)}"
         )
-    ids = documents.contiguous()
-    starts = torch.searchsorted(ids, ids)
-    return torch.arange(ids.shape[1], device=ids.device) - starts
+    if branches is not None:
+        back = (ids.diff(dim=1) == 0) & (branches.diff(dim=1) < 0)
+        if bool(back.any() | (branches < 0).any()):
+            raise ValueError(
+                "branch ids must be non-negative and non-decreasing within each document"
+            )
+    return layout_positions(ids, branches)
 
 
 # ---- the modules -------------------------------------------------------------------------
@@ -221,7 +229,8 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``documents`` (B, T): packed document ids; attention stays within each document."""
+        """``documents`` (B, T): packed document ids, attention staying within each document;
+        or (B, T, 2) ids and branch ids (see :meth:`Llama.hidden_states`)."""
         a = self.attention(self.attn_norm(x), rope, cache, documents)
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
@@ -323,7 +332,10 @@ class Llama(nn.Module):
 
         ``documents`` (batch, seq): ids of the documents packed into each row (non-decreasing);
         each document then runs as if alone: rope positions restart at 0 at its first token
-        and its tokens attend only within it. Training only (no KV cache).
+        and its tokens attend only within it. (batch, seq, 2): ids and branch ids, each branch
+        of a document running as if alone after the document's trunk (a preference pair's
+        replies after their shared prompt; ``llamatrain.ops.attention``). Training only (no
+        KV cache).
         """
         if documents is not None and cache is not None:
             raise ValueError("documents (packed training rows) cannot be used with a KV cache")

@@ -1,10 +1,11 @@
 """Preference objectives: DPO, IPO, ORPO and SimPO on rows of chosen/rejected pairs.
 
-The data (``llamatrain.data.preferences``) lays each pair into one row as two documents:
-document ``2k`` is pair ``k``'s chosen reply, ``2k + 1`` its rejected one, and only reply
-tokens are scored (targets not -100). :func:`pair_logps` sums each document's scored
-log-probabilities, so one forward over the rows gives every pair's
-``log π(chosen)`` and ``log π(rejected)``.
+The data (``llamatrain.data.preferences``) lays each pair into one row as one document whose
+prompt is computed once for both replies: (B, T, 2) ``documents`` of (document, branch) ids,
+pair ``k`` of a row document ``k``, its chosen reply in branch 1 and its rejected one in
+branch 2, each seeing the shared prompt (branch 0) and itself; only reply tokens are scored
+(targets not -100). :func:`pair_logps` sums each branch's scored log-probabilities, so one
+forward over the rows gives every pair's ``log π(chosen)`` and ``log π(rejected)``.
 
 The losses are the published formulas, as TRL computes them, on per-pair log-probs:
 
@@ -58,6 +59,7 @@ import torch.nn.functional as F
 
 from llamatrain.data.cache import read_description
 from llamatrain.data.examples import ExampleRows
+from llamatrain.data.preferences import CHOSEN, REJECTED
 from llamatrain.errors import TrainingError
 from llamatrain.files import write_text_atomically, written_atomically
 from llamatrain.lora import adapters_disabled
@@ -111,20 +113,32 @@ class PairLogps:
         return self.chosen / self.chosen_tokens, self.rejected / self.rejected_tokens
 
 
-def pair_slots(logps: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
-    """(B, k, 4): for each row's pair slot ``j`` (documents 2j and 2j + 1) the sums of
-    ``logps`` over its chosen and its rejected reply's scored targets and their counts;
-    a slot with no pair scores nothing (counts 0). k = (T + 1) // 2 for T positions.
+_BRANCHES = 3
+"""Branches of a pair's document: its prompt (the trunk), chosen and rejected."""
 
-    A scored target is never its document's first token, so its input and itself share the
-    input's document id (``documents`` is the inputs').
+
+def _branch_bins(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) one bin per (document, branch): ``document·3 + branch``.
+
+    A scored target is never its branch's first token (that is the last prompt token, or the
+    example's first), so its input and itself share the input's bin (``documents`` is the
+    inputs').
     """
+    return documents[..., 0] * _BRANCHES + documents[..., 1]
+
+
+def pair_slots(logps: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """(B, k, 4): for each row's pair slot ``j`` (document j) the sums of ``logps`` over
+    its chosen and its rejected branch's scored targets and their counts; a slot with no pair
+    scores nothing (counts 0). k = (T + 1) // 2 for T positions."""
     scored = (targets != IGNORE_INDEX).to(logps.dtype)
-    n_rows, width = documents.shape
-    sums = logps.new_zeros(n_rows, width + 1).scatter_add(1, documents, logps)
-    counts = scored.new_zeros(n_rows, width + 1).scatter_add(1, documents, scored)
+    bins = _branch_bins(documents)
+    n_rows, width = bins.shape
+    sums = logps.new_zeros(n_rows, _BRANCHES * (width + 1)).scatter_add(1, bins, logps)
+    counts = scored.new_zeros(n_rows, _BRANCHES * (width + 1)).scatter_add(1, bins, scored)
     k = (width + 1) // 2
-    parts = (sums[:, 0::2], sums[:, 1::2], counts[:, 0::2], counts[:, 1::2])
+    chosen, rejected = slice(CHOSEN, None, _BRANCHES), slice(REJECTED, None, _BRANCHES)
+    parts = (sums[:, chosen], sums[:, rejected], counts[:, chosen], counts[:, rejected])
     return torch.stack([part[:, :k] for part in parts], dim=-1)
 
 
@@ -137,17 +151,18 @@ def slot_pairs(slots: torch.Tensor) -> PairLogps:
 
 
 def pair_logps(logps: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor) -> PairLogps:
-    """Sum ``logps`` (B, T, from :func:`token_logps`) over each document's scored targets
-    and read them as pairs: document 2k chosen, 2k + 1 rejected (padding scores nothing)."""
+    """Sum ``logps`` (B, T, from :func:`token_logps`) over each branch's scored targets
+    and read them as pairs: document k's chosen and rejected branch (padding scores nothing)."""
     return slot_pairs(pair_slots(logps, targets, documents))
 
 
 def pair_count(targets: torch.Tensor, documents: torch.Tensor) -> int:
-    """Pairs in a batch: its chosen documents that score something (each has a rejected)."""
+    """Pairs in a batch: its chosen branches that score something (each has a rejected)."""
     scored = (targets != IGNORE_INDEX).to(torch.int64)
-    counts = scored.new_zeros(documents.shape[0], documents.shape[1] + 1)
-    counts.scatter_add_(1, documents, scored)
-    return int((counts[:, 0::2] > 0).sum())
+    bins = _branch_bins(documents)
+    counts = scored.new_zeros(bins.shape[0], _BRANCHES * (bins.shape[1] + 1))
+    counts.scatter_add_(1, bins, scored)
+    return int((counts[:, CHOSEN::_BRANCHES] > 0).sum())
 
 
 # ---- the losses on log-probs (per pair) ------------------------------------------------------
@@ -245,7 +260,7 @@ class PreferenceObjective:
     def batch_counts(targets: torch.Tensor, documents: torch.Tensor) -> tuple[int, int]:
         """A batch's pairs and its chosen replies' scored tokens (ORPO's NLL divisor)."""
         scored = targets != IGNORE_INDEX
-        chosen_tokens = int((scored & (documents % 2 == 0)).sum())
+        chosen_tokens = int((scored & (documents[..., 1] == CHOSEN)).sum())
         return pair_count(targets, documents), chosen_tokens
 
     def start_step(self) -> None:
@@ -379,8 +394,9 @@ class PreferenceObjective:
 
 # ---- the cached reference of a full finetune --------------------------------------------------
 
-_REFERENCE_VERSION = 1
-"""Part of every reference cache key: bump it when what a key describes changes."""
+_REFERENCE_VERSION = 2
+"""Part of every reference cache key: bump it when what a key describes changes (2: pairs
+share their prompt, one document of branches a pair)."""
 
 REFERENCE_KIND = "reference log-prob cache"
 """How the cache's files are named in a refusal (see :mod:`llamatrain.files`)."""
@@ -389,7 +405,7 @@ REFERENCE_KIND = "reference log-prob cache"
 @dataclass
 class ReferenceTable:
     """The reference's log-probs of every row of a run's pairs: ``train`` and ``val``, each
-    (rows, slots, 4) float32 — per pair slot of a row (documents 2j, 2j + 1) the chosen and
+    (rows, slots, 4) float32 — per pair slot of a row (document j's branches) the chosen and
     the rejected reply's summed log-probs and their scored token counts (:func:`pair_slots`),
     zeros where a row has no more pairs. ``slots`` is the most pairs any row holds."""
 
@@ -434,8 +450,8 @@ def _row_slots(rows: ExampleRows) -> int:
     """The most pairs one of ``rows`` holds."""
     if rows.documents is None or not len(rows):
         return 1
-    filled_docs = np.where(rows.filled, rows.documents, -1).max(axis=1) + 1
-    return max(1, int(filled_docs.max()) // 2)
+    pairs = np.where(rows.filled, rows.documents[..., 0], -1).max(axis=1) + 1
+    return max(1, int(pairs.max()))
 
 
 def reference_table(

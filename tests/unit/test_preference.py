@@ -1,9 +1,10 @@
 """Preference objectives (DPO, IPO, ORPO, SimPO) against the published formulas, and their data.
 
-TRL is not installed in the test environment (its dependency ``datasets`` is not), so the
-reference is an independent float64 implementation of the papers' formulas in plain ``math``,
-written as TRL computes them (DPO/cDPO on summed reply log-probs; IPO, ORPO and SimPO on
-per-token means; ORPO's NLL the mean over the chosen replies' tokens): DPO, Rafailov et al.
+The reference here is an independent float64 implementation of the papers' formulas in plain
+``math``; TRL's own code (1.16) is compared with ours in
+``tests/integration/test_preference_trl.py``. The conventions are TRL's (DPO/cDPO on summed
+reply log-probs; IPO, ORPO and SimPO on per-token means) but for ORPO's NLL, here the mean
+over the chosen replies' tokens (TRL's also counts the prompt's): DPO, Rafailov et al.
 2023 Eq. 7 with Mitchell 2023's label smoothing; IPO, Azar et al. 2023 Eq. 17; ORPO, Hong et
 al. 2024 Eq. 6-7; SimPO, Meng et al. 2024 Eq. 6 (with TRL's CPO label smoothing). The whole
 path — logits → per-document sums → pairs → a step's loss cut into micro-batches — is checked
@@ -23,9 +24,10 @@ from llama_cpp_files import vocab_dir as vocab_dir
 
 from llamatrain.config import load_config, validate
 from llamatrain.data.chat_template import chat_template_for
-from llamatrain.data.examples import LineEncoder
+from llamatrain.data.examples import Example, LineEncoder
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.preferences import (
+    Pair,
     PairEncoder,
     cut_pairs,
     pair_rows,
@@ -127,12 +129,16 @@ def test_simpo_losses_and_rewards_match_the_published_formula(logps, beta, gamma
 
 
 def packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two rows of 12 positions: row 0 holds pairs (docs 0/1 and 2/3), row 1 one pair then
-    padding; targets scored on a few tokens of each reply; float64 logits over 7 tokens."""
+    """Two rows of 12 positions, (document, branch) ids: row 0 holds two pairs (documents 0
+    and 1, each a prompt then its chosen (1) and rejected (2) branch), row 1 one pair without
+    a shared prompt then padding; targets scored on a few tokens of each reply; float64
+    logits over 7 tokens."""
     g = torch.Generator().manual_seed(1)
-    documents = torch.tensor(
-        [[0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3], [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2]]
+    ids = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    branches = torch.tensor(
+        [[0, 1, 1, 2, 2, 2, 0, 1, 1, 1, 2, 2], [1, 1, 1, 1, 2, 2, 2, 0, 0, 0, 0, 0]]
     )
+    documents = torch.stack([ids, branches], dim=-1)
     targets = torch.randint(0, 7, (2, 12), generator=g)
     scored = torch.tensor(
         [[0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]], dtype=bool
@@ -147,14 +153,16 @@ def reference_pairs(logits, targets, documents) -> list[tuple[float, float, int,
     """(sum chosen, sum rejected, n chosen, n rejected) per pair by a loop over tokens."""
     out = []
     for row in range(len(logits)):
-        sums: dict[int, list[float]] = {}
+        sums: dict[tuple[int, int], list[float]] = {}
         for t in range(logits.shape[1]):
             if targets[row, t] == IGNORE_INDEX:
                 continue
             lp = torch.log_softmax(logits[row, t], -1)[targets[row, t]].item()
-            sums.setdefault(int(documents[row, t]), []).append(lp)
-        for k in range(0, max(sums) + 1, 2):
-            c, r = sums[k], sums[k + 1]
+            doc, branch = documents[row, t].tolist()
+            assert branch in (1, 2)  # only replies are scored
+            sums.setdefault((doc, branch), []).append(lp)
+        for k in range(max(doc for doc, _ in sums) + 1):
+            c, r = sums[(k, 1)], sums[(k, 2)]
             out.append((sum(c), sum(r), len(c), len(r)))
     return out
 
@@ -235,12 +243,13 @@ def test_adapters_disabled_computes_the_base(ops):
 
 def pair_row(prompt: list[int], chosen: list[int], rejected: list[int]):
     """One row of one pair, as the data lays it: inputs, targets (replies scored), documents."""
-    c, r = prompt + chosen, prompt + rejected
-    tokens = torch.tensor(c + r)
-    scored = torch.tensor([i >= len(prompt) for i in [*range(len(c)), *range(len(r))]])
-    documents = torch.tensor([0] * len(c) + [1] * len(r))
-    targets = torch.where(scored[1:], tokens[1:], IGNORE_INDEX)
-    return tokens[None, :-1], targets[None], documents[None, :-1]
+
+    def example(reply: list[int]) -> Example:
+        ids = np.array(prompt + reply, dtype=np.int64)
+        return Example(ids, np.arange(len(ids)) >= len(prompt))
+
+    pair = Pair(example(chosen), example(rejected))
+    return pair_rows([pair], len(pair), 0, packing=False).batch(np.arange(1))
 
 
 @pytest.mark.parametrize("ops", ["ggml", "torch"])
@@ -363,9 +372,11 @@ def test_rows_hold_whole_pairs_as_documents(vocab_dir: Path):
             assert len(rows) == len(pairs)
         else:
             assert len(rows) < len(pairs)
-        for r in range(len(rows)):  # every pair whole in its row: documents 2k and 2k+1
-            docs = rows.documents[r][rows.filled[r]]
-            assert len(set(docs.tolist())) % 2 == 0
+        for r in range(len(rows)):  # every pair whole in its row: one document, 3 branches
+            docs, branches = rows.documents[r][rows.filled[r]].T
+            for doc in set(docs.tolist()):
+                assert branches[docs == doc].tolist() == sorted(branches[docs == doc].tolist())
+                assert set(branches[docs == doc].tolist()) == {0, 1, 2}
     long = encoder.encode(parse_pair(json.dumps({
         "prompt": "word " * 30, "chosen": " yes" * 30, "rejected": " no"})))  # fmt: skip
     kept, cut, dropped = cut_pairs([*pairs, long], span)
@@ -388,7 +399,6 @@ def test_rows_hold_whole_pairs_as_documents(vocab_dir: Path):
         (["train.objective='simpo'", "data.format='jsonl'", "train.simpo_gamma=-1"],
          "simpo_gamma"),
         (["train.objective='orpo'", "data.format='jsonl'", "data.train_on='all'"], "train_on"),
-        (["train.objective='orpo'", "data.format='jsonl'", "train.compile=true"], "one process"),
     ],
 )  # fmt: skip
 def test_preference_settings_are_checked_in_one_line(values, says):

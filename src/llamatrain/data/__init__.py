@@ -219,8 +219,8 @@ def _preference_data(
     if cut:
         lost = f"; {dropped} of them lost a whole reply and were left out" if dropped else ""
         notes.append(
-            f"{cut} preference pairs were longer than data.n_ctx + 1 = {span} tokens (chosen "
-            f"+ rejected), cut to it{lost}"
+            f"{cut} preference pairs were longer than data.n_ctx + 1 = {span} tokens (the "
+            f"prompt once + both replies), cut to it{lost}"
         )
     for note in notes:
         warnings.warn(note, stacklevel=3)

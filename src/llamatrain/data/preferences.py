@@ -8,13 +8,23 @@ turn) or a string (one assistant turn), rendered with the chat template as a ``{
 line is. Either way only the reply is scored: a conversation's assistant turns inside the
 prompt are context, not trained.
 
-Each pair becomes two examples, chosen then rejected, laid into one ``n_ctx + 1`` row as two
-documents (each attends only to itself, positions from 0): in every row document ``2k`` is
-pair ``k``'s chosen reply and ``2k + 1`` its rejected one, and the padding after them is the
-last document, which scores nothing. ``data.packing`` puts several whole pairs into a row;
-unpacked, each pair has a row of its own. A pair never spans two rows, so batches, micro-batches
-and ranks (all cut by rows) never split one. A pair too long for a row is cut: each reply
-keeps at least half the row; a pair whose cut leaves a reply nothing scored is left out.
+Each pair becomes two examples, chosen then rejected, which share their prompt. A pair is laid
+into one ``n_ctx + 1`` row as one document with branches (``llamatrain.ops.attention``): its
+prompt but the last token once (the trunk, branch 0), then the chosen branch (1) — the last
+prompt token and the chosen reply — then the rejected branch (2), the last prompt token and the
+rejected reply. Each branch attends to the trunk and itself and takes the positions it has
+unshared, so a reply's log-probs are those of prompt + reply run alone, while the prompt is
+computed once instead of twice (only its last token twice: its output predicts each reply's
+first token). The row's documents array is (rows, n_ctx + 1, 2): pair ``k`` of a row is
+document ``k``, and each padding token after the pairs a document of its own, which scores
+nothing and whose attention, seeing only itself, costs the flash op no columns beyond the
+diagonal (one padding document would attend to all of it: quadratic in the padding).
+The prompt is the longest run of tokens both examples begin with and neither scores.
+
+``data.packing`` puts several whole pairs into a row; unpacked, each pair has a row of its own.
+A pair never spans two rows, so batches, micro-batches and ranks (all cut by rows) never split
+one. A pair too long for a row is cut: each reply's branch keeps at least half of what the
+shared prompt leaves of the row; a pair whose cut leaves a reply nothing scored is left out.
 """
 
 from __future__ import annotations
@@ -25,12 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from llamatrain.data.chat_template import Segment
-from llamatrain.data.examples import Example, ExampleRows, LineEncoder, _rows
+from llamatrain.data.examples import Example, ExampleRows, LineEncoder
 from llamatrain.data.jsonl import BadLines, _chat_line, _json_type, numbered_lines
 from llamatrain.errors import DataError
 
 __all__ = [
+    "CHOSEN",
+    "REJECTED",
+    "TRUNK",
     "Pair",
     "PairEncoder",
     "PairLine",
@@ -41,6 +56,9 @@ __all__ = [
 ]
 
 Messages = tuple[Mapping[str, str], ...]
+
+TRUNK, CHOSEN, REJECTED = 0, 1, 2
+"""Branch ids of a pair's tokens in a row: its shared prompt, its chosen and rejected branch."""
 
 _KEYS = ("prompt", "chosen", "rejected")
 _SHAPE = '{"prompt": ..., "chosen": ..., "rejected": ...}'
@@ -64,7 +82,27 @@ class Pair:
     rejected: Example
 
     def __len__(self) -> int:
-        return len(self.chosen.ids) + len(self.rejected.ids)
+        """The tokens the pair takes in a row, its trunk laid once."""
+        return len(self.chosen.ids) + len(self.rejected.ids) - self.trunk
+
+    @property
+    def trunk(self) -> int:
+        """Tokens laid once for both replies: those both examples begin with and neither
+        scores (the prompt), but the last, whose output predicts each reply's first token."""
+        c, r = self.chosen, self.rejected
+        n = min(len(c.ids), len(r.ids))
+        same = (c.ids[:n] == r.ids[:n]) & ~c.scored[:n] & ~r.scored[:n]
+        shared = n if same.all() else int(np.argmin(same))
+        return max(shared - 1, 0)
+
+    def branches(self) -> tuple[tuple[int, Example], ...]:
+        """(branch id, tokens) in row order: the trunk, the chosen and the rejected branch."""
+        t = self.trunk
+        return (
+            (TRUNK, _slice(self.chosen, 0, t)),
+            (CHOSEN, _slice(self.chosen, t, None)),
+            (REJECTED, _slice(self.rejected, t, None)),
+        )
 
 
 def parse_pair(line: str) -> PairLine:
@@ -181,19 +219,23 @@ def read_pairs(paths: Sequence[Path], encoder: PairEncoder, bad: BadLines) -> li
 
 
 def cut_pairs(pairs: Sequence[Pair], span: int) -> tuple[list[Pair], int, int]:
-    """Pairs made to fit a row of ``span`` tokens (each reply keeping at least half of it,
-    the longer one cut first); also how many were cut, and how many of those were left out
-    because a reply lost every scored token."""
+    """Pairs made to fit a row of ``span`` tokens as :func:`pair_rows` lays them, their
+    trunk once (each reply's branch keeping at least half of the room the trunk leaves, the
+    longer one cut first); also how many were cut, and how many of those were left out because
+    a reply lost every scored token (a trunk longer than the row leaves none)."""
     kept, cut, dropped = [], 0, 0
     for pair in pairs:
         if len(pair) <= span:
             kept.append(pair)
             continue
         cut += 1
-        n_c, n_r = len(pair.chosen.ids), len(pair.rejected.ids)
-        keep_c = min(n_c, max(span // 2, span - n_r))
-        keep_r = min(n_r, span - keep_c)
-        chosen, rejected = _head(pair.chosen, keep_c), _head(pair.rejected, keep_r)
+        trunk = pair.trunk
+        room = max(span - trunk, 0)  # for the two branches
+        n_c, n_r = len(pair.chosen.ids) - trunk, len(pair.rejected.ids) - trunk
+        keep_c = min(n_c, max(room // 2, room - n_r))
+        keep_r = min(n_r, room - keep_c)
+        chosen = _slice(pair.chosen, 0, trunk + keep_c)
+        rejected = _slice(pair.rejected, 0, trunk + keep_r)
         if not (chosen.scored.any() and rejected.scored.any()):
             dropped += 1
             continue
@@ -201,20 +243,33 @@ def cut_pairs(pairs: Sequence[Pair], span: int) -> tuple[list[Pair], int, int]:
     return kept, cut, dropped
 
 
-def _head(example: Example, n: int) -> Example:
-    return Example(example.ids[:n], example.scored[:n], example.inexact)
+def _slice(example: Example, start: int, stop: int | None) -> Example:
+    return Example(example.ids[start:stop], example.scored[start:stop], example.inexact)
 
 
 def pair_rows(pairs: Sequence[Pair], span: int, pad_id: int, *, packing: bool) -> ExampleRows:
-    """Rows of ``span`` tokens holding whole pairs (each at most ``span``), chosen then
-    rejected, each its own document: several pairs a row in order when ``packing``, else
-    one."""
-    groups: list[list[Example]] = [[]]
+    """Rows of ``span`` tokens holding whole pairs (each at most ``span``), each pair one
+    document of three branches (trunk, chosen, rejected; see the module docstring): several
+    pairs a row in order when ``packing``, else one."""
+    groups: list[list[Pair]] = [[]]
     used = 0
     for pair in pairs:
         if groups[-1] and (not packing or used + len(pair) > span):
             groups.append([])
             used = 0
-        groups[-1] += [pair.chosen, pair.rejected]
+        groups[-1].append(pair)
         used += len(pair)
-    return _rows(groups, span, pad_id, with_documents=True)
+    tokens = np.full((len(groups), span), pad_id, dtype=np.int64)
+    scored = np.zeros((len(groups), span), dtype=bool)
+    filled = np.zeros((len(groups), span), dtype=bool)
+    documents = np.zeros((len(groups), span, 2), dtype=np.int64)  # (document, branch) ids
+    for r, group in enumerate(groups):
+        start = 0
+        for doc, pair in enumerate(group):
+            for branch, piece in pair.branches():
+                end = start + len(piece.ids)
+                tokens[r, start:end], scored[r, start:end] = piece.ids, piece.scored
+                filled[r, start:end], documents[r, start:end] = True, (doc, branch)
+                start = end
+        documents[r, start:, 0] = len(group) + np.arange(span - start)  # padding: see above
+    return ExampleRows(tokens, scored, filled, documents)

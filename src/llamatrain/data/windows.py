@@ -48,7 +48,8 @@ class Batch(NamedTuple):
     targets: torch.Tensor
     documents: torch.Tensor | None = None
     """Packed rows only: each token's document id, which masks attention between documents
-    and restarts positions; None for windows of one text."""
+    and restarts positions — or (rows, ctx, 2) document and branch ids for preference pairs,
+    whose prompt both replies see (``llamatrain.ops.layout``); None for windows of one text."""
 
 
 class Rows(Protocol):

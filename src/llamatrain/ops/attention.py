@@ -22,6 +22,20 @@ Packed documents: with ``documents`` (B, T) ids, non-decreasing along each row, 
 that mask as one (B, block, kv) bias tile from the ids (never T×T), and its kv columns start at
 the first document its rows belong to: earlier documents are invisible to all of them.
 
+Branches (shared prompts): ``branches`` (B, T) ids beside ``documents`` split a document into
+a *trunk* (branch 0, first) and branches 1, 2, ... after it, each of which continues the trunk
+as if the others were not there: query i sees key j iff same document, ``j <= i``, and key j is
+in the trunk or in i's own branch. A preference pair is one document: its prompt but the last
+token is the trunk, and the chosen and the rejected reply (each after that last prompt token)
+are branches 1 and 2, so the prompt is computed once for both. A token's rope *position* is
+the number of keys before it that it sees: its index within the document, less the tokens of
+its earlier sibling branches -- exactly its index in the unshared sequence trunk + own branch
+(``llamatrain.ops.layout.layout_positions``). The kv columns of a block still start at its
+first row's document (the trunk precedes every branch). The model and the op sets carry the
+two id tensors as one (B, T, 2) ``documents`` tensor (ids, branch ids;
+``llamatrain.ops.layout.document_layout``), so whatever cuts or moves a batch's documents
+moves both; plain (B, T) ids are a layout without branches.
+
 Sliding window: with ``window`` = w, query i (at kv position ``i + seq_kv - seq``) sees key j
 only if ``i - w < j <= i`` -- itself and the w - 1 keys before it. That is llama.cpp's
 ``LLAMA_SWA_TYPE_STANDARD`` (``llama_hparams::is_masked_swa``: key p0 is masked for query p1
@@ -29,7 +43,11 @@ when ``p1 - p0 >= n_swa``) and HF's ``sliding_window``. A block of rows [i0, i1)
 kv columns [i0 - w + 1, i1): the columns before that are never multiplied, which is where the
 speed comes from (each block's tile is ``block + w - 1`` columns wide instead of up to T). The
 window composes with documents (a key must be in the window *and* in the same document) and
-with GQA, and the backward walks the same trimmed tiles.
+with GQA, and the backward walks the same trimmed tiles. With documents the window counts rope
+positions, ``pos_i - pos_j < w``: within a plain document that is ``i - j < w``, and across a
+branch gap it is the distance the unshared sequence has (a rejected reply's token is as far
+from a prompt token as it is with no chosen reply in between). A block's first kv column is
+then the least over its rows of ``document start + max(0, pos - w + 1)``.
 
 Soft-capping (Gemma 2's ``attn_logit_softcapping``): ``S = cap·tanh(Q·Kᵀ·scale / cap)`` before
 the mask, as ggml's ``flash_attn_ext`` applies ``logit_softcap``. The backward rebuilds
@@ -39,11 +57,13 @@ the mask, as ggml's ``flash_attn_ext`` applies ``logit_softcap``. The backward r
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from llamatrain.ops.dtypes import compute_dtype
+from llamatrain.ops.layout import layout_positions
 
 __all__ = ["BLOCK_SIZE", "flash_attn"]
 
@@ -85,6 +105,26 @@ def _build_causal_bias(
     return bias.repeat(groups, 1)
 
 
+class _Layout(NamedTuple):
+    """What a packed call's mask needs besides the shapes: document and branch ids, the rope
+    positions the window measures (documents and a window only), and each query block's first
+    kv column (documents only; :func:`_block_kv_starts`)."""
+
+    documents: torch.Tensor | None
+    branches: torch.Tensor | None
+    positions: torch.Tensor | None
+    kv_starts: list[int] | None
+
+    def first_column(self, i0: int, block: int, off: int, window: int | None) -> int:
+        """The first kv column the query block starting at row ``i0`` multiplies: no earlier
+        column is visible to any of its rows."""
+        if self.kv_starts is not None:
+            return self.kv_starts[i0 // block]
+        if window is not None:  # columns before the first row's window
+            return max(0, i0 + off - window + 1)
+        return 0
+
+
 class _FlashAttn(torch.autograd.Function):
     """Blockwise attention; see the module docstring.
 
@@ -106,6 +146,7 @@ class _FlashAttn(torch.autograd.Function):
         documents: torch.Tensor | None,
         window: int | None = None,
         softcap: float | None = None,
+        branches: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
@@ -118,7 +159,13 @@ class _FlashAttn(torch.autograd.Function):
         kt = k.to(cdt).transpose(-1, -2)
         vc = v.to(cdt)
 
-        kv_starts = None if documents is None else _block_kv_starts(documents, block)
+        positions = None  # the window's distances, with documents (see the module docstring)
+        if documents is not None and window is not None:
+            positions = layout_positions(documents, branches)
+        kv_starts = None
+        if documents is not None:
+            kv_starts = _block_kv_starts(documents, block, positions, window)
+        layout = _Layout(documents, branches, positions, kv_starts)
         out = torch.empty(B, Hkv, G, T, D, dtype=cdt, device=q.device)
         lse = torch.empty(B, Hkv, G, T, 1, dtype=cdt, device=q.device)
         cap2 = None if softcap is None else softcap * _LOG2E  # the cap in base-2 units
@@ -127,13 +174,11 @@ class _FlashAttn(torch.autograd.Function):
             n = i1 - i0
             kv_end = i1 + off if causal else S  # causal: later columns are all masked
             qb = q2[:, :, :, i0:i1].reshape(B, Hkv, G * n, D)
-            kv_start = 0 if kv_starts is None else kv_starts[i0 // block]
-            if window is not None:  # columns before the first row's window: never multiplied
-                kv_start = max(kv_start, i0 + off - window + 1)
+            kv_start = layout.first_column(i0, block, off, window)
             s = torch.matmul(qb, kt[..., kv_start:kv_end])  # (B, Hkv, G·n, kv), base-2 scores
             if cap2 is not None:
                 s = s.div_(cap2).tanh_().mul_(cap2)
-            _mask_tile(s, documents, causal, window, i0, i1, off, kv_start, G, cdt)
+            _mask_tile(s, layout, causal, window, i0, i1, off, kv_start, G, cdt)
             m = s.amax(dim=-1, keepdim=True)
             p = s.sub_(m).exp2_()  # unnormalised softmax
             denom = p.sum(dim=-1, keepdim=True)
@@ -143,7 +188,7 @@ class _FlashAttn(torch.autograd.Function):
             lse[:, :, :, i0:i1] = denom.log2_().add_(m).mul_(_LN2).view(B, Hkv, G, n, 1)
 
         out = out.view(B, H, T, D).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.save_for_backward(q, k, v, out, lse, documents, branches, positions)
         ctx.kv_starts = kv_starts
         ctx.causal = causal
         ctx.scale = scale
@@ -168,8 +213,8 @@ class _FlashAttn(torch.autograd.Function):
         the kv columns are the same trimmed range the forward used; with soft-capping
         ``S = cap·t``, ``t = tanh(Q_b·Kᵀ·scale/cap)`` and dS is multiplied by ``1 − t²``.
         """
-        q, k, v, out, lse, documents = ctx.saved_tensors
-        kv_starts: list[int] | None = ctx.kv_starts
+        q, k, v, out, lse, documents, branches, positions = ctx.saved_tensors
+        layout = _Layout(documents, branches, positions, ctx.kv_starts)
         causal: bool = ctx.causal
         scale: float = ctx.scale
         block: int = ctx.block
@@ -207,9 +252,7 @@ class _FlashAttn(torch.autograd.Function):
             i1 = min(i0 + block, T)
             n = i1 - i0
             kv_end = i1 + off if causal else S
-            kv_start = 0 if kv_starts is None else kv_starts[i0 // block]
-            if window is not None:
-                kv_start = max(kv_start, i0 + off - window + 1)
+            kv_start = layout.first_column(i0, block, off, window)
             qab = qa[:, :, :, i0:i1].reshape(B, Hkv, G * n, D + 1)
             doab = doa[:, :, :, i0:i1].reshape(B, Hkv, G * n, D + 1)
             tanh = None
@@ -221,7 +264,7 @@ class _FlashAttn(torch.autograd.Function):
                 tanh = torch.matmul(qab[..., :D], ka_t[..., :D, kv_start:kv_end])
                 tanh.div_(cap2).tanh_()
                 p = torch.mul(tanh, cap2).add_(qab[..., D:])  # cap·t − lse (base 2)
-            _mask_tile(p, documents, causal, window, i0, i1, off, kv_start, G, cdt)
+            _mask_tile(p, layout, causal, window, i0, i1, off, kv_start, G, cdt)
             # P = exp(S − lse): the forward softmax, rebuilt from the saved log-sum-exp.
             p.exp2_()
             # dV += Pᵀ·dO (the G heads sharing a kv head are rows of P, so this sums them).
@@ -252,12 +295,13 @@ class _FlashAttn(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 def _mask_tile(
     s: torch.Tensor,
-    documents: torch.Tensor | None,
+    layout: _Layout,
     causal: bool,
     window: int | None,
     i0: int,
@@ -273,8 +317,8 @@ def _mask_tile(
     not causal). Without a window this is the mask the op always had, added the same way.
     """
     n = i1 - i0
-    if documents is not None:
-        bias = _document_bias(documents, i0, i1, kv_start, dtype, window)
+    if layout.documents is not None:
+        bias = _document_bias(layout, i0, i1, kv_start, dtype, window)
         s.view(*s.shape[:2], groups, n, -1).add_(bias)
     elif causal:
         cols = s.shape[-1]
@@ -326,42 +370,57 @@ def _accumulate(
     return total
 
 
-def _block_kv_starts(documents: torch.Tensor, block: int) -> list[int]:
-    """First kv column any row of each query block can see: its first document's start.
+def _block_kv_starts(
+    documents: torch.Tensor,
+    block: int,
+    positions: torch.Tensor | None = None,
+    window: int | None = None,
+) -> list[int]:
+    """First kv column any row of each query block can see, over the batch.
 
-    Ids are non-decreasing, so a row's document starts at the first index holding its id;
-    the earliest over the block is that of its first row, taken over the batch. One host sync
-    per forward.
+    A row sees nothing before its document's start (ids are non-decreasing, so that is the
+    first index holding its id; a branch's trunk comes before it) and, with a window, nothing
+    more than ``window - 1`` positions back: ``start + max(0, pos - window + 1)``. Positions
+    restart at a branch, so the least over a block's rows is taken, not its first row's. One
+    host sync per forward.
     """
-    firsts = documents[:, ::block].contiguous()
-    return torch.searchsorted(documents.contiguous(), firsts).amin(dim=0).tolist()
+    ids = documents.contiguous()
+    starts = torch.searchsorted(ids, ids)
+    if positions is not None:
+        starts = starts + (positions - (window - 1)).clamp_(min=0)
+    rows, length = starts.shape
+    blocks = -(-length // block)
+    tail = starts.new_full((rows, blocks * block - length), length)
+    return torch.cat([starts, tail], dim=1).view(rows, blocks, block).amin(dim=(0, 2)).tolist()
 
 
 def _document_bias(
-    documents: torch.Tensor,
+    layout: _Layout,
     i0: int,
     i1: int,
     kv_start: int,
     dtype: torch.dtype,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Additive (B, 1, 1, rows, kv) mask of a packed block: -inf unless same document and j <= i
-    (and ``i - window < j`` with a window).
+    """Additive (B, 1, 1, rows, kv) mask of a packed block: -inf unless same document, j <= i,
+    key j in the trunk or in i's branch (with branches), and ``pos_i - pos_j < window`` (with a
+    window).
 
     Broadcast over the kv heads and the G query heads of the block's rows; B·block·kv
     elements, never T×T.
     """
-    rows = documents[:, i0:i1, None]
-    cols = documents[:, None, kv_start:i1]
-    hidden = rows != cols
+    documents = layout.documents
+    hidden = documents[:, i0:i1, None] != documents[:, None, kv_start:i1]
     # Causality: key kv_start + c lies after query i0 + r where c - r > i0 - kv_start.
     hidden |= torch.ones(i1 - i0, i1 - kv_start, dtype=torch.bool, device=documents.device).triu_(
         1 + i0 - kv_start
     )
-    if window is not None:  # key kv_start + c is w or more before query i0 + r: c - r <= lo
-        hidden |= torch.ones(
-            i1 - i0, i1 - kv_start, dtype=torch.bool, device=documents.device
-        ).tril_(i0 - kv_start - window)
+    if layout.branches is not None:  # another branch's key: neither trunk nor the query's own
+        theirs = layout.branches[:, None, kv_start:i1]
+        hidden |= (theirs != 0) & (theirs != layout.branches[:, i0:i1, None])
+    if window is not None:  # window - 1 positions back at most
+        positions = layout.positions
+        hidden |= positions[:, i0:i1, None] - positions[:, None, kv_start:i1] >= window
     bias = torch.zeros(hidden.shape, dtype=dtype, device=documents.device)
     return bias.masked_fill_(hidden, -math.inf)[:, None, None]
 
@@ -382,6 +441,21 @@ def _validate_documents(
         raise ValueError(f"documents must hold integer ids; got {documents.dtype}")
     if documents.device != q.device:
         raise ValueError(f"documents are on {documents.device}, q on {q.device}")
+
+
+def _validate_branches(branches: torch.Tensor, documents: torch.Tensor | None) -> None:
+    """Branch ids split documents: they come with documents, shaped and typed alike."""
+    if documents is None:
+        raise ValueError("branches split documents: pass documents with them")
+    if branches.shape != documents.shape:
+        raise ValueError(
+            f"branches must be shaped like documents {tuple(documents.shape)}; got "
+            f"{tuple(branches.shape)}"
+        )
+    if branches.dtype.is_floating_point or branches.dtype == torch.bool:
+        raise ValueError(f"branches must hold integer ids; got {branches.dtype}")
+    if branches.device != documents.device:
+        raise ValueError(f"branches are on {branches.device}, documents on {documents.device}")
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
@@ -430,6 +504,7 @@ def flash_attn(
     documents: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    branches: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention ``softmax(Q·Kᵀ·scale + mask)·V`` without storing the attention matrix.
 
@@ -449,6 +524,10 @@ def flash_attn(
         documents: (batch, seq) integer ids of the packed documents each token belongs to,
             non-decreasing along seq; query i then sees key j only if ``j <= i`` and both are
             in the same document. Needs ``causal`` and seq_kv == seq.
+        branches: (batch, seq) integer ids splitting each document into its trunk (0, first)
+            and branches after it (non-decreasing within a document); query i then also needs
+            key j in the trunk or in its own branch, and a window counts rope positions
+            (``llamatrain.ops.layout.layout_positions``). Needs ``documents``.
         window: sliding-window size w >= 1 (needs ``causal``): query i sees key j only if
             ``i - w < j <= i`` (positions end-aligned as for ``causal``), i.e. itself and the
             w - 1 keys before it -- llama.cpp's standard SWA (masked iff ``p1 - p0 >= n_swa``)
@@ -464,6 +543,8 @@ def flash_attn(
     _validate(q, k, v, causal)
     if documents is not None:
         _validate_documents(documents, q, k.shape[2], causal)
+    if branches is not None:
+        _validate_branches(branches, documents)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     block = int(block_size)
@@ -481,6 +562,8 @@ def flash_attn(
         softcap = float(softcap)
         if not (0.0 < softcap < math.inf):
             raise ValueError(f"softcap must be a positive finite number; got {softcap}")
-    if window is None and softcap is None:
+    if window is None and softcap is None and branches is None:
         return _FlashAttn.apply(q, k, v, causal, float(scale), block, documents)
-    return _FlashAttn.apply(q, k, v, causal, float(scale), block, documents, window, softcap)
+    return _FlashAttn.apply(
+        q, k, v, causal, float(scale), block, documents, window, softcap, branches
+    )

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from llamatrain import ops as ggml
 from llamatrain.ops.activation import geglu as ggml_geglu
+from llamatrain.ops.layout import document_layout, layout_positions
 from llamatrain.ops.lora import torch_lora_linear
 from llamatrain.ops.softcap import softcap as ggml_softcap
 
@@ -57,9 +58,11 @@ class OpSet(ABC):
     ) -> torch.Tensor:
         """Causal attention (batch, heads, t, head_dim), the mask aligned to the end of the
         keys (queries are their last rows, as when decoding against a KV cache).
-        ``documents`` (batch, t): packed document ids; a query sees its own document only.
-        ``window``: sliding window w, query i sees keys ``i - w < j <= i`` (llama.cpp's
-        standard SWA); ``scale``: score scale, default ``1/sqrt(head_dim)``."""
+        ``documents`` (batch, t): packed document ids; a query sees its own document only; or
+        (batch, t, 2): ids and branch ids, a query seeing its document's trunk and its own
+        branch (``llamatrain.ops.attention``'s module docstring). ``window``: sliding window
+        w, query i sees keys ``i - w < j <= i`` (llama.cpp's standard SWA; in rope positions
+        with documents); ``scale``: score scale, default ``1/sqrt(head_dim)``."""
         if self.attend == "sdpa":
             return sdpa_attention(q, k, v, documents, window=window, scale=scale)
         if self.attend == "softmax":
@@ -191,9 +194,14 @@ class GgmlOps(OpSet):
         return ggml_softcap(x, cap)
 
     def flash_attention(self, q, k, v, documents, *, window=None, scale=None):
-        if window is None and scale is None:
+        branches = None
+        if documents is not None:
+            documents, branches = document_layout(documents)
+        if window is None and scale is None and branches is None:
             return ggml.flash_attn(q, k, v, documents=documents)
-        return ggml.flash_attn(q, k, v, documents=documents, window=window, scale=scale)
+        return ggml.flash_attn(
+            q, k, v, documents=documents, window=window, scale=scale, branches=branches
+        )
 
     def softmax_attention(self, q, k, v, documents, *, window=None, scale=None):
         return ggml_softmax_attention(q, k, v, documents, window=window, scale=scale)
@@ -295,24 +303,28 @@ def torch_rope(
     return out.flatten(-2).to(x.dtype)
 
 
-def _document_visible(documents: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) boolean: query i sees key j iff j <= i in the same document (reference)."""
-    same = documents[:, :, None] == documents[:, None, :]
-    return same.tril_()[:, None]
-
-
-def _window_visible(
-    t: int, t_kv: int, window: int, documents: torch.Tensor | None, device: torch.device
+def _visible(
+    t: int, t_kv: int, window: int | None, documents: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
-    """Boolean (t, t_kv), or (B, 1, t, t_kv) with documents: query i (at kv position
-    i + t_kv - t) sees key j iff ``i - window < j <= i`` and, with documents, both are in the
-    same document. The explicit-mask form of ``flash_attn``'s ``window``."""
-    rows = torch.arange(t, device=device)[:, None] + (t_kv - t)
-    cols = torch.arange(t_kv, device=device)[None, :]
-    visible = (cols <= rows) & (cols > rows - window)
-    if documents is not None:
-        visible = (visible & (documents[:, :, None] == documents[:, None, :]))[:, None]
-    return visible
+    """The explicit-mask form of ``flash_attn``'s: boolean (t, t_kv), or (B, 1, t, t_kv) with
+    ``documents`` (a layout, :meth:`OpSet.attention`). Query i (at kv position i + t_kv - t)
+    sees key j iff ``j <= i``, and, with documents, both are in the same document and key j is
+    in the trunk or i's branch; a ``window`` w keeps ``i - j < w``, with documents counted in
+    rope positions (``flash_attn``'s ``window``)."""
+    if documents is None:
+        rows = torch.arange(t, device=device)[:, None] + (t_kv - t)
+        cols = torch.arange(t_kv, device=device)[None, :]
+        visible = cols <= rows
+        return visible if window is None else visible & (cols > rows - window)
+    ids, branches = document_layout(documents)
+    visible = (ids[:, :, None] == ids[:, None, :]).tril_()
+    if branches is not None:
+        theirs = branches[:, None, :]
+        visible &= (theirs == 0) | (theirs == branches[:, :, None])
+    if window is not None:
+        positions = layout_positions(ids, branches)
+        visible &= positions[:, :, None] - positions[:, None, :] < window
+    return visible[:, None]
 
 
 def sdpa_attention(
@@ -327,16 +339,9 @@ def sdpa_attention(
     """SDPA with causal masking aligned to the end (queries are the last rows of the keys);
     a sliding ``window`` is an explicit boolean mask."""
     t, t_kv = q.shape[-2], k.shape[-2]
-    if window is not None:
-        mask = _window_visible(t, t_kv, window, documents, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
-    if documents is not None:
-        mask = _document_visible(documents)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
-    if t == t_kv:
+    if window is None and documents is None and t == t_kv:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
-    rows = torch.arange(t, device=q.device)[:, None] + (t_kv - t)
-    mask = torch.arange(t_kv, device=q.device)[None, :] <= rows
+    mask = _visible(t, t_kv, window, documents, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
@@ -368,10 +373,7 @@ def ggml_softmax_attention(
     masked = ggml.diag_mask_inf(_scores(q, k), n_past=t_kv - t)
     mask = None
     if documents is not None or window is not None:
-        if window is None:
-            hidden = ~_document_visible(documents)
-        else:
-            hidden = ~_window_visible(t, t_kv, window, documents, q.device)
+        hidden = ~_visible(t, t_kv, window, documents, q.device)
         mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
             hidden, float("-inf")
         )
@@ -392,10 +394,8 @@ def torch_softmax_attention(
     """The same graph in PyTorch: scores, a -inf mask, torch.softmax."""
     t, t_kv = q.shape[-2], k.shape[-2]
     scores = _scores(q, k) / math.sqrt(q.shape[-1]) if scale is None else _scores(q, k) * scale
-    if window is not None:
-        hidden = ~_window_visible(t, t_kv, window, documents, q.device)
-    elif documents is not None:
-        hidden = ~_document_visible(documents)
+    if documents is not None or window is not None:
+        hidden = ~_visible(t, t_kv, window, documents, q.device)
     else:
         hidden = torch.ones(t, t_kv, dtype=torch.bool, device=q.device).triu_(t_kv - t + 1)
     return _values(torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1), v)
