@@ -21,6 +21,7 @@ from llamatrain.data import build_train_data
 from llamatrain.data.chat_template import chat_template_for
 from llamatrain.data.examples import LineEncoder, cut_chars, read_examples
 from llamatrain.data.jsonl import BadLines, numbered_lines, parse_line
+from llamatrain.data.preferences import PairEncoder, read_pairs
 from llamatrain.errors import DataError
 from llamatrain.gguf.llama import read_tokenizer
 
@@ -168,3 +169,21 @@ def test_json_python_cannot_hold_is_one_line(line: str, words: str) -> None:
 def test_a_surrogate_pair_is_a_character() -> None:
     line = parse_line('{"text": "\\ud83d\\ude00"}', need_assistant=False)
     assert line.text == "\U0001f600"
+
+
+@pytest.mark.parametrize("shape", ["text", "messages"])
+def test_a_100_mb_preference_reply_is_cut_before_it_is_tokenized(tmp_path: Path, tokenizer, shape):
+    """A pair's reply is cut like any line's; both replies keep the same prompt."""
+    text = huge_row("text")["text"]
+    if shape == "text":
+        row = {"prompt": "Q: ", "chosen": text, "rejected": "No."}
+    else:
+        row = {"prompt": [{"role": "user", "content": "Q?"}], "chosen": text, "rejected": "No."}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    encoder = encoder_for(tokenizer)
+    (pair,) = bounded(lambda: read_pairs([path], PairEncoder(encoder), BadLines("error")), shape)
+    assert len(pair.chosen.ids) > SPAN and len(pair.rejected.ids) < SPAN
+    prompt = int(pair.rejected.scored.nonzero()[0][0])  # where the rejected reply is scored
+    assert pair.chosen.ids[:prompt].tolist() == pair.rejected.ids[:prompt].tolist()
+    assert encoder.cut == 1

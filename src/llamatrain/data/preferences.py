@@ -29,7 +29,6 @@ shared prompt leaves of the row; a pair whose cut leaves a reply nothing scored 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 
 from llamatrain.data.chat_template import Segment
 from llamatrain.data.examples import Example, ExampleRows, LineEncoder
+from llamatrain.data.json_text import load_json
 from llamatrain.data.jsonl import BadLines, _chat_line, _json_type, numbered_lines
 from llamatrain.errors import DataError
 
@@ -107,10 +107,7 @@ class Pair:
 
 def parse_pair(line: str) -> PairLine:
     """The pair one line holds; DataError saying in one line what is wrong."""
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    value = load_json(line)
     if not isinstance(value, dict):
         raise DataError(f"a line must be a JSON object {_SHAPE}, not {_json_type(value)}")
     missing = [key for key in _KEYS if key not in value]
@@ -171,6 +168,7 @@ class PairEncoder:
             segments = [Segment(prompt, False), Segment(reply, True)]
             return self.encoder.encode_segments(segments, special=False, eos=True)
         assert not isinstance(reply, str)
+        prompt, reply = self._bounded(prompt, reply)
         template = self.encoder.chat_template()
         segments = template.segments([*prompt, *reply])
         context = template.render(prompt) if prompt else ""
@@ -185,6 +183,13 @@ class PairEncoder:
         if not example.scored.any():
             raise DataError("a reply with nothing to score (an empty assistant turn)")
         return example
+
+    def _bounded(self, prompt: Messages, reply: Messages) -> tuple[Messages, Messages]:
+        """Prompt and reply cut as a conversation is before its template renders it
+        (``LineEncoder.bounded_chat``): the prompt comes first, so both replies of a pair keep
+        the same prompt, and a prompt that fills the budget leaves no reply to score."""
+        messages, _ = self.encoder.bounded_chat([*prompt, *reply], None)
+        return tuple(messages[: len(prompt)]), tuple(messages[len(prompt) :])
 
 
 def _after(segments: Sequence[Segment], cut: int) -> list[Segment]:
@@ -206,7 +211,7 @@ def read_pairs(paths: Sequence[Path], encoder: PairEncoder, bad: BadLines) -> li
     """Every usable line of ``paths`` as a pair, in order; ``bad`` decides about the others."""
     pairs = []
     for path in paths:
-        for number, line in numbered_lines(path):
+        for number, line in numbered_lines(path, bad):
             bad.line_read(path)
             try:
                 pairs.append(encoder.encode(parse_pair(line)))
