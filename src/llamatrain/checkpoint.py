@@ -138,10 +138,15 @@ def _adam_tensors(model: Llama, optimizer: Optimizer) -> dict[str, torch.Tensor]
 
 def _restore_adam(model: Llama, optimizer: AdamW, tensors: dict, step: int) -> None:
     """Rebuild AdamW's per-parameter state from the flat moment vectors."""
-    first = tensors["optimizer.adam.first_moments"]
-    second = tensors["optimizer.adam.second_moments"]
-    if first.numel() != sum(p.numel() for p in _trained(model)):
-        raise CheckpointError("checkpoint optimizer state does not match the model's size")
+    first = tensors.get("optimizer.adam.first_moments")
+    second = tensors.get("optimizer.adam.second_moments")
+    size = sum(p.numel() for p in _trained(model))
+    if not all(_is_moments(m, size) for m in (first, second)):
+        raise CheckpointError(
+            "checkpoint optimizer state does not match the model's size (optimizer.adam.* "
+            f"must be two float vectors of {size:,} values); resume from another checkpoint "
+            "or start a new run from its weights with model.init_from"
+        )
     if step == 0:
         return
     offset = 0
@@ -150,6 +155,15 @@ def _restore_adam(model: Llama, optimizer: AdamW, tensors: dict, step: int) -> N
         moments = [shard_like(m[offset : offset + n], p).clone() for m in (first, second)]
         optimizer.set_state(p, step, *moments)
         offset += n
+
+
+def _is_moments(tensor: torch.Tensor | None, size: int) -> bool:
+    return (
+        tensor is not None
+        and tensor.is_floating_point()
+        and tensor.dim() == 1
+        and tensor.numel() == size
+    )
 
 
 def save_checkpoint(
@@ -318,7 +332,13 @@ def _seen_tokens(tensors: dict[str, torch.Tensor], vocab_size: int | None) -> to
     """The bitmap of seen tokens: ``vocab_size`` long (None: whole bytes, for a LoRA run whose
     base, not yet read, says the size)."""
     packed = tensors.get("training.seen_tokens")
-    return None if packed is None else _unpack_bits(packed, vocab_size)
+    if packed is None:
+        return None
+    if packed.dtype != torch.int8 or packed.dim() != 1 or 8 * packed.numel() < (vocab_size or 0):
+        raise _damaged_key(
+            "training.seen_tokens", f"is not a bitmap of the {vocab_size}-token vocabulary"
+        )
+    return _unpack_bits(packed, vocab_size)
 
 
 def load_checkpoint(source: GGUFSource) -> Checkpoint:
@@ -352,24 +372,82 @@ def _load_lora_checkpoint(contents: GGUFContents) -> Checkpoint:
     adapter = read_lora_adapter(contents)
     meta, tensors = contents.metadata, contents.tensors
     state = _training_state(meta, tensors, None, {})
-    state.lora_base = LoraBase(str(meta[BASE_PATH_KEY]), str(meta[BASE_SHA256_KEY]))
+    base, sha256 = meta.get(BASE_PATH_KEY), meta.get(BASE_SHA256_KEY)
+    if not (isinstance(base, str) and isinstance(sha256, str)):
+        raise _damaged_key(BASE_SHA256_KEY, "or its base's path is missing or not text")
+    state.lora_base = LoraBase(base, sha256)
     return Checkpoint(None, adapter.tensors, None, state, meta, tensors, adapter, contents.path)
 
 
 def _training_state(
     meta: dict, tensors: dict[str, torch.Tensor], vocab_size: int | None, inherited: dict
 ) -> TrainingState:
-    """The ``training.*`` counters, cursors and seen tokens of a checkpoint's file."""
+    """The ``training.*`` counters, cursors and seen tokens of a checkpoint's file, each
+    checked to be what llamatrain writes (a damaged value is one CheckpointError, not a
+    traceback later in the resumed run)."""
     return TrainingState(
-        step=int(meta.get("training.iteration_count", 0)),
-        samples=int(meta.get("training.sample_count", 0)),
-        tokens=int(meta.get("training.token_count", 0)),
-        epochs=int(meta.get("training.epoch_count", 0)),
-        data_state=json.loads(meta.get("training.data_state", "{}")),
-        config=json.loads(meta.get("training.config", "{}")),
-        convergence=json.loads(meta.get("training.convergence", "{}")),
+        step=_counter(meta, "training.iteration_count"),
+        samples=_counter(meta, "training.sample_count"),
+        tokens=_counter(meta, "training.token_count"),
+        epochs=_counter(meta, "training.epoch_count"),
+        data_state=_json_state(meta, "training.data_state"),
+        config=_json_state(meta, "training.config"),
+        convergence=_json_state(meta, "training.convergence"),
         seen_tokens=_seen_tokens(tensors, vocab_size),
         inherited=inherited,
+    )
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _is_number(value: object) -> bool:
+    return type(value) in (int, float)
+
+
+def _is_convergence(state: dict) -> bool:
+    recent = state.get("recent", [])
+    return (
+        isinstance(recent, list)
+        and all(_is_number(v) for v in recent)
+        and _is_number(state.get("best", 0))
+        and _is_count(state.get("best_step", 0))
+    )
+
+
+_JSON_STATES = {
+    "training.data_state": lambda state: all(_is_count(v) for v in state.values()),
+    "training.config": lambda state: True,
+    "training.convergence": _is_convergence,
+}
+"""The JSON objects a checkpoint stores, and what each must hold: the data sampler's counters
+(``BatchSampler.state_dict``), the run's config (read by people) and the convergence tests'
+history (``ConvergenceTests.state_dict``)."""
+
+
+def _counter(meta: dict, key: str) -> int:
+    value = meta.get(key, 0)
+    if not _is_count(value):
+        raise _damaged_key(key, "is not a non-negative integer")
+    return value
+
+
+def _json_state(meta: dict, key: str) -> dict:
+    text = meta.get(key, "{}")
+    try:
+        state = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        state = None
+    if not isinstance(state, dict) or not _JSON_STATES[key](state):
+        raise _damaged_key(key, "is not the JSON object llamatrain writes there")
+    return state
+
+
+def _damaged_key(key: str, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"this checkpoint's {key} {why}; the file was edited or damaged — resume from an "
+        "earlier checkpoint, or start a new run from its weights with model.init_from"
     )
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from llamatrain.errors import shown
+
 __all__ = ["StateFormatError", "decode_state", "encode_state"]
 
 _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.int64, torch.int32, torch.uint8)}
@@ -70,7 +72,7 @@ def _decode(node: object, tensors: Mapping[str, torch.Tensor]) -> Any:
     if isinstance(node, dict) and node.keys() == {"tensor", "shape", "dtype"}:
         return _tensor(node, tensors)
     if not isinstance(node, dict) or len(node) != 1:
-        raise StateFormatError(f"unexpected layout entry {str(node)[:60]!r}")
+        raise StateFormatError(f"unexpected layout entry {shown(repr(node))}")
     ((kind, body),) = node.items()
     if kind == "value" and (body is None or isinstance(body, bool | int | float | str)):
         return body
@@ -82,7 +84,7 @@ def _decode(node: object, tensors: Mapping[str, torch.Tensor]) -> Any:
         if not all(isinstance(k, str | int | float | bool | None) for k, _ in pairs):
             raise StateFormatError("a dict key is not a plain value")
         return dict(pairs)
-    raise StateFormatError(f"unexpected layout entry {kind!r}")
+    raise StateFormatError(f"unexpected layout entry {shown(repr(kind))}")
 
 
 def _is_pair(item: object) -> bool:
@@ -94,11 +96,15 @@ def _tensor(node: dict, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     name, shape, dtype = node["tensor"], node["shape"], _DTYPES.get(node["dtype"])
     stored = tensors.get(name) if isinstance(name, str) else None
     if stored is None or dtype is None:
-        raise StateFormatError(f"entry names tensor {str(name)[:60]!r}, which is not in the file")
+        raise StateFormatError(f"entry names tensor {shown(repr(name))}, which is not in the file")
     if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-        raise StateFormatError(f"tensor {name}'s shape {str(shape)[:60]} is not a list of sizes")
+        raise StateFormatError(
+            f"tensor {shown(name)}'s shape {shown(str(shape))} is not a list of sizes"
+        )
     if stored.dim() != 1 or stored.dtype != _AS_STORED.get(dtype, dtype):
-        raise StateFormatError(f"tensor {name} is stored as {stored.dtype}, not as {dtype}")
+        raise StateFormatError(f"tensor {shown(name)} is stored as {stored.dtype}, not as {dtype}")
     if stored.numel() != math.prod(shape):
-        raise StateFormatError(f"tensor {name} holds {stored.numel()} values, not shape {shape}")
+        raise StateFormatError(
+            f"tensor {shown(name)} holds {stored.numel()} values, not shape {shown(str(shape))}"
+        )
     return stored.view(dtype).reshape(shape).clone()

@@ -151,7 +151,13 @@ def _read_entry(
     inexact = np.frombuffer(data, dtype=_HEAD, count=n, offset=n * _HEAD.itemsize)
     ids = np.frombuffer(data, dtype=dtype, count=n_tokens, offset=2 * n * _HEAD.itemsize)
     scored = np.frombuffer(data, dtype=np.uint8, offset=2 * n * _HEAD.itemsize + ids.nbytes)
-    if lengths.min() < 1 or int(lengths.sum()) != n_tokens or inexact.min() < 0:
+    if (
+        lengths.min() < 1
+        or lengths.max() > n_tokens
+        or float(lengths.sum(dtype=np.float64)) > n_tokens + 0.5  # it cannot wrap around
+        or int(lengths.sum()) != n_tokens
+        or inexact.min() < 0
+    ):
         return "holds example lengths that do not add up", None
     if int(ids.max()) >= tokenizer.vocab_size or int(scored.max()) > 1:
         return f"holds ids outside the {tokenizer.vocab_size}-token vocabulary", None

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llamatrain.errors import ConfigError, GGUFError
+from llamatrain.errors import ConfigError, GGUFError, shown
 from llamatrain.gguf.file import (
     GGUFContents,
     GGUFSource,
@@ -231,10 +231,12 @@ def adapter_rank(tensors: Mapping[str, torch.Tensor], source: str) -> int:
         a, b = tensors.get(f"{stem}.lora_a"), tensors.get(f"{stem}.lora_b")
         if a is None or b is None:
             lacking = "lora_a" if a is None else "lora_b"
-            raise GGUFError(f"{source}: LoRA pair {stem} has no {lacking}; the adapter is damaged")
+            raise GGUFError(
+                f"{source}: LoRA pair {shown(stem)} has no {lacking}; the adapter is damaged"
+            )
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise GGUFError(
-                f"{source}: LoRA pair {stem} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+                f"{source}: LoRA pair {shown(stem)} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
                 "they must be A (r, in) and B (out, r) — the adapter is damaged"
             )
         ranks.add(a.shape[0])
@@ -272,10 +274,23 @@ def read_lora_adapter(source: GGUFSource) -> LoraAdapter:
         if not name.startswith(CHECKPOINT_TENSOR_PREFIXES)
     }
     rank = adapter_rank(tensors, str(p))
-    alpha = float(meta.get(_ALPHA_KEY, 0.0) or rank)
+    alpha = _alpha(meta.get(_ALPHA_KEY, 0), rank, p)
     inherited = {key: typed_value(contents, key) for key in meta if _kept(key)}
     architecture = str(meta.get("general.architecture", ""))
     return LoraAdapter(p, architecture, alpha, rank, tensors, inherited, contents)
+
+
+def _alpha(value: object, rank: int, p: Path) -> float:
+    """The adapter's alpha as llama.cpp reads it (absent or 0: the scale is 1, alpha = rank);
+    GGUFError for a value no scale can come from (text, NaN, negative...)."""
+    if type(value) in (int, float) and value == 0:
+        return float(rank)
+    if lora_settings_problem(alpha=value) is not None:
+        raise GGUFError(
+            f"{p}: {_ALPHA_KEY} = {shown(repr(value))} is not a positive finite number; the "
+            "adapter was edited or damaged — re-export it"
+        )
+    return float(value)
 
 
 def _model_name(name: str, p: Path) -> str:
@@ -283,7 +298,7 @@ def _model_name(name: str, p: Path) -> str:
     stem, _, suffix = name.rpartition(".")
     if f".{suffix}" not in LORA_SUFFIXES or not stem.endswith(_BASE_SUFFIX):
         raise GGUFError(
-            f"{p}: tensor {name} is not a LoRA A/B tensor (<base>.weight.lora_a / .lora_b); "
+            f"{p}: tensor {shown(name)} is not a LoRA A/B tensor (<base>.weight.lora_a / .lora_b); "
             "llamatrain applies adapters made of those only"
         )
     return f"{stem.removesuffix(_BASE_SUFFIX)}.{suffix}"

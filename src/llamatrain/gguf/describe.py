@@ -112,11 +112,7 @@ def _tokenizer_summary(meta: Mapping[str, Any]) -> list[str]:
         return ["tokenizer: none (this file cannot be run on its own)"]
     parts = [f"model {meta.get('tokenizer.ggml.model', '?')!r}"]
     if isinstance(tokens, list):
-        kinds: dict[str, int] = {}
-        for token_type in meta.get("tokenizer.ggml.token_type", []):
-            name = TOKEN_TYPE_NAMES.get(token_type, str(token_type))
-            kinds[name] = kinds.get(name, 0) + 1
-        detail = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        detail = ", ".join(f"{n} {kind}" for kind, n in _token_kinds(meta).items())
         parts.append(f"{len(tokens)} tokens" + (f" ({detail})" if detail else ""))
     for special in _SPECIAL_TOKENS:
         token_id = meta.get(f"tokenizer.ggml.{special}_token_id")
@@ -133,6 +129,19 @@ def _tokenizer_summary(meta: Mapping[str, Any]) -> list[str]:
     if flags:
         lines.append("  " + ", ".join(flags))
     return lines
+
+
+def _token_kinds(meta: Mapping[str, Any]) -> dict[str, int]:
+    """How many tokens of each type ``tokenizer.ggml.token_type`` lists (by name when known);
+    a key of another shape than a list of integers counts nothing: a summary describes any
+    file, the readers refuse it."""
+    token_types = meta.get("tokenizer.ggml.token_type")
+    kinds: dict[str, int] = {}
+    for token_type in token_types if isinstance(token_types, list) else []:
+        known = type(token_type) is int and token_type in TOKEN_TYPE_NAMES
+        name = TOKEN_TYPE_NAMES[token_type] if known else str(token_type)
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
 
 
 def _tensor_table(contents: GGUFContents, total: int) -> list[str]:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llamatrain.errors import ConfigError, GGUFError
+from llamatrain.errors import ConfigError, GGUFError, shown
 from llamatrain.gguf.export_types import general_file_type
 from llamatrain.gguf.file import (
     INTEGER_TYPES,
@@ -47,6 +47,7 @@ __all__ = [
     "CHECKPOINT_TENSOR_PREFIXES",
     "CONFIG_KEY",
     "LlamaFile",
+    "check_key_kinds",
     "check_tensors",
     "inherited_metadata",
     "model_config_from_metadata",
@@ -83,6 +84,54 @@ _NOT_INHERITED = {
     "general.alignment",
 }
 """``general.*`` keys that describe the file, not the model: the writer sets them itself."""
+_KEY_KINDS = {
+    "string": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "integer": lambda v: type(v) is int,
+    "number": lambda v: type(v) in (int, float),
+    "array of strings": lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
+    "array of integers": lambda v: isinstance(v, list) and all(type(i) is int for i in v),
+    "array of numbers": lambda v: isinstance(v, list) and all(type(i) in (int, float) for i in v),
+}
+"""What a key's value may be (the readers go on to check its range): the GGUF types llama.cpp
+reads each as, a BOOL never counting as a number (Python's bool is an int)."""
+_HYPER_PARAMETER_KINDS = {
+    **dict.fromkeys(
+        ("context_length", "embedding_length", "block_count", "feed_forward_length",
+         "attention.head_count", "attention.head_count_kv", "attention.key_length",
+         "attention.value_length", "rope.dimension_count", "vocab_size",
+         "attention.sliding_window", "expert_count"),
+        "integer",
+    ),
+    **dict.fromkeys(
+        ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
+         "rope.scaling.factor", "rope.scale_linear", "final_logit_softcapping"),
+        "number",
+    ),
+    "rope.scaling.type": "string",
+}  # fmt: skip
+"""The ``<arch>.*`` keys llamatrain reads, by the kind of value each must hold."""
+_KEY_KINDS_BY_NAME = {
+    "general.architecture": "string",
+    "general.name": "string",
+    "tokenizer.chat_template": "string",
+    CONFIG_KEY: "string",
+    "tokenizer.ggml.model": "string",
+    "tokenizer.ggml.pre": "string",
+    "tokenizer.ggml.tokens": "array of strings",
+    "tokenizer.ggml.merges": "array of strings",
+    "tokenizer.ggml.scores": "array of numbers",
+    "tokenizer.ggml.token_type": "array of integers",
+    **{
+        f"tokenizer.ggml.{name}_token_id": "integer"
+        for name in ("bos", "eos", "unknown", "padding", "eot")
+    },
+    **{
+        f"tokenizer.ggml.{flag}": "bool"
+        for flag in ("add_bos_token", "add_eos_token", "add_space_prefix")
+    },
+}
+"""The other keys llamatrain reads from a llama GGUF (its vocabulary's included)."""
 _TENSOR_FIX = "a llama GGUF holds exactly Llama(config).state_dict() — re-export the model"
 _INTEGER_TYPE_NAMES = {dtype: qtype.name for qtype, dtype in INTEGER_TYPES.items()}
 
@@ -133,6 +182,7 @@ def model_config_from_metadata(contents: GGUFContents) -> ModelConfig:
     ``<arch>.*`` keys and tensor shapes; a foreign file's from those alone."""
     meta, p = contents.metadata, contents.path
     arch = _check_architecture(meta, p)
+    check_key_kinds(meta, p)
     hp = _hyper_parameters(meta, arch)
     _check_required_keys(hp, arch, p)
     _check_dense(hp, arch, p)
@@ -290,7 +340,7 @@ def _config_from_json(text: str, derived: Mapping[str, Any], arch: str, p: Path)
     A file from before ``arch`` existed records none: it is a llama.
     """
     architecture_fields = ModelConfig().architecture().keys()
-    recorded = {k: v for k, v in json.loads(text).items() if k in architecture_fields}
+    recorded = {k: v for k, v in _recorded_config(text, p).items() if k in architecture_fields}
     cfg = ModelConfig(**recorded)
     ours = dict(
         arch=cfg.arch,
@@ -328,6 +378,21 @@ def _config_from_json(text: str, derived: Mapping[str, Any], arch: str, p: Path)
     return cfg
 
 
+def _recorded_config(text: str, p: Path) -> dict[str, Any]:
+    """``CONFIG_KEY``'s JSON object; GGUFError when it is not one (an edit or damage)."""
+    try:
+        recorded = json.loads(text)
+    except (ValueError, RecursionError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise GGUFError(
+            f"{p}: {CONFIG_KEY} is not the JSON object llamatrain records; the file was edited "
+            f"or damaged — remove the key (gguf-new-metadata --remove-metadata {CONFIG_KEY}) "
+            "or re-export the model"
+        )
+    return recorded
+
+
 def _as_read(value: float) -> float:
     """A float as its float32 key reads back (the shortest decimal of the float32)."""
     return float(str(np.float32(value)))
@@ -345,6 +410,11 @@ def check_tensors(
     tensor, and after reading, because a model that silently lacks a weight is worse than a
     refused file.
     """
+    if cfg.n_layers > len(tensors):  # every block has several: checked before they are named
+        raise GGUFError(
+            f"{path}: the config claims {cfg.n_layers:,} blocks but there are only "
+            f"{len(tensors)} tensors; {_TENSOR_FIX}"
+        )
     expected = tensor_shapes(cfg)
     missing = sorted(k for k in expected if k not in tensors)
     unexpected = sorted(k for k in tensors if k not in expected)
@@ -476,6 +546,7 @@ def read_model(source: GGUFSource, *, tensor_data: bool = True) -> LlamaFile:
         contents = read_gguf(source, tensor_data=tensor_data)
     p = contents.path
     _check_architecture(contents.metadata, p)
+    check_key_kinds(contents.metadata, p)
     tokenizer = tokenizer_from_metadata(contents.metadata, source=str(p))
     weights = {
         name: tensor
@@ -504,6 +575,33 @@ def inherited_metadata(contents: GGUFContents) -> dict[str, Any]:
     }
 
 
+def check_key_kinds(meta: Mapping[str, Any], p: Path | str) -> None:
+    """Refuse, in one line naming the key, a key llamatrain reads whose value is of another
+    kind than llama.cpp reads it as (a count stored as a string, token ids as floats, merges
+    holding numbers...): a file edited or crafted that way is believed nowhere downstream."""
+    arch = meta.get("general.architecture")
+    prefix = f"{arch}." if isinstance(arch, str) else None
+    for key, value in meta.items():
+        if prefix is not None and key.startswith(prefix):
+            kind = _HYPER_PARAMETER_KINDS.get(key.removeprefix(prefix))
+        else:
+            kind = _KEY_KINDS_BY_NAME.get(key)
+        if kind is not None and not _KEY_KINDS[kind](value):
+            raise GGUFError(
+                f"{p}: key {shown(key)} must hold {'an' if kind[0] in 'ai' else 'a'} {kind}, "
+                f"not {_kind_of(value)}; the file was edited or damaged — re-export it"
+            )
+
+
+def _kind_of(value: object) -> str:
+    """A value as a message names its kind: ``a string``, ``an array of 3 items``..."""
+    if isinstance(value, list):
+        return f"an array of {len(value)} items"
+    return {bool: "a bool", int: "an integer", float: "a number", str: "a string"}.get(
+        type(value), type(value).__name__
+    )
+
+
 def _check_architecture(meta: Mapping[str, Any], p: Path) -> str:
     """The file's ``general.architecture``, one of ``ARCHS``; GGUFError naming them otherwise."""
     if "general.architecture" not in meta:
@@ -519,4 +617,6 @@ def _check_architecture(meta: Mapping[str, Any], p: Path) -> str:
 
 def read_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """The vocabulary of any llama GGUF: a model, a checkpoint or a vocab-only file."""
-    return tokenizer_from_metadata(read_gguf_metadata(path), source=str(path))
+    metadata = read_gguf_metadata(path)
+    check_key_kinds(metadata, path)
+    return tokenizer_from_metadata(metadata, source=str(path))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import CheckpointError, ConfigError, shown
-from llamatrain.hf.rope import rope_scaling_of, rope_theta_of
+from llamatrain.hf.rope import first_number, rope_scaling_of, rope_theta_of
 from llamatrain.model_config import ModelConfig
 from llamatrain.tokenizer import Tokenizer
 
@@ -195,8 +195,10 @@ def _gemma3_fields(hf: Mapping[str, Any], get: Any, source: str) -> dict[str, An
     cap = hf.get("final_logit_softcapping")
     return dict(
         factor=factor,
-        rope_theta=float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
-        rope_theta_swa=float(sliding.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))),
+        rope_theta=first_number(full.get("rope_theta"), hf.get("rope_theta"), 1_000_000.0),
+        rope_theta_swa=first_number(
+            sliding.get("rope_theta"), hf.get("rope_local_base_freq"), 10000.0
+        ),
         sliding_window=int(get("sliding_window")),
         final_logit_softcap=None if cap is None else float(cap),
     )
@@ -348,9 +350,11 @@ def _is(scaling: Mapping[str, Any], kind: str) -> bool:
 def _check_is_llama(hf: Mapping[str, Any], source: str) -> None:
     """Refuse any model but one of our families (or a mistral that is a llama), by name."""
     model_type = hf.get("model_type")
-    architectures = list(hf.get("architectures") or [])
-    if model_type not in _MODEL_TYPES:
-        named = f"{model_type!r}" + (f" ({', '.join(architectures)})" if architectures else "")
+    listed = hf.get("architectures")
+    architectures = [shown(a) for a in listed if isinstance(a, str)] if type(listed) is list else []
+    if not isinstance(model_type, str) or model_type not in _MODEL_TYPES:
+        named = f"'{shown(model_type)}'" if isinstance(model_type, str) else _kind(model_type)
+        named += f" ({', '.join(architectures)})" if architectures else ""
         raise CheckpointError(
             f"{source} describes a {named} model; llamatrain imports the model types "
             f"{', '.join(repr(t) for t in HF_MODEL_TYPES.values())} (and 'mistral' without "

@@ -59,7 +59,13 @@ def _rope_dict(hf: Mapping[str, Any]) -> dict[str, Any]:
 def rope_theta_of(hf: Mapping[str, Any], default: float = 10000.0) -> float:
     """The rope frequency base; ``default`` (transformers' for the model type: 10000 for a
     llama) when the config has none."""
-    return float(_rope_dict(hf).get("rope_theta", hf.get("rope_theta", default)))
+    return first_number(_rope_dict(hf).get("rope_theta"), hf.get("rope_theta"), default)
+
+
+def first_number(*values: Any) -> float:
+    """The first of ``values`` that is set: a config's null means "not given", as leaving
+    the key out does (the values were checked to be numbers or null before)."""
+    return float(next(v for v in values if v is not None))
 
 
 def rope_scaling_of(hf: Mapping[str, Any], source: str) -> dict[str, Any] | None:

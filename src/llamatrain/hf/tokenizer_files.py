@@ -65,8 +65,8 @@ def read_chat_template(folder: Path) -> str | None:
     config = read_json_object(file_in_folder(folder, TOKENIZER_CONFIG))
     template = config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        defaults = [t.get("template") for t in template if _is_named(t, "default")]
+        template = defaults[0] if defaults else None
     if isinstance(template, str):
         return template
     jinja = file_in_folder(folder, CHAT_TEMPLATE_FILE)
@@ -77,7 +77,18 @@ def read_chat_template(folder: Path) -> str | None:
             f"{jinja} is {jinja.stat().st_size:,} bytes, more than a chat template "
             f"({MAX_TEMPLATE_BYTES >> 10} KiB at most); remove it or use a built-in template"
         )
-    return jinja.read_text(encoding="utf-8")
+    try:
+        return jinja.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{jinja} is not UTF-8 text ({e.reason} at byte {e.start}); re-save the model's "
+            "chat template, or use a built-in one"
+        ) from None
+
+
+def _is_named(entry: object, name: str) -> bool:
+    """Whether a ``chat_template`` list entry is the template called ``name``."""
+    return isinstance(entry, dict) and entry.get("name") == name
 
 
 def write_tokenizer_files(
