@@ -72,6 +72,16 @@ HOSTILE = {
     '{% if "zz" in s %}{% endif %}{% endfor %}',
     "scans in a row": '{% set s = "a" * 30000000 %}' + '{% if "zz" in s %}{% endif %}' * 500,
     "a cyclic namespace": "{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}",
+    "a long string added in a loop": '{% set s = "a" * 10000000 %}{% for i in range(1000) %}'
+    '{{ s + "b" }}{{ "b" ~ s }}{% endfor %}',
+    "trim in a loop": '{% set s = " " * 10000000 %}{% for i in range(1000) %}{{ s|trim }}'
+    "{% endfor %}",
+    "strip in a loop": '{% set s = " " * 10000000 %}{% for i in range(1000) %}'
+    '{% if s.strip() or s.startswith("x") %}{% endif %}{% endfor %}',
+    "a method reading a long argument": '{% set t = ("a",) * 30000000 %}'
+    '{% for i in range(100) %}{% if "x".startswith(t) %}{% endif %}{% endfor %}',
+    "nested loops over a list": "{% set l = range(1000)|list %}{% for a in l %}{% for b in l %}"
+    "{% for c in l %}{% endfor %}{% endfor %}{% endfor %}",
 }
 
 
@@ -168,6 +178,73 @@ def test_builtins_render_exactly_as_without_the_budget(name):
     assert chat.render(conversation) == expected
 
 
+CONSTRUCTS = {
+    "a block": "{% block body %}{% for m in messages %}{{ m.role + ':' + m.content }}"
+    "{% endfor %}{% endblock %}{{ self.body() }}",
+    "a macro": "{% macro turn(m, n) %}{{ '<' + m.role + '>' ~ n ~ m.content|trim }}"
+    "{% endmacro %}{% for m in messages %}{{ turn(m, loop.index) }}{% endfor %}",
+    "a call block": "{% macro wrap() %}[{{ caller() + '!' }}]{% endmacro %}"
+    "{% call wrap() %}{{ messages[0].content + 'x' }}{% endcall %}",
+    "a filter block": "{% filter upper %}{% for m in messages %}{{ m.content ~ 1 }}{% endfor %}"
+    "{% endfilter %}",
+    "a block set": "{% set x %}{% for m in messages %}{{ m.role + m.content }}{% endfor %}"
+    "{% endset %}{{ x + x|length|string }}",
+    "a recursive loop": "{% for m in [[1, [2, 3]], 4] recursive %}{% if m is iterable %}"
+    "{{ loop(m) }}{% else %}{{ m + 1 }},{% endif %}{% endfor %}",
+    "a loop filter": "{% for m in messages if m.role + 'x' != 'userx' %}"
+    "{{ loop.index0 % 2 ~ m.content }}{% endfor %}",
+    "numbers and lists": "{{ 1 + 2 }}{{ [1] + [2] }}{{ (1, 2) + (3,) }}{{ 1.5 + 2 }}"
+    "{{ 7 % 3 }}{{ '%s-%d' % ('a', 3) }}{{ -7 % 3 }}{{ 7.5 % 2 }}{{ true % 2 }}",
+    "comparisons": "{{ (messages[0].role == 'system') != (messages|length % 2 == 0) }}"
+    "{{ not true == false }}{{ 'x' in messages[0].content }}{{ messages[1:] == messages[1:] }}",
+    "trim": "{{ messages[0].content|trim }}{{ '  a  '|trim }}{{ ['  a ']|trim }}"
+    "{{ 'xxaxx'|trim('x') }}{{ none|trim }}",
+    "~": "{{ 'a' ~ 'b' }}{{ 1 ~ 2 }}{{ none ~ 'x' }}"
+    "{{ messages[0].content ~ messages[1].content ~ 3 }}",
+    "undefined": "{{ nothing ~ 'x' }}{{ (nothing or '') + 'y' }}{{ nothing|length }}"
+    "{{ nothing|trim }}",
+    "methods": "{{ messages[0].content.strip('.').split(' ')|join('|') }}{{ 'a,b'.split(',') }}"
+    "{{ 'AbC'.lower() + 'x'.upper() }}{{ 'abc'.startswith(('x', 'a')) }}"
+    "{{ 'abc'.replace('b', 'bb') }}",
+    "methods in line": "{{ messages[0].content.strip('.') }}{{ ' a '.strip() }}"
+    "{{ messages[0].content.startswith('You') }}{{ messages[2].content.endswith('2?') }}"
+    "{{ messages[0].content.endswith('.', 1) }}{{ (messages[0].content ~ '\\n').rstrip('\\n') }}",
+    "autoescape": "{% autoescape true %}{{ '<' ~ messages[0].content ~ '>' }}{{ '<a>' + 'b' }}"
+    "{% endautoescape %}",
+    "a namespace": "{% set ns = namespace(s='') %}{% for m in messages %}"
+    "{% set ns.s = ns.s + m.content[:3] %}{% endfor %}{{ ns.s }}",
+    "unmetered filters": "{{ messages|length }}{{ messages|count }}{{ messages|first|tojson }}"
+    "{{ (messages|last).content }}{{ nothing|default('d') }}{{ ''|d('e', true) }}",
+    "a dict": "{% for k, v in messages[0]|dictsort %}{{ k + '=' + v }};{% endfor %}"
+    "{{ {'a': 1}.items()|list }}",
+}
+"""Templates of each construct the metering changes the code of (in line or not)."""
+
+
+@pytest.mark.parametrize("construct", list(CONSTRUCTS))
+def test_every_construct_renders_exactly_as_without_the_budget(construct):
+    chat = ChatTemplate(CONSTRUCTS[construct], bos_token="<s>", eos_token="</s>")
+    expected = unmetered_render(reference(CONSTRUCTS[construct]), chat, CHAT, False)
+    assert chat.render(CHAT) == expected
+
+
+@pytest.mark.parametrize(
+    "source_text, error",
+    [
+        ("{{ messages[0].content + 1 }}", TypeError),
+        ("{{ 1 + messages[0].content }}", TypeError),
+        ("{{ 'a%d' % 'x' }}", TypeError),
+        ("{{ 1 % 0 }}", ZeroDivisionError),
+        ("{{ messages[0].content.startswith() }}", TypeError),
+    ],
+)
+def test_a_failing_operation_fails_as_without_the_budget(source_text, error):
+    with pytest.raises(error):
+        unmetered_render(reference(source_text), ChatTemplate(source_text), CHAT, False)
+    message = error_of(ChatTemplate(source_text).render, CHAT)
+    assert f"failed to render: {error.__name__}" in message
+
+
 @pytest.fixture
 def meter_of(monkeypatch):
     """The steps and characters each render of a template used."""
@@ -200,33 +277,6 @@ def test_real_templates_use_a_tiny_fraction_of_the_budget_in_proportion_to_the_c
         ((steps, chars),) = [(BUDGET.steps - m.steps, BUDGET.chars - m.chars) for m in meter_of]
         assert steps < 20 * len(long) < BUDGET.steps / 30, family
         assert chars < 8 * size < BUDGET.chars / 50, family
-
-
-def best_of(fn, repeats: int = 7, number: int = 20) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        best = min(best, (time.perf_counter() - start) / number)
-    return best
-
-
-@pytest.mark.parametrize("family", ["qwen2.5", "gemma3", "smollm3"])
-def test_the_budget_costs_little_per_render(family):
-    """Metered vs. unmetered renders of the same template, interleaved in one test (measured
-    about 1.3x on renders alone, a few percent of encoding an example): a generous bound."""
-    chat, compiled = template(family), reference(source(family))
-    _, messages, kwargs = CASES[family][0]
-    checked = ct._checked(messages)
-
-    def plain():
-        compiled.render(messages=checked, add_generation_prompt=False, tools=None)
-
-    def budgeted():
-        chat.render(messages, **kwargs)
-
-    assert best_of(budgeted) < 3 * best_of(plain)
 
 
 # -------------------------------------------------------------------------- who is at fault

@@ -2,8 +2,10 @@
 
 A render of an untrusted template (``template_sandbox.render``) puts a fresh
 :class:`Meter` for a :class:`RenderBudget` in a context variable. Every metered operation of
-the sandbox (``template_sandbox``, with the size checks of ``template_costs``) charges it
-steps and characters, and a render past a limit raises :class:`OverBudget` naming it. Kept
+the sandbox (``template_sandbox``, with the size checks of ``template_costs``, and the code
+``template_codegen`` writes in line, which reads the meter once per function of the template)
+charges it steps and characters, and a render past a limit raises :class:`OverBudget` naming
+it. Kept
 apart from the Jinja machinery so that a helper the template calls (``strftime_now``) can
 charge the render in progress with :func:`charge`.
 """

@@ -22,6 +22,7 @@ from llamatrain.data.template_budget import Meter, OverBudget
 
 __all__ = [
     "FILTER_CHECKS",
+    "READING_STR_METHODS",
     "SIZED",
     "TEXT_FILTERS",
     "arg_at",
@@ -30,6 +31,7 @@ __all__ = [
     "check_pow",
     "int_arg",
     "percent_cost",
+    "read_size",
     "size_of",
     "text_size",
 ]
@@ -254,13 +256,45 @@ _METHOD_CHECKS: dict[str, Callable[[Meter, Any, tuple, dict], tuple | None]] = {
 """Methods of ``str`` and ``bytes`` that can make much more than they are given."""
 
 
+READING_STR_METHODS = frozenset(
+    {
+        *("capitalize", "casefold", "count", "endswith", "find", "index", "isalnum"),
+        *("isalpha", "isascii", "isdecimal", "isdigit", "isidentifier", "islower"),
+        *("isnumeric", "isprintable", "isspace", "istitle", "isupper", "lower", "lstrip"),
+        *("partition", "removeprefix", "removesuffix", "rfind", "rindex", "rpartition"),
+        *("rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase"),
+        *("title", "upper"),
+    }
+)
+"""Methods of ``str`` that make at most a few times what they read (the string and their
+arguments), in time linear in it: charged that, without the checks of
+:data:`_METHOD_CHECKS`."""
+
+
+def read_size(args: tuple, kwargs: Mapping[str, Any]) -> int:
+    """What a call reads of its arguments: their lengths (a tuple of a million prefixes
+    given to ``startswith`` is read whole)."""
+    total = 0
+    for value in args:
+        total += len(value) if type(value) is str else size_of(value)
+    for name, value in kwargs.items():
+        if name not in _JINJA_KEYWORDS:
+            total += size_of(value)
+    return total
+
+
+_JINJA_KEYWORDS = ("_loop_vars", "_block_vars")
+"""Keyword arguments Jinja adds to a call (for a function that takes the context)."""
+
+
 def check_method(meter: Meter, method: Any, args: tuple, kwargs: dict) -> tuple:
-    """Charge a call of a method of a string, list…: the length of what it reads, and first
-    what the methods of :data:`_METHOD_CHECKS` may make. The arguments to call it with."""
+    """Charge a call of a method of a string, list…: the length of what it reads (its
+    receiver and arguments), and first what the methods of :data:`_METHOD_CHECKS` may make.
+    The arguments to call it with."""
     method = getattr(method, "__wrapped__", method)
     receiver = getattr(method, "__self__", None)
     if isinstance(receiver, SIZED):
-        meter.make(len(receiver))
+        meter.make(len(receiver) + read_size(args, kwargs))
         check = _METHOD_CHECKS.get(getattr(method, "__name__", ""))
         if check is not None and isinstance(receiver, str | bytes):
             args = check(meter, receiver, args, kwargs) or args

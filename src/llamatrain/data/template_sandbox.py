@@ -7,15 +7,20 @@ memory: ``{% for i in range(100000) %}{% for j in range(100000) %}…`` runs for
 :class:`~.template_budget.RenderBudget`:
 
 - *steps*: loop iterations (a small loop over a sized iterable is charged its length when it
-  starts, a large one or an iterator per item), calls (macros, methods, globals), filters,
-  tests and the operators that can make more than they are given (``+``, ``*``, ``%``, ``**``);
+  starts, a large one or an iterator per item), calls (macros, methods, globals), filters
+  (but ``length``, ``first``, ``last``, ``default``, which take the same short time whatever
+  they are given), tests and the operators that can make more than they are given (``+`` of
+  anything but strings, ``*``, ``%`` but between integers, ``**``);
 - *characters made*: the length of every string and list a call, filter, operator, slice, ``~``
   or output buffer makes — charged *before* the allocation wherever one step can make a lot
-  (``*``, ``**``, ``%``, ``+``, ``center``/``ljust``/``zfill``/``expandtabs``/``replace``/
-  ``join``/``format``/``translate``/``to_bytes``, the ``center``, ``indent``, ``format``,
-  ``replace``, ``join``, ``wordwrap``, ``batch``, ``slice``, ``sum``, ``tojson`` and
-  ``pprint`` filters, ``lipsum``), and where a value is turned into text (``{{ }}``, ``~``,
-  ``string``…) by an upper bound of its text's length, shared references counted each time.
+  (``*``, ``**``, ``%``, ``+`` of lists, ``center``/``ljust``/``zfill``/``expandtabs``/
+  ``replace``/``join``/``format``/``translate``/``to_bytes``, the ``center``, ``indent``,
+  ``format``, ``replace``, ``join``, ``wordwrap``, ``batch``, ``slice``, ``sum``, ``tojson``
+  and ``pprint`` filters, ``lipsum``), right after it where one step makes at most what its
+  operands hold (a ``+`` or ``~`` of strings), and where a value is turned into text
+  (``{{ }}``, ``~``, ``string``…) by an upper bound of its text's length, shared references
+  counted each time. What a call or comparison reads (a string searched, split, compared, the
+  arguments of its methods) is charged as made.
 
 Besides, nested calls (macro recursion, recursive loops) are bounded, integers are kept below
 a number of bits, and a render past a wall-clock limit stops at its next step (a backstop: the
@@ -25,12 +30,13 @@ does by calling filters and operators on literals, is left to the metered render
 (``{{ "x"|center(10**10) }}`` would otherwise allocate while the template compiles).
 
 The metering is code around what Jinja already calls per operation (the sandbox's ``call``,
-``call_binop``, ``getitem``, the filters and tests), rewrites of the parsed template (a loop's
-iterable, ``+``, ``~``, comparisons and slices go through a metering filter; a loop's body is
-weighed once, when the template compiles), what ``{{ }}`` prints checked in line
-(:class:`_CodeGenerator`) and a bounded ``concat`` for output buffers. What it costs a real
-template per render is in bench/README.md (``bench/template_budget.py``). The budget and its
-meter are ``template_budget``; what each operation may make, checked before it is made, is
+``call_binop``, ``getitem``, the filters and tests), rewrites of the parsed template and the
+code generated for them (``template_codegen``: a loop's iterable, ``+``, ``~``, comparisons and
+slices go through a metering filter of this module, their common case — strings, a small list
+— written in line instead; a loop's body is weighed once, when the template compiles), and a
+bounded ``concat`` for output buffers. What it costs a real template per render and per
+example is in bench/README.md (``bench/template_budget.py``). The budget and its meter are
+``template_budget``; what each operation may make, checked before it is made, is
 ``template_costs``; this module is the environment that calls them.
 """
 
@@ -42,13 +48,12 @@ from types import FunctionType
 from typing import Any
 
 from jinja2 import nodes
-from jinja2.compiler import CodeGenerator, Frame
 from jinja2.environment import Template
 from jinja2.exceptions import SecurityError
+from jinja2.filters import FILTERS
 from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg, generate_lorem_ipsum
-from jinja2.visitor import NodeTransformer
 
 from llamatrain.data.template_budget import (
     BUDGET,
@@ -59,8 +64,19 @@ from llamatrain.data.template_budget import (
     Shapes,
     current_meter,
 )
+from llamatrain.data.template_codegen import (
+    ADD,
+    CHARGE_SIZE,
+    CHARGED_AHEAD,
+    CONCAT,
+    LOOP,
+    METERING_FILTERS,
+    MeteredCodeGenerator,
+    Rewrite,
+)
 from llamatrain.data.template_costs import (
     FILTER_CHECKS,
+    READING_STR_METHODS,
     SIZED,
     TEXT_FILTERS,
     arg_at,
@@ -69,6 +85,7 @@ from llamatrain.data.template_costs import (
     check_pow,
     int_arg,
     percent_cost,
+    read_size,
     size_of,
     text_size,
 )
@@ -103,24 +120,19 @@ class _MeteredLoop:
         return _metered_items(self._meter, self._items)
 
 
-_CHARGED_AHEAD = 1 << 14
-"""The most work (iterations times the nodes of the loop's body) a loop may be charged for
-before it starts; a larger loop is charged as it goes, checking the clock every few
-iterations, so that a long body of operations that cost no step cannot run long unseen."""
-
-
 def _loop(value: Any, body: int = 1) -> Any:
     """A loop's iterable (``body``: the nodes of the loop's body, counted when the template
     is compiled), each iteration charged a step: all before the loop starts when the loop is
-    small (one call, as a real template's loop over its messages; a loop that breaks early is
-    charged in full, an upper bound), else as they happen."""
+    small (a list, as a real template's messages, is charged so in line by the code of
+    ``template_codegen``; a loop that breaks early is charged in full, an upper bound), else
+    as they happen."""
     meter = METER.get() or current_meter()
     try:
         n = len(value)
     except (TypeError, OverflowError):  # no length (charged per item) or a huge range
         meter.step()
         return _metered_items(meter, iter(value))
-    if n * body > _CHARGED_AHEAD:
+    if n * body > CHARGED_AHEAD:
         meter.step()
         return _MeteredLoop(meter, value)
     meter.step(n + 1)
@@ -137,8 +149,10 @@ def _sized(value: Any) -> Any:
 
 
 def _add(values: list[Any]) -> Any:
-    """``a + b + …``: as Python adds them, from the left, with what each sum makes charged
-    before it is made (a string that doubles itself is stopped long before it is large)."""
+    """``a + b + …`` where the code of ``template_codegen`` does not add in line: as Python
+    adds them, from the left, with what each sum makes charged before it is made (a list that
+    doubles itself is stopped before it is large); a sum of strings past the budget (which
+    the code in line gives here) is charged and stopped."""
     meter = METER.get() or current_meter()
     made = 0
     for value in values:
@@ -188,6 +202,21 @@ def _finalize(value: Any) -> Any:
     return value
 
 
+def _call_reading_method(meter: Meter, method: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """A call of a method of :data:`READING_STR_METHODS` (``strip``, ``startswith``,
+    ``split``…) from :meth:`MeteredSandbox.call`: what it reads charged before, what it makes
+    after (at most what it read). It calls no template code and is safe, so the sandbox's
+    ``is_safe_callable`` and ``Context.call`` (which would only drop the loop variables
+    Jinja passes) are skipped."""
+    kwargs.pop("_loop_vars", None)
+    kwargs.pop("_block_vars", None)
+    meter.make(len(method.__self__) + read_size(args, kwargs))
+    result = method(*args, **kwargs)
+    if type(result) is str or type(result) is list:
+        meter.make(len(result))
+    return result
+
+
 def _metered_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     skip = 0 if _PassArg.from_obj(function) is None else 1  # the context Jinja passes first
     check = FILTER_CHECKS.get(name)
@@ -221,6 +250,10 @@ def _metered_filter(name: str, function: Callable[..., Any]) -> Callable[..., An
     return metered_filter
 
 
+_FREE_FILTERS = frozenset({"count", "d", "default", "first", "last", "length"})
+"""Filters that take the same short time and make nothing whatever they are given (a
+length, an item, the value or its default): they run unmetered, without a wrapper's call."""
+
 _CHEAP_TESTS = frozenset(
     {
         *("boolean", "callable", "defined", "escaped", "false", "filter", "float", "integer"),
@@ -245,82 +278,6 @@ def _metered_test(function: Callable[..., Any]) -> Callable[..., Any]:
 
 # ----------------------------------------------------------------------------- the environment
 
-_LOOP, _ADD, _CONCAT, _SIZED_ = (
-    "llamatrain:loop",
-    "llamatrain:add",
-    "llamatrain:concat",
-    "llamatrain:sized",
-)
-"""Filters the parsed template is rewritten to call (no template can name them: a filter's
-name in a template is an identifier)."""
-
-
-def _filtered(node: nodes.Expr, name: str, *args: nodes.Expr) -> nodes.Filter:
-    return nodes.Filter(node, name, list(args), [], None, None, lineno=node.lineno)
-
-
-class _Rewrite(NodeTransformer):
-    """Every loop's iterable through :func:`_loop`, every ``+`` chain through :func:`_add`
-    (one call for ``a + b + c``), every ``~`` chain through :func:`_concat`,
-    every operand of a comparison but a literal through :func:`_sized`, as is every slice."""
-
-    def visit_Compare(self, node: nodes.Compare) -> nodes.Node:
-        """``x in y`` reads ``y``; ``x == y`` (``<``…) reads the shorter of the two, so a
-        literal on either side bounds it."""
-        node = self.generic_visit(node)
-        left = node.expr
-        for operand in node.ops:
-            right = operand.expr
-            if operand.op in ("in", "notin"):
-                if not isinstance(right, nodes.Const):
-                    operand.expr = _filtered(right, _SIZED_)
-            elif not isinstance(left, nodes.Const) and not isinstance(right, nodes.Const):
-                operand.expr = _filtered(right, _SIZED_)
-            left = right
-        return node
-
-    def visit_Add(self, node: nodes.Add) -> nodes.Node:
-        node = self.generic_visit(node)
-        left = node.left  # a + b + c is Add(Add(a, b), c): one call for the chain
-        if isinstance(left, nodes.Filter) and left.name == _ADD:
-            operands = [*left.node.items, node.right]  # type: ignore[attr-defined]
-        else:
-            operands = [left, node.right]
-        return _filtered(nodes.List(operands, lineno=node.lineno), _ADD)
-
-    def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
-        node = self.generic_visit(node)  # Jinja slices without the sandbox's getitem
-        return _filtered(node, _SIZED_) if isinstance(node.arg, nodes.Slice) else node
-
-    def visit_For(self, node: nodes.For) -> nodes.Node:
-        node = self.generic_visit(node)
-        body = sum(1 + sum(1 for _ in n.find_all(nodes.Node)) for n in node.body + node.else_)
-        node.iter = _filtered(node.iter, _LOOP, nodes.Const(body, lineno=node.lineno))
-        return node
-
-    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
-        node = self.generic_visit(node)
-        return _filtered(nodes.List(node.nodes, lineno=node.lineno), _CONCAT)
-
-
-class _CodeGenerator(CodeGenerator):
-    """Jinja's code generator, with what ``{{ value }}`` prints checked in line: a string is
-    printed as it is (``str()`` of a string is that string), anything else goes through
-    :func:`_finalize`, which charges its text first. The most frequent operation of a chat
-    template costs less than it did unmetered."""
-
-    def _output_child_pre(self, node: nodes.Expr, frame: Frame, finalize: Any) -> None:
-        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
-            super()._output_child_pre(node, frame, finalize)
-        else:
-            self.write("(_llamatrain_out if type(_llamatrain_out := ")
-
-    def _output_child_post(self, node: nodes.Expr, frame: Frame, finalize: Any) -> None:
-        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
-            super()._output_child_post(node, frame, finalize)
-        else:
-            self.write(") is str else str(environment.finalize(_llamatrain_out)))")
-
 
 class MeteredSandbox(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox with every render metered (see the module docstring).
@@ -328,21 +285,23 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
     made must be metered by :meth:`meter_filters`."""
 
     intercepted_binops = frozenset({"*", "%", "**"})
-    """The operators that can make more than they are given (``+``: see :class:`_Rewrite`);
+    """The operators that can make more than they are given (``+``: see ``template_codegen``);
     ``-``, ``/`` and ``//`` make at most one bit more than their operands."""
-    code_generator_class = _CodeGenerator
+    code_generator_class = MeteredCodeGenerator
+    current_meter = staticmethod(current_meter)
+    """The meter of the render in progress, which every function of a template reads first."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(finalize=_finalize, **options)
-        self.filters.update({_LOOP: _loop, _ADD: _add, _CONCAT: _concat, _SIZED_: _sized})
+        self.filters.update({LOOP: _loop, ADD: _add, CONCAT: _concat, CHARGE_SIZE: _sized})
         self.meter_filters()
 
     def meter_filters(self) -> None:
-        """Meter every filter and test not metered yet."""
+        """Meter every filter and test not metered yet (but Jinja's own filters of
+        :data:`_FREE_FILTERS`)."""
         for name, function in self.filters.items():
-            if name not in (_LOOP, _ADD, _CONCAT, _SIZED_) and not hasattr(
-                function, "_llamatrain_metered"
-            ):
+            free = name in _FREE_FILTERS and function is FILTERS.get(name)
+            if not (free or name in METERING_FILTERS or hasattr(function, "_llamatrain_metered")):
                 self.filters[name] = _metered_filter(name, function)
                 self.filters[name]._llamatrain_metered = True  # type: ignore[attr-defined]
         for name, function in self.tests.items():
@@ -351,7 +310,7 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
                 self.tests[name]._llamatrain_metered = True  # type: ignore[attr-defined]
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
-        tree = _Rewrite().visit(super()._parse(source, name, filename))
+        tree = Rewrite().visit(super()._parse(source, name, filename))
         tree.set_environment(self)
         return tree
 
@@ -383,6 +342,12 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
         meter = METER.get() or current_meter()
         meter.step()
         kind = type(__obj)
+        if (
+            kind is _BUILTIN_METHOD
+            and type(__obj.__self__) is str
+            and __obj.__name__ in READING_STR_METHODS
+        ):
+            return _call_reading_method(meter, __obj, args, kwargs)
         if kind is _BUILTIN_METHOD or (kind is FunctionType and hasattr(__obj, "__wrapped__")):
             args = check_method(meter, __obj, args, kwargs)  # the latter: str.format's wrapper
         elif kind is LoopContext and args:  # a recursive loop's next level
@@ -414,14 +379,14 @@ def render(
     budget: RenderBudget = BUDGET,
 ) -> str:
     """One render of a template of a :class:`MeteredSandbox` within ``budget``: what
-    ``template.render(**variables)`` does, from its root render function, so a render costs no
-    call or copy of the variables more than an unmetered one. Renders of the same data may
-    share ``shapes`` (a dict, empty at first), which spares them measuring the same lists and
-    mappings again (``tools | tojson``)."""
+    ``template.render(**variables)`` does, from its root render function and with the context
+    of :func:`_new_context`. Renders of the same data may share ``shapes`` (a dict, empty at
+    first), which spares them measuring the same lists and mappings again (``tools |
+    tojson``)."""
     meter = Meter(budget, shapes)
     token = METER.set(meter)
     try:
-        pieces = list(template.root_render_func(template.new_context(variables)))
+        pieces = list(template.root_render_func(_new_context(template, variables)))
         meter.chars -= sum(map(len, pieces))  # what concat() does, in line
         if meter.chars < 0:
             raise OverBudget(budget, "chars")
@@ -430,3 +395,16 @@ def render(
         template.environment.handle_exception()  # raises it, the template's lines in it
     finally:
         METER.reset(token)
+
+
+def _new_context(template: Template, variables: dict[str, Any]) -> Context:
+    """``template.new_context(variables)``: the same context, made from the template's globals
+    merged into a dict once. Jinja walks its ``ChainMap`` of them twice, key by key in Python,
+    which took most of the fixed cost of a render (5 of 8 us)."""
+    merged: dict[str, Any] = {}
+    for scope in reversed(template.globals.maps):
+        merged.update(scope)
+    environment = template.environment
+    return environment.context_class(
+        environment, {**merged, **variables}, template.name, template.blocks, globals=merged
+    )
