@@ -58,6 +58,7 @@ def load_examples(
         "tokenizer": tokenizer.fingerprint(),
         "template": None if encoder.template is None else encoder.template.source,
         "train_on": "all" if encoder.train_all else "completion",
+        "max_chars": encoder.max_chars,  # where long lines are cut: it grows with n_ctx
         "layout": layout,
         "format": format,
         "on_bad_line": bad.policy,
