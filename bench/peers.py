@@ -39,7 +39,16 @@ RSS over). ``val``: held-out loss (nats/token) after training; for the nanoGPT-b
 per character. ``x`` columns: the ratio to llama.cpp of the same round; the summary takes
 medians over rounds.
 
-Usage: ``python bench/peers.py [--rounds N] [--rows llama.cpp,ours-256,ours-2048,nanogpt]``.
+With ``--families``, the rows are instead one pair per model family (issue 28): ``llama.cpp
+<arch>`` and ``ours <arch>`` on the ``family`` shape of bench/train.py (dim 256, 8 layers, 8/4
+heads, ffn 768; gemma3 with its sliding window of half the context) as each architecture, with
+Meta's 32k vocabulary and random weights (seed 0) written f32 by llamatrain, on the first
+``FAMILY_CHARS`` characters of Hamlet, at the settings above (n_batch 256, llama.cpp's step
+count). A family ``llama-finetune`` cannot train is a row that says why (gemma3: ggml has no
+backward for its GEGLU).
+
+Usage: ``python bench/peers.py [--rounds N] [--rows llama.cpp,ours-256,ours-2048,nanogpt]``
+or ``python bench/peers.py --families [--rounds N]``.
 The first run downloads the sdist and builds llama.cpp (about 10 minutes on 2 cores).
 Needs cmake and a C++ compiler; not part of the test suite.
 """
@@ -55,6 +64,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -69,6 +79,8 @@ SDIST = "llama-cpp-python==0.3.36"
 N_CTX = 256
 LR = 1e-3
 TINY32K = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192)
+FAMILY_ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
+FAMILY_CHARS = 10_000  # ~3,300 tokens: ~24 steps of 256 tokens (stride 128) for each tool
 NANOGPT_CHARS = 1_115_394  # tiny shakespeare's length
 
 LAUNCHER = """
@@ -144,6 +156,23 @@ def tiny32k_model(cache: Path) -> Path:
     return export_gguf(Llama(cfg), tokenizer, path)
 
 
+def family_model(cache: Path, arch: str) -> Path:
+    """bench/train.py's ``family`` shape as ``arch``, with tiny32k's vocabulary, random
+    weights (seed 0), as a GGUF: the same widths for every family, so rows compare."""
+    from train import family_config
+
+    from llamatrain.api import export_gguf, load_tokenizer
+    from llamatrain.model import Llama
+
+    path = cache / f"family-{arch}.gguf"
+    if path.exists():
+        return path
+    tokenizer = load_tokenizer(sdist_tree(cache) / "models" / "ggml-vocab-llama-spm.gguf")
+    torch.manual_seed(0)
+    cfg = replace(family_config(arch).model, vocab_size=tokenizer.vocab_size, max_seq_len=N_CTX)
+    return export_gguf(Llama(cfg), tokenizer, path)
+
+
 def corpus_files(cache: Path) -> list[Path]:
     from llamatrain.data import resolve_inputs
 
@@ -153,6 +182,15 @@ def corpus_files(cache: Path) -> list[Path]:
 def hamlet(cache: Path) -> Path:
     """The text both tools train on: Hamlet (174 KB, ~57,000 tokens of Meta's vocabulary)."""
     (path,) = [p for p in corpus_files(cache) if p.name.startswith("hamlet")]
+    return path
+
+
+def hamlet_opening(cache: Path) -> Path:
+    """The families' text: Hamlet's first ``FAMILY_CHARS`` characters (five families, two
+    tools, each round: the whole play would take most of an hour)."""
+    path = cache / f"hamlet-{FAMILY_CHARS}.txt"
+    if not path.exists():
+        path.write_text(hamlet(cache).read_text(encoding="utf-8")[:FAMILY_CHARS], "utf-8")
     return path
 
 
@@ -169,6 +207,10 @@ def nanogpt_text(cache: Path) -> Path:
 # ---- running and reading -------------------------------------------------------------------
 
 
+class PeerFailed(Exception):
+    """A command of a row exited non-zero; its message is the end of its output."""
+
+
 def launch(command: list[str], log: Path) -> dict:
     """Run ``command`` through the launcher; its exit status, peak RSS and output."""
     done = subprocess.run(
@@ -177,7 +219,7 @@ def launch(command: list[str], log: Path) -> dict:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     text = log.read_text(errors="replace")
     if result["status"] != 0:
-        raise SystemExit(f"{command[0]} failed ({result['status']}):\n{text[-3000:]}")
+        raise PeerFailed(f"{command[0]} failed ({result['status']}):\n{text[-3000:]}")
     return {"peak_bytes": result["peak_kb"] * 1024, "text": text}
 
 
@@ -309,6 +351,9 @@ def summary(rows: list[dict]) -> list[dict]:
     out = []
     for name in dict.fromkeys(r["row"] for r in rows):
         mine = [r for r in rows if r["row"] == name]
+        if failed := [r["failed"] for r in mine if "failed" in r]:
+            out.append({"row": name, "failed": failed[-1]})
+            continue
         entry = {
             "row": name,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
@@ -328,19 +373,63 @@ def summary(rows: list[dict]) -> list[dict]:
 ROWS = ("llama.cpp", "ours-256", "ours-2048", "nanogpt")
 
 
+def failure_reason(output: str) -> str:
+    """The line of a failed peer's output that says why (ggml's abort message), else its last."""
+    lines = output.strip().splitlines()
+    said = [line for line in lines if re.search(r"unsupported|GGML_ASSERT|error:", line)]
+    return (said or lines)[0 if said else -1].split(": ", 1)[-1][:120]
+
+
+def family_rows(binary: Path, cache: Path, work: Path, round_: int) -> list[dict]:
+    """One round of the families: per architecture, llama-finetune then ours on the same file
+    and text, ours for llama.cpp's step count (or the text's windows where it cannot train)."""
+    text = hamlet_opening(cache)
+    rows = []
+    for arch in FAMILY_ARCHS:
+        model = family_model(cache, arch)
+        try:
+            peer = run_llama_cpp(binary, model, text, work)
+        except PeerFailed as failed:
+            peer = None
+            reason = failure_reason(str(failed))
+            rows.append({"round": round_, "row": f"llama.cpp {arch}", "failed": reason})
+            print(f"{round_:>5} {'llama.cpp ' + arch:<18} failed: {reason}", flush=True)
+        else:
+            peer |= {"round": round_, "row": f"llama.cpp {arch}", "load": load_average()}
+            print(row_text(peer, None), flush=True)
+            rows.append(peer)
+        steps = peer["steps"] if peer else None
+        out = work / f"ours-{arch}-{round_}"
+        settings = tiny32k_settings(model, text, N_CTX, steps or 20, out)
+        settings["data.val_fraction"] = 0.1  # 5% of the short text is less than a window
+        row = run_ours(settings, work, f"ours-{arch}")
+        row |= {"round": round_, "row": f"ours {arch}", "load": load_average()}
+        if peer:
+            row["x_tokens_per_s"] = row["tokens_per_s"] / peer["tokens_per_s"]
+            row["x_peak"] = row["peak_bytes"] / peer["peak_bytes"]
+        print(row_text(row, peer), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every row")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset")
+    parser.add_argument(
+        "--families", action="store_true", help="one llama.cpp/ours pair per model family"
+    )
     parser.add_argument("--cache", type=Path, default=CACHE, help="sdist, build and inputs")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     args = parser.parse_args(argv)
+    if args.families and args.json == DEFAULT_JSON:
+        args.json = DEFAULT_JSON.with_name("peers-families.json")
     chosen = args.rows.split(",")
     if unknown := set(chosen) - set(ROWS):
         raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
 
     args.cache.mkdir(parents=True, exist_ok=True)
-    binary = llama_finetune(args.cache) if "llama.cpp" in chosen else None
+    binary = llama_finetune(args.cache) if "llama.cpp" in chosen or args.families else None
     model, text = tiny32k_model(args.cache), hamlet(args.cache)
     started = time.time()
     meta = machine_info(torch.device("cpu")) | {"load_avg_start": load_average(), "sdist": SDIST}
@@ -350,6 +439,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows: list[dict] = []
     print(HEADER)
     for round_ in range(1, args.rounds + 1):
+        if args.families:
+            rows += family_rows(binary, args.cache, work, round_)
+            continue
         peer = None
         for name in chosen:
             out = work / f"{name}-{round_}"
