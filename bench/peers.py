@@ -25,8 +25,14 @@ Rows:
   about its parameter count (SwiGLU at Meta's 2/3·4·dim = 352 wide, where GPT has a 4·dim
   GELU) over about 1.1 MB of the Shakespeare corpus (tiny shakespeare's size) with a
   near-character vocabulary (384 pieces: bytes, characters, ~50 merges), 10% held out.
-  nanoGPT is not a package; its own figure on this shape is taken with its ``train.py``
-  outside this repository, on the same text, and compared by hand (bench/README.md).
+* ``nanoGPT train.py`` (with ``--nanogpt DIR``, a checkout of nanoGPT; it is not a package, so
+  the bench does not fetch it): nanoGPT's own ``train.py`` at the command above (``--device=cpu
+  --compile=False --eval_iters=20 --log_interval=1 --dropout=0.0``) on the same text, prepared
+  by its ``data/shakespeare_char/prepare.py`` (a character vocabulary, 10% held out), copied
+  into the cache and run there; run just before ``ours nanoGPT-baby`` in each round, which
+  then shows the ratio to it. Its ``tok/s``: 768 tokens over the mean ``time`` it logs for an
+  iteration, leaving out iteration 0 and the evaluation iterations (their time includes the
+  evaluation), as ours leaves out evaluation; ``val`` is its last ``val loss`` (nats/char).
 
 Columns: ``tok/s`` training tokens a second: for llama.cpp, the tokens between its first and
 last training step over the time between them on its own log clock (it logs the lr as each
@@ -47,7 +53,8 @@ Meta's 32k vocabulary and random weights (seed 0) written f32 by llamatrain, on 
 count). A family ``llama-finetune`` cannot train is a row that says why (gemma3: ggml has no
 backward for its GEGLU).
 
-Usage: ``python bench/peers.py [--rounds N] [--rows llama.cpp,ours-256,ours-2048,nanogpt]``
+Usage: ``python bench/peers.py [--rounds N] [--rows llama.cpp,ours-256,ours-2048,nanogpt]
+[--nanogpt DIR]`` (``--nanogpt`` adds the ``nanogpt-peer`` row)
 or ``python bench/peers.py --families [--rounds N]``.
 The first run downloads the sdist and builds llama.cpp (about 10 minutes on 2 cores).
 Needs cmake and a C++ compiler; not part of the test suite.
@@ -56,6 +63,7 @@ Needs cmake and a C++ compiler; not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -314,6 +322,51 @@ def nanogpt_settings(text: Path, out: Path) -> dict:
     }
 
 
+NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py")
+NANOGPT_PREPARE = "data/shakespeare_char/prepare.py"
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss [0-9.]+, time ([0-9.]+)ms", re.M)
+NANOGPT_VAL = re.compile(r"^step (\d+): train loss [0-9.]+, val loss ([0-9.]+)", re.M)
+NANOGPT_EVAL_INTERVAL = 250  # config/train_shakespeare_char.py's
+
+
+def nanogpt_workdir(checkout: Path, text: Path, cache: Path) -> Path:
+    """nanoGPT's training files and its shakespeare_char data prepared from ``text``, in the
+    cache (the checkout is left as it is)."""
+    work = cache / "nanogpt"
+    data = work / Path(NANOGPT_PREPARE).parent
+    if (data / "meta.pkl").exists():
+        return work
+    for name in (*NANOGPT_FILES, NANOGPT_PREPARE):
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_bytes((checkout / name).read_bytes())
+    (data / "input.txt").write_bytes(text.read_bytes())  # prepare.py downloads only without it
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    return work
+
+
+def run_nanogpt(work: Path, log_dir: Path) -> dict:
+    """nanoGPT's ``train.py`` at the nanoGPT-baby settings (module docstring)."""
+    command = [
+        sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu",
+        "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+        "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
+        "--lr_decay_iters=2000", "--dropout=0.0", f"--out_dir={work / 'out'}",
+    ]  # fmt: skip
+    with contextlib.chdir(work):  # train.py reads data/ relative to the working directory
+        run = launch(command, log_dir / "nanogpt-peer.log")
+    iters = [(int(m.group(1)), float(m.group(2))) for m in NANOGPT_ITER.finditer(run["text"])]
+    times = [ms for i, ms in iters if i % NANOGPT_EVAL_INTERVAL]
+    val = [float(m.group(2)) for m in NANOGPT_VAL.finditer(run["text"])]
+    return {
+        "steps": len(iters),
+        "tokens_per_s": 12 * 64 * 1e3 / statistics.mean(times),
+        "median_ms": statistics.median(times),
+        "peak_bytes": run["peak_bytes"],
+        "val_loss": val[-1] if val else None,
+        "val_nats_per_char": val[-1] if val else None,
+    }
+
+
 def nats_per_char(run_dir: Path, text: Path, val_fraction: float, val_loss: float) -> float:
     """Held-out loss per character: nats/token times the held-out tail's tokens per char."""
     from llamatrain.api import load_gguf
@@ -370,7 +423,7 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-ROWS = ("llama.cpp", "ours-256", "ours-2048", "nanogpt")
+ROWS = ("llama.cpp", "ours-256", "ours-2048", "nanogpt-peer", "nanogpt")
 
 
 def failure_reason(output: str) -> str:
@@ -420,11 +473,16 @@ def main(argv: list[str] | None = None) -> dict:
         "--families", action="store_true", help="one llama.cpp/ours pair per model family"
     )
     parser.add_argument("--cache", type=Path, default=CACHE, help="sdist, build and inputs")
+    parser.add_argument(
+        "--nanogpt", type=Path, help="a nanoGPT checkout: adds its train.py as a row"
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     args = parser.parse_args(argv)
     if args.families and args.json == DEFAULT_JSON:
         args.json = DEFAULT_JSON.with_name("peers-families.json")
     chosen = args.rows.split(",")
+    if args.nanogpt is None and "nanogpt-peer" in chosen:
+        chosen.remove("nanogpt-peer")  # only with a checkout to run
     if unknown := set(chosen) - set(ROWS):
         raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
 
@@ -442,12 +500,15 @@ def main(argv: list[str] | None = None) -> dict:
         if args.families:
             rows += family_rows(binary, args.cache, work, round_)
             continue
-        peer = None
+        peer = nano_peer = None
         for name in chosen:
             out = work / f"{name}-{round_}"
             if name == "llama.cpp":
                 row = run_llama_cpp(binary, model, text, work)
                 llama_steps = row["steps"]
+            elif name == "nanogpt-peer":
+                work_dir = nanogpt_workdir(args.nanogpt, nanogpt_text(args.cache), args.cache)
+                row = nano_peer = run_nanogpt(work_dir, work)
             elif name == "nanogpt":
                 corpus = nanogpt_text(args.cache)
                 row = run_ours(nanogpt_settings(corpus, out), work, name)
@@ -459,10 +520,14 @@ def main(argv: list[str] | None = None) -> dict:
             row |= {"round": round_, "row": name, "load": load_average()}
             if name == "llama.cpp":
                 peer = row
-            elif peer is not None and name != "nanogpt":
+            elif name == "nanogpt" and nano_peer is not None:
+                row["x_tokens_per_s"] = row["tokens_per_s"] / nano_peer["tokens_per_s"]
+                row["x_peak"] = row["peak_bytes"] / nano_peer["peak_bytes"]
+            elif peer is not None and not name.startswith("nanogpt"):
                 row["x_tokens_per_s"] = row["tokens_per_s"] / peer["tokens_per_s"]
                 row["x_peak"] = row["peak_bytes"] / peer["peak_bytes"]
-            print(row_text(row, peer if "x_peak" in row else None), flush=True)
+            shown = nano_peer if name == "nanogpt" else peer
+            print(row_text(row, shown if "x_peak" in row else None), flush=True)
             rows.append(row)
     results = {"meta": meta, "rows": rows, "summary": summary(rows)}
     print("\nmedians over rounds:")
