@@ -9,7 +9,9 @@ replies of the same pairs, the way ``llamatrain fit`` runs both. Every row times
 * ``sft``: the pairs' prompt + chosen reply, chosen scored (a ``{"prompt", "completion"}``
   line), packed into rows (``llamatrain.data.examples.pack_rows``);
 * ``dpo``: the same pairs as the data lays them (``llamatrain.data.preferences.pair_rows``,
-  packed): both replies scored, so three times the scored tokens here;
+  packed): a pair is one document whose prompt is computed once (the prompt but its last token,
+  then a branch per reply from that token), so it costs prompt + chosen + rejected + 1 tokens
+  (``mid``: 177 against SFT's 80), and both replies are scored: three times the scored tokens;
 * ``full``: every weight trains. DPO's reference is then the run's cached table
   (``llamatrain.preference.reference_table``, computed once before training, outside the
   timing, as a run does), read per step: no extra forward;
@@ -17,8 +19,8 @@ replies of the same pairs, the way ``llamatrain fit`` runs both. Every row times
   the same model with its adapters off: one more forward a step, without gradients.
 
 SFT's loss is the fused lm head + cross-entropy, which never holds the (rows, ctx, vocab)
-logits; a preference objective needs every scored token's log-prob from them, so its step
-holds the full logits (the ``x sft`` memory ratio shows it most where the vocabulary is large).
+logits; a preference objective takes every scored token's log-prob from the lm head the same
+way, a chunk of rows at a time (``llamatrain.ops.logps``), so neither step holds them.
 
 Models (random weights; only shapes matter for cost): ``tiny`` (the tiny config's model: dim
 64, 2 layers, 4/2 heads, ffn 192, vocab 384, ctx 64; 8 pairs of prompt 8 + chosen 12 +

@@ -356,8 +356,8 @@ class PreparedModel:
     loss_fn: Callable[..., torch.Tensor]
     """The training loss: through DDP/FSDP when they wrap the model, compiled when asked."""
     logits_fn: Callable[..., torch.Tensor]
-    """The model's logits, what a preference objective's loss is computed on: likewise
-    through DDP/FSDP and compiled when asked."""
+    """The model's forward (with ``logps_of``: the targets' log-probs, what a preference
+    objective's loss is computed on): likewise through DDP/FSDP and compiled when asked."""
     checkpoint_segment: int
     """Blocks per activation-checkpointed segment (0 = none)."""
 

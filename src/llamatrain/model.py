@@ -37,7 +37,8 @@ from torch import nn
 from llamatrain.errors import ConfigError
 from llamatrain.model_config import ModelConfig  # also offered here: public API
 from llamatrain.ops.layout import document_layout, layout_positions
-from llamatrain.ops.sets import OpSet, op_set
+from llamatrain.ops.logps import linear_logps
+from llamatrain.ops.sets import IGNORE_INDEX, OpSet, op_set
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
@@ -315,6 +316,14 @@ class Llama(nn.Module):
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else self.ops.softcap(logits, cap)
 
+    def head_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each target's log-probability (batch, seq) under :meth:`head_logits` on final-normed
+        hidden states, 0 where it is not scored (-100), a chunk of rows at a time: the (batch,
+        seq, vocab) logits never exist (``llamatrain.ops.logps``). Both op sets use it, as
+        neither has a log-prob op of its own; its values and gradients are the full logits'."""
+        cap = self.cfg.final_logit_softcap
+        return linear_logps(hidden, self.lm_head_weight, targets, IGNORE_INDEX, softcap=cap)
+
     def rope_for(self, pos: torch.Tensor) -> Rope:
         """The rope settings for tokens at ``pos``, as every block receives them."""
         factors = None if self.rope_freqs is None else self.rope_freqs.weight
@@ -359,12 +368,21 @@ class Llama(nn.Module):
         *,
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
+        logps_of: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab); with ``targets`` (-100 = ignore) also the mean loss.
 
-        ``documents``: see :meth:`hidden_states`.
+        ``documents``: see :meth:`hidden_states`. ``logps_of`` (batch, seq) targets: instead
+        of the logits, each one's log-probability (:meth:`head_logps`), what a preference
+        objective scores — through ``forward``, so the wrappers that call it (DDP, FSDP,
+        compile: ``llamatrain.parallel``) serve it as they serve the logits.
         """
-        logits = self.head_logits(self.hidden_states(tokens, cache, documents))
+        if logps_of is not None and targets is not None:
+            raise ValueError("pass targets (for the loss) or logps_of (for log-probs), not both")
+        hidden = self.hidden_states(tokens, cache, documents)
+        if logps_of is not None:
+            return self.head_logps(hidden, logps_of)
+        logits = self.head_logits(hidden)
         if targets is None:
             return logits
         return logits, self.ops.cross_entropy(logits, targets)

@@ -265,8 +265,9 @@ def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 class _Training(nn.Module):
     """What the trainer computes as one module's forward, which DDP needs: it prepares the
     gradient all-reduce in ``forward``, and one module's parameters have one DDP wrapper.
-    ``model.loss`` given ``targets`` (SFT's fused loss); without them ``model``'s logits
-    (what a preference objective scores)."""
+    ``model.loss`` given ``targets`` (SFT's fused loss); without them ``model``'s forward
+    (with ``logps_of``: the targets' log-probs from the chunked head, what a preference
+    objective scores)."""
 
     def __init__(self, model: Llama) -> None:
         super().__init__()

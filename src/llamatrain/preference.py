@@ -5,7 +5,8 @@ prompt is computed once for both replies: (B, T, 2) ``documents`` of (document, 
 pair ``k`` of a row document ``k``, its chosen reply in branch 1 and its rejected one in
 branch 2, each seeing the shared prompt (branch 0) and itself; only reply tokens are scored
 (targets not -100). :func:`pair_logps` sums each branch's scored log-probabilities, so one
-forward over the rows gives every pair's ``log π(chosen)`` and ``log π(rejected)``.
+forward over the rows gives every pair's ``log π(chosen)`` and ``log π(rejected)`` — without
+the full logits: ``model(…, logps_of=targets)`` takes the lm head a chunk of rows at a time.
 
 The losses are the published formulas, as TRL computes them, on per-pair log-probs:
 
@@ -285,8 +286,8 @@ class PreferenceObjective:
         if cached is not None:
             return _checked_slots(cached.to(inputs.device), targets, documents)
         with torch.no_grad(), adapters_disabled(model), autocast:
-            logits = model(inputs, documents=documents)
-        return pair_logps(token_logps(logits, targets), targets, documents)
+            logps = model(inputs, documents=documents, logps_of=targets)
+        return pair_logps(logps, targets, documents)
 
     def loss(
         self,
@@ -296,21 +297,28 @@ class PreferenceObjective:
         reference: PairLogps | None,
         counts: tuple[int, int],
     ) -> torch.Tensor:
-        """This micro-batch's share of the step's loss: its per-pair losses summed over the
-        step's pair count (ORPO's NLL: its chosen tokens' over the step's); metrics summed."""
+        """:meth:`loss_from_logps` on full ``logits`` (B, T, V): the plain path, for checks."""
+        logps = token_logps(logits, targets)
+        return self.loss_from_logps(logps, targets, documents, reference, counts)
+
+    def loss_from_logps(
+        self,
+        logps: torch.Tensor,
+        targets: torch.Tensor,
+        documents: torch.Tensor,
+        reference: PairLogps | None,
+        counts: tuple[int, int],
+    ) -> torch.Tensor:
+        """This micro-batch's share of the step's loss from its targets' log-probs ``logps``
+        (B, T): its per-pair losses summed over the step's pair count (ORPO's NLL: its chosen
+        tokens' over the step's); metrics summed."""
         n_pairs, n_chosen_tokens = counts
-        policy = pair_logps(token_logps(logits, targets), targets, documents)
+        policy = pair_logps(logps, targets, documents)
         if self.objective == "dpo":
             assert reference is not None
             chosen, rejected = policy.chosen, policy.rejected
-            losses, r_c, r_r = dpo_losses(
-                chosen,
-                rejected,
-                reference.chosen,
-                reference.rejected,
-                self.beta,
-                self.label_smoothing,
-            )
+            ref = reference.chosen, reference.rejected
+            losses, r_c, r_r = dpo_losses(chosen, rejected, *ref, self.beta, self.label_smoothing)
         elif self.objective == "ipo":
             assert reference is not None
             chosen, rejected = policy.means()
@@ -383,8 +391,8 @@ class PreferenceObjective:
                 slots = next(cached) if cached is not None else None
                 reference = self.reference_logps(model, inputs, targets, documents, autocast, slots)
                 with torch.no_grad(), autocast:
-                    logits = model(inputs, documents=documents)
-                    loss = self.loss(logits, targets, documents, reference, counts)
+                    logps = model(inputs, documents=documents, logps_of=targets)
+                    loss = self.loss_from_logps(logps, targets, documents, reference, counts)
                 weighted += float(loss) * counts[0]  # the batch's mean, weighted by its pairs
                 pairs += counts[0]
         finally:
@@ -394,9 +402,9 @@ class PreferenceObjective:
 
 # ---- the cached reference of a full finetune --------------------------------------------------
 
-_REFERENCE_VERSION = 2
+_REFERENCE_VERSION = 3
 """Part of every reference cache key: bump it when what a key describes changes (2: pairs
-share their prompt, one document of branches a pair)."""
+share their prompt, one document of branches a pair; 3: log-probs by the chunked head)."""
 
 REFERENCE_KIND = "reference log-prob cache"
 """How the cache's files are named in a refusal (see :mod:`llamatrain.files`)."""
@@ -491,8 +499,8 @@ def _rows_table(
         inputs, targets = batch.inputs.to(device), batch.targets.to(device)
         documents = batch.documents.to(device)
         with torch.no_grad(), autocast:
-            logits = model(inputs, documents=documents)
-        part = pair_slots(token_logps(logits, targets), targets, documents)
+            logps = model(inputs, documents=documents, logps_of=targets)
+        part = pair_slots(logps, targets, documents)
         out[lo : lo + len(inputs)] = part[:, :slots].float().cpu().numpy()
     return out
 

@@ -243,9 +243,10 @@ class Trainer:
         pairs (a pair lies in one row), each micro-batch's loss its share of the step's mean
         over the batch's pairs (``ranks``-fold, as SFT's); the step's metrics are kept in
         :attr:`pair_metrics`. ``reference``: the rows' cached reference slots (a full
-        finetune's DPO/IPO), cut alike. The policy's logits come through the wrapper
-        (``logits_fn``: DDP, FSDP, compile); a LoRA run's reference is the plain model with
-        its adapters off, without gradients, so no wrapper is needed for it."""
+        finetune's DPO/IPO), cut alike. The policy's log-probs of the targets (the model's
+        forward with ``logps_of``, which never holds the full logits) come through the
+        wrapper (``logits_fn``: DDP, FSDP, compile); a LoRA run's reference is the plain model
+        with its adapters off, without gradients, so no wrapper is needed for it."""
         if documents is None:
             raise TrainingError(
                 f"train.objective = {self.cfg.train.objective!r} trains on rows of preference "
@@ -265,8 +266,8 @@ class Trainer:
             with self.parallel.gradient_sync(last):
                 ref = objective.reference_logps(self.model, x, y, d, self._autocast(), r)
                 with self._autocast():
-                    logits = self.logits_fn(x, documents=d)
-                loss = objective.loss(logits, y, d, ref, counts) * self.parallel.ranks
+                    logps = self.logits_fn(x, documents=d, logps_of=y)
+                loss = objective.loss_from_logps(logps, y, d, ref, counts) * self.parallel.ranks
                 loss.backward()
             total += loss.item()
         self.pair_metrics = self._batch_metrics(targets, documents, counts)

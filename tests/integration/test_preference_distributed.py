@@ -24,7 +24,15 @@ unweighted (tried) fail the ORPO run at step 1.
 Compiled against eager (one process, LoRA DPO): the logits come from a compiled forward
 (``build.prepare``'s ``logits_fn``); the preference loss on them and the LoRA reference forward
 run eagerly. The compiled kernels round otherwise than eager ones in every forward, not only in
-sums: measured 9.1e-6 on the weights after 8 steps, 5.1e-7 on the losses, so 1e-4 there.
+sums: measured 9.1e-6 on the weights after 8 steps, 5.1e-7 on the losses, so 1e-4 there. The
+reward accuracy is left out of that comparison: at step 1 the adapters are zero, every margin
+is 0 in eager arithmetic and ±4e-7 compiled, so the count of positive margins is rounding's
+(the margins and rewards it counts are compared).
+
+The LoRA DPO weights get 3e-5: with the log-probs from the chunked head (``ops.logps``), its
+lr of 2e-2 grew the reduction-order rounding to 1.3e-5 in one LoRA tensor after 8 steps
+(losses and metrics still within 1e-6 at every step, step 1 bit-equal); a wrong reduction is
+orders of magnitude away.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from llamatrain import api
 from llamatrain.plot import read_records
 
 RTOL, ATOL = 1e-5, 1e-6  # see the module docstring
+LORA_DPO_WEIGHTS_RTOL = 3e-5
 COMPILED_RTOL = 1e-4
 
 COMMON = ("train.eval_every=4", "train.n_ubatch=64", 'train.device="cpu"')
@@ -109,15 +118,24 @@ def own_cache(folder: Path) -> str:
     return f'data.cache_dir="{folder}"'
 
 
-def assert_same_run(ours: Path, reference: Path, rtol: float = RTOL) -> None:
-    """Every logged step's and evaluation's numbers (loss, grad norm, pair metrics; not the
-    speed), and the final weights, within ``rtol``."""
+def assert_same_run(
+    ours: Path,
+    reference: Path,
+    rtol: float = RTOL,
+    weights_rtol: float | None = None,
+    counted: bool = True,
+) -> None:
+    """Every logged step's and evaluation's numbers (loss, grad norm, pair metrics, the reward
+    accuracy unless not ``counted``; not the speed) within ``rtol``, and the final weights
+    within ``weights_rtol`` (default ``rtol``)."""
     mine, theirs = read_records(ours / "metrics.jsonl"), read_records(reference / "metrics.jsonl")
     for kind in ("loss", "val_loss"):
         a, b = [r for r in mine if kind in r], [r for r in theirs if kind in r]
         assert b and [r["step"] for r in a] == [r["step"] for r in b], kind
         for x, y in zip(a, b, strict=True):
             numbers = {k for k, v in y.items() if isinstance(v, float) and "per_s" not in k}
+            if not counted:
+                numbers = {k for k in numbers if not k.endswith("reward_accuracy")}
             assert {kind, kind.replace("loss", "reward_margin")} <= numbers <= set(x), (x, y)
             for key in sorted(numbers):
                 assert x[key] == pytest.approx(y[key], rel=rtol, abs=ATOL), (y["step"], key)
@@ -125,7 +143,7 @@ def assert_same_run(ours: Path, reference: Path, rtol: float = RTOL) -> None:
     assert ours_w.keys() == reference_w.keys()
     for name, weight in reference_w.items():
         error = torch.linalg.vector_norm(ours_w[name] - weight) / torch.linalg.vector_norm(weight)
-        assert error <= rtol, f"{name}: relative difference {error:.2e}"
+        assert error <= (weights_rtol or rtol), f"{name}: relative difference {error:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +159,7 @@ def dpo_lora(files: dict[str, Path], root: Path) -> Path:
 
 def test_dpo_lora_under_ddp_trains_as_one_process(files, root, dpo_lora):
     launch([launched(files, root, "dpo_lora_ddp")], root)
-    assert_same_run(root / "dpo_lora_ddp", dpo_lora)
+    assert_same_run(root / "dpo_lora_ddp", dpo_lora, weights_rtol=LORA_DPO_WEIGHTS_RTOL)
 
 
 @pytest.fixture(scope="module")
@@ -184,4 +202,4 @@ def test_fsdp_computes_the_reference_table_one_process_does(two_rank_runs):
 @pytest.mark.slow
 def test_compiled_dpo_equals_eager(files, root, dpo_lora):
     compiled = fit(files, root / "compiled", "dpo_lora", "train.compile=true")
-    assert_same_run(compiled, dpo_lora, COMPILED_RTOL)
+    assert_same_run(compiled, dpo_lora, COMPILED_RTOL, counted=False)

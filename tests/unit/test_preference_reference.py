@@ -27,7 +27,6 @@ from llamatrain.preference import (
     cached_reference_table,
     pair_logps,
     reference_table,
-    token_logps,
 )
 
 VOCAB = 40
@@ -58,8 +57,8 @@ def model() -> Llama:
 
 def live(m: Llama, batch) -> tuple[torch.Tensor, ...]:
     with torch.no_grad():
-        logits = m(batch.inputs, documents=batch.documents)
-    p = pair_logps(token_logps(logits, batch.targets), batch.targets, batch.documents)
+        logps = m(batch.inputs, documents=batch.documents, logps_of=batch.targets)
+    p = pair_logps(logps, batch.targets, batch.documents)
     return p.chosen, p.rejected, p.chosen_tokens, p.rejected_tokens
 
 

@@ -40,14 +40,22 @@ returned in that computation dtype; dH and dW are cast back to the inputs' dtype
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from llamatrain.ops.dtypes import compute_dtype
 
-__all__ = ["CHUNK_BYTES", "default_chunk_rows", "linear_cross_entropy"]
+__all__ = [
+    "CHUNK_BYTES",
+    "ChunkSoftmax",
+    "chunk_gradients",
+    "chunk_softmax",
+    "default_chunk_rows",
+    "head_arguments",
+    "linear_cross_entropy",
+]
 
 # Bytes of float32 logits per chunk: 16 MiB = 131 rows at vocab 32000, a sixteenth of the
 # unfused logits of 2048 tokens, and about half a server CPU's L3 cache.
@@ -66,6 +74,110 @@ def default_chunk_rows(vocab: int, dim: int, element_size: int = 4) -> int:
     (the timings per chunk size are in bench/README.md).
     """
     return max(1, CHUNK_BYTES // (vocab * element_size), dim)
+
+
+class ChunkSoftmax(NamedTuple):
+    """One chunk of rows' softmax over the vocabulary, in base 2 (:func:`chunk_softmax`)."""
+
+    p: torch.Tensor
+    """(rows, vocab) the unnormalised softmax 2^(Z2 − max Z2), in the logits' buffer."""
+    denom: torch.Tensor
+    """(rows, 1) Σ p."""
+    lse2: torch.Tensor
+    """(rows,) log2 Σ 2^Z2."""
+    picked: torch.Tensor
+    """(rows,) Z2 of each row's target."""
+    t: torch.Tensor | None
+    """(rows, vocab) tanh(Z/cap) with a soft cap, for its gradient; else None."""
+
+
+def chunk_softmax(
+    hc: torch.Tensor,
+    w: torch.Tensor,
+    safe: torch.Tensor,
+    z_buffer: torch.Tensor,
+    t_buffer: torch.Tensor | None,
+    cap2: float | None,
+) -> ChunkSoftmax:
+    """The softmax of the logits of rows ``hc`` (pre-scaled by log2(e)) under ``w``,
+    soft-capped at ``cap2`` (the cap in base 2) when given, in the first rows of the
+    reusable ``z_buffer`` (and ``t_buffer`` for the cap); ``safe`` (rows, 1) the targets
+    whose scores to pick (any valid id where a row is ignored). Shared by every loss that
+    walks the lm head a chunk of rows at a time."""
+    n = hc.shape[0]
+    # mul_mat forward: this chunk's logits (base 2)
+    z = torch.mm(hc, w.t(), out=z_buffer[:n])
+    t = None
+    if t_buffer is not None:  # softcap forward: Z' = cap·tanh(Z/cap)
+        t = torch.div(z, cap2, out=t_buffer[:n]).tanh_()
+        z = torch.mul(t, cap2, out=z)
+    picked = z.gather(-1, safe).squeeze(-1)
+    m = z.amax(dim=-1, keepdim=True)
+    p = z.sub_(m).exp2_()  # unnormalised softmax, in the logits' buffer
+    denom = p.sum(dim=-1, keepdim=True)
+    lse2 = denom.log2().add_(m).squeeze(-1)
+    return ChunkSoftmax(p, denom, lse2, picked, t)
+
+
+def chunk_gradients(
+    chunk: ChunkSoftmax,
+    safe: torch.Tensor,
+    scale: torch.Tensor,
+    w: torch.Tensor,
+    hc: torch.Tensor,
+    dh: torch.Tensor | None,
+    dw: torch.Tensor | None,
+    accumulate: bool,
+) -> None:
+    """The lm head's gradients for logit gradients ``dZ = scale·(softmax − onehot)``
+    (``scale`` (rows, 1), per row), taken through the cap: ``dH = dZ·W`` written to ``dh``,
+    ``dZᵀ·hc`` written to (``accumulate``: added to) ``dw`` — in base 2, so the caller
+    multiplies dW by ln 2 at the end. Consumes ``chunk``'s buffers."""
+    # cross_entropy_loss_back with one-hot targets: dZ = scale·(softmax(Z) − onehot).
+    dz = chunk.p.mul_(scale / chunk.denom)
+    dz.scatter_add_(-1, safe, -scale)
+    if chunk.t is not None:  # softcap backward: dZ = dZ'·(1 − t²)
+        dz.mul_(chunk.t.mul_(chunk.t).neg_().add_(1.0))
+    # mul_mat backward (ggml): dX = G·W, dW = out_prod(X, G) = Gᵀ·X. hc carries the
+    # log2(e) factor, removed from dW by the caller.
+    if dh is not None:
+        torch.mm(dz, w, out=dh)
+    if dw is not None:
+        dw.addmm_(dz.t(), hc, beta=1.0 if accumulate else 0.0)
+
+
+def head_arguments(
+    op: str,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_rows: int | None,
+    softcap: float | None,
+) -> tuple[int, float | None]:
+    """Check the arguments of a chunked lm-head op ``op``; its chunk rows (default
+    :func:`default_chunk_rows`) and soft cap, as the Function takes them."""
+    if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{op}: need h (..., dim) and weight (vocab, dim), got "
+            f"{tuple(h.shape)} and {tuple(weight.shape)}"
+        )
+    if targets.shape != h.shape[:-1]:
+        raise ValueError(
+            f"{op}: targets shape {tuple(targets.shape)} must equal h shape "
+            f"without the feature dim {tuple(h.shape[:-1])}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"{op}: targets must be an integer tensor, got {targets.dtype}")
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(weight.shape[0], weight.shape[1])
+    if chunk_rows < 1:
+        raise ValueError(f"{op}: chunk_rows must be positive, got {chunk_rows}")
+    if softcap is None:
+        return int(chunk_rows), None
+    softcap = float(softcap)
+    if not (0.0 < softcap < math.inf):
+        raise ValueError(f"{op}: softcap must be positive, finite; got {softcap}")
+    return int(chunk_rows), softcap
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -127,33 +239,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for r0 in range(0, rows, chunk_rows):
             r1 = min(r0 + chunk_rows, rows)
             hc = h2[r0:r1]
-            # mul_mat forward: this chunk's logits (base 2)
-            z = torch.mm(hc, w.t(), out=z_buffer[: r1 - r0])
-            t = None
-            if t_buffer is not None:  # softcap forward: Z' = cap·tanh(Z/cap)
-                t = torch.div(z, cap2, out=t_buffer[: r1 - r0]).tanh_()
-                z = torch.mul(t, cap2, out=z)
-            picked = z.gather(-1, safe[r0:r1]).squeeze(-1)
-            m = z.amax(dim=-1, keepdim=True)
-            p = z.sub_(m).exp2_()  # unnormalised softmax, in the logits' buffer
-            denom = p.sum(dim=-1, keepdim=True)
-            lse2 = denom.log2().add_(m).squeeze(-1)
-            loss2 += torch.where(valid[r0:r1], lse2 - picked, 0.0).sum()
+            chunk = chunk_softmax(hc, w, safe[r0:r1], z_buffer, t_buffer, cap2)
+            loss2 += torch.where(valid[r0:r1], chunk.lse2 - chunk.picked, 0.0).sum()
             if dh is None and dw is None:
                 continue
-            # cross_entropy_loss_back with one-hot targets and grad = 1:
-            #   dZ = (softmax(Z) − onehot) / n_valid on valid rows, 0 on ignored rows.
+            # cross_entropy_loss_back with grad = 1: dZ = (softmax(Z) − onehot) / n_valid on
+            # valid rows, 0 on ignored rows.
             scale = row_scale[r0:r1].unsqueeze(-1)
-            dz = p.mul_(scale / denom)
-            dz.scatter_add_(-1, safe[r0:r1], -scale)
-            if t is not None:  # softcap backward: dZ = dZ'·(1 − t²)
-                dz.mul_(t.mul_(t).neg_().add_(1.0))
-            # mul_mat backward (ggml): dX = G·W, dW = out_prod(X, G) = Gᵀ·X. hc carries the
-            # log2(e) factor, removed from dW at the end.
-            if dh is not None:
-                torch.mm(dz, w, out=dh[r0:r1])
-            if dw is not None:
-                dw.addmm_(dz.t(), hc, beta=1.0 if r0 else 0.0)
+            dh_rows = None if dh is None else dh[r0:r1]
+            chunk_gradients(chunk, safe[r0:r1], scale, w, hc, dh_rows, dw, accumulate=r0 > 0)
 
         if dw is not None:
             dw.mul_(_LN2)
@@ -216,32 +310,14 @@ def linear_cross_entropy(
         float32 rounding, with ggml's gradients (``cross_entropy_loss_back`` through the
         ``mul_mat`` backward).
     """
-    if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"linear_cross_entropy: need h (..., dim) and weight (vocab, dim), got "
-            f"{tuple(h.shape)} and {tuple(weight.shape)}"
-        )
-    if targets.shape != h.shape[:-1]:
-        raise ValueError(
-            f"linear_cross_entropy: targets shape {tuple(targets.shape)} must equal h shape "
-            f"without the feature dim {tuple(h.shape[:-1])}"
-        )
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise ValueError(
-            f"linear_cross_entropy: targets must be an integer tensor, got {targets.dtype}"
-        )
-    if chunk_rows is None:
-        chunk_rows = default_chunk_rows(weight.shape[0], weight.shape[1])
-    if chunk_rows < 1:
-        raise ValueError(f"linear_cross_entropy: chunk_rows must be positive, got {chunk_rows}")
+    chunk_rows, softcap = head_arguments(
+        "linear_cross_entropy", h, weight, targets, chunk_rows, softcap
+    )
     with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     if softcap is None:
         return _LinearCrossEntropy.apply(
-            h, weight, targets, int(ignore_index), int(chunk_rows), with_grad
+            h, weight, targets, int(ignore_index), chunk_rows, with_grad
         )
-    softcap = float(softcap)
-    if not (0.0 < softcap < math.inf):
-        raise ValueError(f"linear_cross_entropy: softcap must be positive, finite; got {softcap}")
     return _LinearCrossEntropy.apply(
-        h, weight, targets, int(ignore_index), int(chunk_rows), with_grad, softcap
+        h, weight, targets, int(ignore_index), chunk_rows, with_grad, softcap
     )
