@@ -84,11 +84,16 @@ def _check_shapes(
         )
 
 
+def _chunk_rows(n_in: int, chunk_rows: int | None) -> int:
+    """Rows of W widened at a time: ``chunk_rows``, or :data:`CHUNK_BYTES` of float32."""
+    return chunk_rows or max(1, CHUNK_BYTES // (4 * n_in))
+
+
 def _row_chunks(
     weight: torch.Tensor, qtype: str | None, n_in: int, dtype: torch.dtype, chunk_rows: int | None
 ) -> Iterator[tuple[slice, torch.Tensor]]:
     """(rows, W[rows] as ``dtype``) a chunk at a time; see :data:`CHUNK_BYTES`."""
-    step = chunk_rows or max(1, CHUNK_BYTES // (4 * n_in))
+    step = _chunk_rows(n_in, chunk_rows)
     for start in range(0, weight.shape[0], step):
         rows = slice(start, start + step)
         yield rows, dense_weight(weight[rows], qtype, n_in, dtype)
@@ -105,9 +110,12 @@ def _whole(
 def _base_forward(
     rows: torch.Tensor, weight: torch.Tensor, qtype: str | None, n_in: int, chunk_rows: int | None
 ) -> torch.Tensor:
-    """x·Wᵀ: whole for a W of x's dtype, else a chunk of W's rows (y's columns) at a time."""
+    """x·Wᵀ: whole for a W of x's dtype, else a chunk of W's rows (y's columns) at a time
+    (one chunk when W fits in one: its product is y, not copied into y)."""
     if _whole(weight, qtype, rows, chunk_rows):
         return torch.mm(rows, weight.t())
+    if weight.shape[0] <= _chunk_rows(n_in, chunk_rows):
+        return torch.mm(rows, dense_weight(weight, qtype, n_in, rows.dtype).t())
     y = None
     for cols, chunk in _row_chunks(weight, qtype, n_in, rows.dtype, chunk_rows):
         part = torch.mm(rows, chunk.t())
@@ -115,6 +123,17 @@ def _base_forward(
             y = part.new_empty(rows.shape[0], weight.shape[0])
         y[:, cols] = part
     return y
+
+
+def _add_low_rank(
+    base: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float = 1.0
+) -> torch.Tensor:
+    """base + scale·left·right: into ``base`` itself (a fresh product nobody else holds), so
+    the (M, out) result is not copied; out of place under autocast, which casts the factors
+    (``addmm_`` would refuse the mixed dtypes). The same one BLAS call either way."""
+    if torch.is_autocast_enabled(base.device.type):
+        return torch.addmm(base, left, right, alpha=scale)
+    return base.addmm_(left, right, alpha=scale)
 
 
 def _base_backward(
@@ -151,7 +170,7 @@ class _LoraLinear(torch.autograd.Function):
         adapter_rows = rows if shared else adapter_input.reshape(rows.shape)
         u = torch.mm(adapter_rows, lora_a.t())
         base = _base_forward(rows, weight, qtype, x.shape[-1], chunk_rows)
-        y = torch.addmm(base, u, lora_b.t(), alpha=scale)
+        y = _add_low_rank(base, u, lora_b.t(), scale)
         # x itself only for a trainable W's gradient: a frozen base needs just x' (which is
         # x unless dropout made a new tensor) and U.
         kept_rows = rows if ctx.needs_input_grad[1] else None
@@ -176,7 +195,7 @@ class _LoraLinear(torch.autograd.Function):
             if need_x:
                 dx = _base_backward(g, weight, ctx.qtype, lora_a.shape[1], ctx.chunk_rows)
                 if ctx.shared:
-                    dx = torch.addmm(dx, gb, lora_a)
+                    dx = _add_low_rank(dx, gb, lora_a)
                 dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
             if need_adapter_input:
                 d_adapter_input = torch.mm(gb, lora_a).reshape(ctx.x_shape).to(ctx.x_dtype)
