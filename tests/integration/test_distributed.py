@@ -172,6 +172,24 @@ def test_a_lora_run_under_ddp_trains_as_one_process(tmp_path: Path, cache_dir: P
     assert_close_weights(weights(tmp_path / "ddp"), weights(tmp_path / "single"))
 
 
+def test_a_gemma3_run_under_fsdp_trains_as_one_process(tmp_path: Path, cache_dir: Path) -> None:
+    """The family furthest from llama (sandwich norms, GEGLU, windows on 5 of 6 layers, scaled
+    embeddings) shards and checkpoints like llama: the parallel code never looks inside."""
+    gemma3 = {"model.arch": '"gemma3"', "model.n_layers": 6, "model.sliding_window": 16}
+    gemma3 |= {"train.steps": 6, "train.save_every": 6}
+    llamatrain.fit(
+        "tiny", overrides=overrides(cache_dir, tmp_path / "single", **gemma3), progress=False
+    )
+    sharded = overrides(cache_dir, tmp_path / "fsdp", **gemma3, **RUNS["fsdp_accum"])
+    with torchrun(
+        [{"overrides": sharded}], tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as launch:
+        output, _ = launch.communicate(timeout=300)
+    assert launch.returncode == 0, output[-4000:]
+    assert_close_losses(losses(tmp_path / "fsdp"), losses(tmp_path / "single"))
+    assert_close_weights(weights(tmp_path / "fsdp", 6), weights(tmp_path / "single", 6))
+
+
 def test_each_rank_takes_its_own_equal_share(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank r of n computes rows [r·B/n, (r+1)·B/n) of every global batch; a batch n ranks
     cannot share equally is refused with the fix."""

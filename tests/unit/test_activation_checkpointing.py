@@ -157,6 +157,31 @@ def test_checkpointing_gives_identical_loss_and_gradients(policy, every_n, segme
     Llama(model.cfg).double().load_state_dict(model.state_dict(), strict=True)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(arch="qwen2"),
+        dict(arch="qwen3"),
+        dict(arch="smollm3"),
+        dict(arch="gemma3", sliding_window=4),  # shorter than the batch: the window matters
+    ],
+    ids=lambda changes: changes["arch"],
+)
+def test_checkpointing_every_family_gives_identical_loss_and_gradients(changes):
+    """Checkpointing wraps blocks, whatever the family's switches do inside them (biases, q/k
+    norms, NoPE layers, sandwich norms, windows): the same bit-identity in float64."""
+    model = make_model(**changes)
+    tokens, targets = batch(model.cfg)
+    plain_loss, plain_grads = loss_and_grads(model, tokens, targets)
+    ac.apply(model, "full", every_n=2, n_seq=2, n_ctx=16)
+    with checkpoint_calls() as calls:
+        loss, grads = loss_and_grads(model, tokens, targets)
+    assert calls[0] == model.cfg.n_layers
+    assert loss == plain_loss
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
 def test_checkpointed_blocks_are_recomputed_in_backward():
     model = make_model(torch.float32)
     tokens, targets = batch(model.cfg)
