@@ -58,16 +58,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ops import (  # noqa: E402
-    MB,
     add_common_arguments,
     device_from_arguments,
     finish,
     load_average,
     machine_info,
-    peak_bytes,
     time_interleaved,
 )
-from train import _malloc_trim, _reset_peak_rss, _status_kb  # noqa: E402
+from train import _malloc_trim, _status_kb, step_peaks  # noqa: E402
 
 from llamatrain.config import Config, validate  # noqa: E402
 from llamatrain.data.examples import Example, ExampleRows, pack_rows  # noqa: E402
@@ -202,18 +200,7 @@ def prepare(name: str, objective: str, finetune: str, device: torch.device) -> t
     row |= figures
     for _ in range(2):
         step()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    rss_reset = _reset_peak_rss()
-    for _ in range(2):
-        step()
-    if device.type == "cuda":
-        row["peak_mb"] = torch.cuda.max_memory_allocated(device) / MB
-        row["peak_kind"] = "cuda max_memory_allocated"
-    elif rss_reset and rss0 is not None:
-        row["peak_mb"] = (_status_kb("VmHWM") - rss0) / 1024
-        row["peak_kind"] = "peak RSS - RSS before build"
-    row["step_mb"] = peak_bytes(step, device) / MB
+    row |= step_peaks(step, device, rss0)
     return row, step
 
 

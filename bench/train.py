@@ -380,6 +380,14 @@ def prepare(row: Row, device: torch.device, *, warmup: int) -> Variant | dict:
         traceback.print_exc(limit=2)
         return out | {"skipped": f"torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}"}
 
+    out |= step_peaks(step, device, rss0)
+    return Variant(row.bc, out, step, row.model_cfg)
+
+
+def step_peaks(step: Callable[[], object], device: torch.device, rss0: int | None) -> dict:
+    """The peak memory of two more steps: the device's (CUDA) or the process's RSS above
+    ``rss0`` (the RSS before the model was built), and one step's own (``step_mb``)."""
+    out: dict = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rss_reset = _reset_peak_rss()
@@ -392,7 +400,7 @@ def prepare(row: Row, device: torch.device, *, warmup: int) -> Variant | dict:
         out["peak_mb"] = (_status_kb("VmHWM") - rss0) / 1024
         out["peak_kind"] = "peak RSS - RSS before build"
     out["step_mb"] = peak_bytes(step, device) / MB
-    return Variant(row.bc, out, step, row.model_cfg)
+    return out
 
 
 def time_interleaved(
