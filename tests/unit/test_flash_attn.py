@@ -41,6 +41,18 @@ def _inputs(
     return q, k, v
 
 
+def assert_same_attention(
+    out: torch.Tensor, ref: torch.Tensor, qkv: tuple[torch.Tensor, ...], tol: float = 1e-5
+) -> None:
+    """``out`` equals ``ref`` and so do their gradients w.r.t. ``qkv`` under one random output
+    gradient, within ``tol`` (absolute and relative)."""
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, qkv, dout)
+    for got, want in zip(grads, torch.autograd.grad(ref, qkv, dout), strict=True):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 def _reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None
 ) -> torch.Tensor:
