@@ -23,6 +23,7 @@ rank's shard.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -134,8 +135,22 @@ def process_group(mode: str, device: torch.device, timeout_s: float) -> Iterator
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
         yield
+        leave_together()
     finally:
         dist.destroy_process_group()
+
+
+def leave_together() -> None:
+    """Wait for every rank, then drop what still holds the group, before it is destroyed.
+
+    A rank that destroys its group while a peer still talks to it, or whose DDP/FSDP wrapper
+    (kept alive by a reference cycle) outlives the group, can have gloo's threads torn down
+    at interpreter exit: the process aborts ("terminate called without an active
+    exception") after the run has finished. Not on the way out of an error: a rank that
+    failed must not wait for peers that may be gone.
+    """
+    dist.barrier()
+    gc.collect()
 
 
 @contextlib.contextmanager

@@ -288,6 +288,7 @@ def main(runs: list[dict]) -> int:
     import torch.distributed as dist
 
     from llamatrain.cli import main as llamatrain_main
+    from llamatrain.parallel import leave_together
 
     dist.init_process_group("gloo")
     try:
@@ -297,6 +298,7 @@ def main(runs: list[dict]) -> int:
                 args += ["--resume", run["resume"]]
             if code := llamatrain_main(args):
                 return code
+        leave_together()
         return 0
     finally:
         dist.destroy_process_group()
