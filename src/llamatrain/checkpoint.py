@@ -59,6 +59,8 @@ FILE_VERSION = 2
 stored them as pickles, which are never read."""
 RNG_LAYOUT_KEY, RNG_TENSORS = "training.rng.layout", "training.rng"
 LBFGS_LAYOUT_KEY, LBFGS_TENSORS = "optimizer.lbfgs.layout", "optimizer.lbfgs"
+ADAM_TENSORS = ("optimizer.adam.first_moments", "optimizer.adam.second_moments")
+"""AdamW's two moments, each one flat vector of every trained parameter in the model's order."""
 PICKLED_KEYS = ("training.rng_state", "optimizer.lbfgs.state")
 """Where version-1 checkpoints kept pickles."""
 DIVERGED_FIX = "Lower optim.lr, keep optim.grad_clip on, or check the data"
@@ -121,8 +123,12 @@ def _trained(model: Llama) -> list[torch.nn.Parameter]:
 
 
 def _adam_tensors(model: Llama, optimizer: Optimizer) -> dict[str, torch.Tensor]:
-    """Flatten AdamW's moments into the 2023 layout (zeros before the first step); FSDP's
+    """AdamW's moments in the 2023 layout, two flat vectors (zeros before the first step):
+    the optimizer's own storage where it keeps them so (no copy), else concatenated; FSDP's
     shards are gathered (every rank takes part) and only rank 0 gets them."""
+    flat = optimizer.flat_moments(_trained(model))
+    if flat is not None:
+        return dict(zip(ADAM_TENSORS, flat, strict=True)) if is_main() else {}
     first, second = [], []
     for p in _trained(model):
         state = optimizer.state.get(p, {})
@@ -130,16 +136,13 @@ def _adam_tensors(model: Llama, optimizer: Optimizer) -> dict[str, torch.Tensor]
         second.append(gathered(state.get("exp_avg_sq", torch.zeros_like(p))))
     if not is_main():
         return {}
-    return {
-        "optimizer.adam.first_moments": torch.cat([t.flatten() for t in first]),
-        "optimizer.adam.second_moments": torch.cat([t.flatten() for t in second]),
-    }
+    moments = (torch.cat([t.flatten() for t in m]) for m in (first, second))
+    return dict(zip(ADAM_TENSORS, moments, strict=True))
 
 
 def _restore_adam(model: Llama, optimizer: AdamW, tensors: dict, step: int) -> None:
     """Rebuild AdamW's per-parameter state from the flat moment vectors."""
-    first = tensors.get("optimizer.adam.first_moments")
-    second = tensors.get("optimizer.adam.second_moments")
+    first, second = (tensors.get(name) for name in ADAM_TENSORS)
     size = sum(p.numel() for p in _trained(model))
     if not all(_is_moments(m, size) for m in (first, second)):
         raise CheckpointError(
@@ -152,7 +155,7 @@ def _restore_adam(model: Llama, optimizer: AdamW, tensors: dict, step: int) -> N
     offset = 0
     for p in _trained(model):
         n = p.numel()
-        moments = [shard_like(m[offset : offset + n], p).clone() for m in (first, second)]
+        moments = [shard_like(m[offset : offset + n], p) for m in (first, second)]
         optimizer.set_state(p, step, *moments)
         offset += n
 

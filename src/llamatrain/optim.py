@@ -48,10 +48,14 @@ class AdamW:
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        order: list[torch.Tensor] | None = None,
     ) -> None:
         self.defaults = {"lr": lr, "betas": betas, "eps": eps}
         self.param_groups = [{**self.defaults, "weight_decay": 0.0, **g} for g in groups]
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self.order = order if order is not None else [p for g in groups for p in g["params"]]
+        """The parameters in the order of :meth:`flat_moments` (default: the groups');
+        ``build_optimizer`` gives the model's."""
 
     def zero_grad(self) -> None:
         """Drop the gradients (``torch.optim``'s default): the next backward writes them
@@ -98,20 +102,72 @@ class AdamW:
             maximize=False,
         )
 
+    @torch.no_grad()
     def set_state(
         self, p: torch.Tensor, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
     ) -> None:
-        """Give ``p`` its moments after ``step`` updates (a resumed checkpoint's, or zeros before
-        the first), in the layout the fused kernel reads: a float32 step count on ``p``'s
-        device beside the two moments, as ``torch.optim.AdamW(fused=True)`` keeps them."""
-        step_count = torch.tensor(float(step), dtype=torch.float32, device=p.device)
-        self.state[p] = {"step": step_count, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        """Give ``p`` its moments after ``step`` updates (a resumed checkpoint's), copied into
+        the state's own storage."""
+        state = self._state(p)
+        state["step"].fill_(float(step))
+        state["exp_avg"].copy_(exp_avg)
+        state["exp_avg_sq"].copy_(exp_avg_sq)
+
+    def flat_moments(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first and second moments of ``params`` as two flat vectors, without a copy:
+        the storage every parameter's moments are views of, when ``params`` are
+        :attr:`order` and the moments are kept that way (see :meth:`_state`); else None."""
+        if [id(p) for p in params] != [id(p) for p in self.order] or not params:
+            return None
+        states = [self._state(p) for p in params]
+        flat = tuple(states[0][key]._base for key in ("exp_avg", "exp_avg_sq"))
+        shared = all(
+            s[key]._base is base
+            for s in states
+            for key, base in zip(("exp_avg", "exp_avg_sq"), flat, strict=True)
+        )
+        return flat if shared and flat[0] is not None else None  # type: ignore[return-value]
 
     def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s state, created at the first step in the layout the fused kernel reads: a
+        float32 step count on ``p``'s device beside the two moments, as
+        ``torch.optim.AdamW(fused=True)`` keeps them. The moments of all parameters are
+        allocated together, as views of two flat vectors in :attr:`order` when the
+        parameters allow (plain tensors of one device and dtype): a checkpoint then writes
+        those vectors, the 2023 layout, as they are — concatenating them at each save would
+        add twice the weights' bytes to the run's peak memory (a third of a full finetune's
+        AdamW state)."""
         if p not in self.state:
-            zeros = [torch.zeros_like(p, memory_format=torch.preserve_format) for _ in range(2)]
-            self.set_state(p, 0, *zeros)
+            if _flattenable(self.order) and any(p is q for q in self.order):
+                self._allocate_flat()
+            else:
+                self.state[p] = _new_state(p, *(torch.zeros_like(p) for _ in range(2)))
         return self.state[p]
+
+    def _allocate_flat(self) -> None:
+        size = sum(p.numel() for p in self.order)
+        first, second = (self.order[0].new_zeros(size) for _ in range(2))
+        offset = 0
+        for p in self.order:
+            views = (m[offset : offset + p.numel()].view_as(p) for m in (first, second))
+            self.state[p] = _new_state(p, *views)
+            offset += p.numel()
+
+
+def _new_state(p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict:
+    step = torch.zeros((), dtype=torch.float32, device=p.device)
+    return {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def _flattenable(params: list[torch.Tensor]) -> bool:
+    """Plain contiguous tensors of one device and dtype (an FSDP shard, a DTensor, is not)."""
+    first = params[0]
+    return all(
+        type(p.data) is torch.Tensor
+        and p.is_contiguous()
+        and (p.device, p.dtype) == (first.device, first.dtype)
+        for p in params
+    )
 
 
 def _by_device_and_dtype(params: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
@@ -146,6 +202,7 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> Optimizer:
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
+        order=[p for p in model.parameters() if p.requires_grad],
     )
 
 

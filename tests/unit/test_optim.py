@@ -152,3 +152,29 @@ def test_adamw_step_takes_a_closure_as_torch_optim_does():
         loss = optimizer.step(closure)
     assert loss is not None and loss.item() > 0
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_adamw_keeps_its_moments_as_two_flat_vectors_in_the_model_order():
+    """A checkpoint writes the moments as two flat vectors (the 2023 layout): the optimizer
+    keeps them that way, every parameter's moments a view, so saving copies nothing (a
+    concatenation would add twice the weights' bytes to a full finetune's peak)."""
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(**SMALL))
+    optimizer = build_optimizer(model, OptimSection(lr=1e-2))
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    first, second = optimizer.flat_moments(params)
+    assert first.shape == second.shape == (sum(p.numel() for p in params),)
+    offset = 0
+    for p in params:
+        state = optimizer.state[p]
+        for flat, key in ((first, "exp_avg"), (second, "exp_avg_sq")):
+            assert state[key].data_ptr() == flat[offset:].data_ptr()  # a view, not a copy
+            assert torch.equal(state[key].flatten(), flat[offset : offset + p.numel()])
+        offset += p.numel()
+    assert optimizer.flat_moments(params[::-1]) is None  # another order: not this layout
+    optimizer.set_state(params[0], 7, torch.ones_like(params[0]), torch.full_like(params[0], 2))
+    assert first[: params[0].numel()].eq(1).all() and second[: params[0].numel()].eq(2).all()
+    assert optimizer.state[params[0]]["step"].item() == 7
