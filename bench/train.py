@@ -56,9 +56,10 @@ Columns:
   start): activations, gradients and temporaries - the part checkpointing and the fused
   loss change.
 
-On CUDA (``--device cuda``) a ``llama-124m`` group (dim 768, 12 layers, ctx 1024,
-``train.dtype = "bfloat16"``: bf16 autocast with float32 master weights, eager and compiled)
-is added for the GPU MFU report. The process-wide settings a training run gets
+On CUDA (``--device cuda``) the trainer rows train under bf16 autocast with float32 master
+weights (``train.dtype = "bfloat16"``); the GPU report at ~130M parameters is
+``bench/gpu.py``'s, built from this file's rows and timing. The process-wide settings a
+training run gets
 (``llamatrain.device.configure_process``: glibc malloc retention on CPU, TF32 under bf16 on
 CUDA) are applied once at start, for every row, the baseline included. The load average is
 printed with every row.
@@ -142,8 +143,6 @@ CONFIGS = {
     # One shape for every model family (--families): a small Qwen-like GQA model, a window
     # half the context for the sliding-window families.
     "family": BenchConfig("family", _cfg(32000, 256, 8, 8, 4, 768, 256), batch=4, ctx=256),
-    # GPU only: a GPT-2-small-sized llama (~134M parameters, 85M of them in the blocks).
-    "llama-124m": BenchConfig("llama-124m", _cfg(32000, 768, 12, 12, None, 2048, 1024), 8, 1024),
 }
 
 TRAINER_OPS = ("ggml", "torch")
@@ -537,7 +536,7 @@ def print_row(row: dict) -> None:
     )
 
 
-def plan(args: argparse.Namespace, device: torch.device) -> list[list[Row]]:
+def plan(args: argparse.Namespace) -> list[list[Row]]:
     """The rows of this run in groups; the rows of a group are timed side by side."""
     kinds = ("ggml", "ggml-unfused", "torch", "baseline")
     nano_kinds = ("ggml", "torch", "baseline")
@@ -556,12 +555,6 @@ def plan(args: argparse.Namespace, device: torch.device) -> list[list[Row]]:
     if args.compile:
         groups[0] += [Row(tiny, kind, compile=True) for kind in kinds]
         groups[-1] += [Row(nano, kind, compile=True) for kind in nano_kinds]
-    if device.type == "cuda":  # the GPU report: MFU of a ~124M llama, bf16 autocast
-        big = CONFIGS["llama-124m"]
-        groups.append(
-            [Row(big, kind) for kind in nano_kinds]
-            + [Row(big, kind, compile=True) for kind in ("ggml", "baseline")]
-        )
     if args.families:
         groups.append([Row(family_config(arch), "ggml") for arch in ARCHS])
     if args.scaling:
@@ -625,7 +618,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(HEADER)
     print("-" * len(HEADER))
     rows = []
-    for group in plan(args, device):
+    for group in plan(args):
         group_rows = run_group(group, device, steps=steps, min_seconds=1.0 if args.quick else 3.0)
         for row in group_rows:
             print_row(row)

@@ -35,7 +35,7 @@ from llamatrain.config import validate as validate_config
 from llamatrain.data import ChatTemplate, build_train_data, resolve_inputs
 from llamatrain.data.chat_template import BUILTIN_TEMPLATES
 from llamatrain.data.examples import resolve_chat_template
-from llamatrain.device import configure_process, resolve_device
+from llamatrain.device import configure_process, resolve_device, resolve_run_settings
 from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.evaluate import PerplexityResult, perplexity
 from llamatrain.files import write_text_atomically
@@ -103,13 +103,15 @@ class FitResult:
 def _configure(
     config: Config | str | Path | None, overrides: Sequence[str], dotted: Mapping
 ) -> Config:
-    """The run's validated config: a file, a built-in name or a Config, plus overrides."""
+    """The run's validated config: a file, a built-in name or a Config, plus overrides, with
+    its ``auto`` choices made for the device (``llamatrain.device.resolve_run_settings``)
+    before anything reads them."""
     values = {key.replace("__", "."): value for key, value in dotted.items()}
     if isinstance(config, Config):
         cfg = apply_overrides(config, overrides)
     else:
         cfg = load_config(config, overrides)
-    return validate_config(apply_values(cfg, values, "fit(...) keyword"))
+    return resolve_run_settings(validate_config(apply_values(cfg, values, "fit(...) keyword")))
 
 
 def fit(
@@ -127,6 +129,10 @@ def fit(
     ``"shakespeare"``, ``"ggml-2023"``), a ``Config`` or None (defaults). Overrides come as
     ``overrides=["optim.lr=3e-4"]`` or as keywords with ``__`` for the dot:
     ``fit("tiny", train__steps=20)``. ``resume`` is a checkpoint path or ``"latest"``.
+    ``auto`` choices (``model.ops``, ``model.attention``, ``train.dtype``) are made for the
+    device: on CUDA PyTorch's ops, SDPA and bf16 autocast; on the CPU ggml's ops, the blockwise
+    flash attention and float32 (``llamatrain.device.resolve_run_settings``); the result's
+    ``config`` and the run's ``config.toml`` hold the choices made.
     Applies the device's process-wide settings (``llamatrain.device.configure_process``).
     One process at a time trains into a run folder: another's ``fit`` into the same
     ``output.dir`` raises RunInUseError naming this one's PID (``llamatrain.runlock``). A new

@@ -1,16 +1,26 @@
-"""Which device a run uses, and the process-wide settings that make training fast there.
+"""Which device a run uses, the run choices ``auto`` leaves to it, and the process-wide
+settings that make training fast there.
 
-The settings change the whole process (the C library's malloc, PyTorch's matmul precision),
-so no constructor applies them behind the caller's back: the entry points (``llamatrain fit``,
-``llamatrain.fit``, the benchmarks) call :func:`configure_process` once, visibly.
+``auto`` in ``model.ops``, ``model.attention`` and ``train.dtype`` is made concrete once, by
+:func:`resolve_run_settings`, before anything reads them: on CUDA PyTorch's ops, its fused
+attention kernels and bf16 autocast; on the CPU ggml's semantics in float32.
+
+The process settings change the whole process (the C library's malloc, PyTorch's matmul
+precision), so no constructor applies them behind the caller's back: the entry points
+(``llamatrain fit``, ``llamatrain.fit``, the benchmarks) call :func:`configure_process`
+once, visibly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from llamatrain.allocator import retain_freed_memory
+from llamatrain.config import Config
 from llamatrain.errors import TrainingError
+from llamatrain.ops.sets import AUTO, run_choices
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,6 +30,35 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise TrainingError("train.device = 'cuda' but no CUDA device is available; use 'auto'")
     return torch.device(name)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 in hardware (a CUDA GPU from Ampere on): autocast to
+    bf16 elsewhere is emulated or slow, so ``train.dtype = "auto"`` keeps float32 there."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def resolve_run_settings(cfg: Config) -> Config:
+    """``cfg`` with every ``auto`` run choice made concrete for the device it trains on.
+
+    ``model.ops`` and ``model.attention``: ``llamatrain.ops.sets.run_choices``. ``train.dtype``
+    ``auto``: bf16 autocast where the ops are PyTorch's on a GPU with native bf16, float32
+    otherwise, so ``model.ops = "ggml"`` alone gives the ggml path (ggml ops, blockwise
+    attention, float32) on a GPU too. ``train.device`` stays as set: a resume on another
+    machine finds its device again. The result is what the run records (its
+    ``config.toml``), so a resume with it computes the same arithmetic. On the CPU every
+    ``auto`` is the choice it replaced as the default: ggml, flash, float32.
+    """
+    device = resolve_device(cfg.train.device)
+    ops, attention = run_choices(cfg.model.ops, cfg.model.attention, cuda=device.type == "cuda")
+    dtype = cfg.train.dtype
+    if dtype == AUTO:
+        dtype = "bfloat16" if ops == "torch" and native_bf16(device) else "float32"
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, ops=ops, attention=attention),
+        train=dataclasses.replace(cfg.train, dtype=dtype),
+    )
 
 
 def configure_process(device: torch.device, *, bf16: bool) -> None:

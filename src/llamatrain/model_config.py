@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from llamatrain.errors import ConfigError
-from llamatrain.ops.sets import ATTENTIONS, OPS
+from llamatrain.ops.sets import ATTENTIONS, AUTO, OPS
 from llamatrain.settings import check_rules, divisors, setting
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -158,16 +158,18 @@ class ModelConfig:
         False, "share token embedding and output head (no output.weight)"
     )
     ops: str = setting(
-        "ggml",
-        "'ggml' = ops with ggml's backward semantics; 'torch' = PyTorch's built-in ops",
-        choices=OPS,
+        AUTO,
+        "'ggml' = ops with ggml's backward semantics; 'torch' = PyTorch's built-in ops; "
+        "'auto' = 'torch' on CUDA, 'ggml' on the CPU",
+        choices=(*OPS, AUTO),
     )
     attention: str = setting(
-        "flash",
+        AUTO,
         "'flash' = memory-efficient attention (ggml: blockwise with the 2023 flash_attn_back; "
         "torch: SDPA); 'softmax' = scores, diag_mask_inf and soft_max as the 2023 graph "
-        "without --use-flash; 'sdpa' = PyTorch's fused kernels (fastest on CUDA)",
-        choices=ATTENTIONS,
+        "without --use-flash; 'sdpa' = PyTorch's fused kernels (fastest on CUDA); 'auto' = "
+        "'sdpa' on CUDA with the torch ops, else 'flash'",
+        choices=(*ATTENTIONS, AUTO),
     )
     init_from: str | None = setting(
         None,

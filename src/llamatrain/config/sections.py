@@ -214,9 +214,11 @@ class TrainSection:
         "auto", "'auto' = CUDA when available, else CPU", choices=("auto", "cpu", "cuda")
     )
     dtype: str = setting(
-        "float32",
-        "compute dtype; 'bfloat16' = autocast (fast on CUDA, slow on most CPUs)",
-        choices=("float32", "bfloat16"),
+        "auto",
+        "compute dtype; 'bfloat16' = autocast (fast on CUDA, slow on most CPUs); 'auto' = "
+        "'bfloat16' on a CUDA GPU with native bf16 running the torch ops (model.ops 'torch' "
+        "or 'auto'), else 'float32'",
+        choices=("float32", "bfloat16", "auto"),
     )
     compile: bool = setting(
         False,

@@ -8,9 +8,10 @@ blockwise ``flash_attn`` with the 2023 ``flash_attn_back``, or SDPA for the torc
 ``softmax`` (the 2023 program's non-flash graph: scores, ``diag_mask_inf``, ``soft_max``) or
 ``sdpa`` (PyTorch's fused kernels, the fast choice on CUDA).
 
-:func:`op_set` is the one place the choice is made: the model's modules and LoRA's adapted
-projections call the methods of the object it returns. Tensor math only, like the rest of
-``llamatrain.ops``: the choice comes in as two strings, not as a config.
+:func:`run_choices` says what the choice ``auto`` becomes on a device, and :func:`op_set` is
+the one place the choice is made: the model's modules and LoRA's adapted projections call the
+methods of the object it returns. Tensor math only, like the rest of ``llamatrain.ops``: the
+choice comes in as two strings, not as a config.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from llamatrain.ops.softcap import softcap as ggml_softcap
 
 OPS = ("ggml", "torch")
 ATTENTIONS = ("flash", "softmax", "sdpa")
+AUTO = "auto"
+"""The ``ops`` or ``attention`` choice left to the device the model runs on:
+:func:`run_choices`."""
 IGNORE_INDEX = -100
 """A target of this value is not scored (PyTorch's convention, and every loss op's default)."""
 
@@ -265,8 +269,31 @@ class TorchOps(OpSet):
         return self.cross_entropy(logits, targets)
 
 
+def run_choices(ops: str, attention: str, *, cuda: bool) -> tuple[str, str]:
+    """``ops`` and ``attention`` with :data:`AUTO` made concrete for a model on CUDA or not.
+
+    On CUDA ``auto`` is the fast path: PyTorch's ops and its fused attention kernels (SDPA),
+    which autocast, fusion and ``torch.compile`` are built for. Elsewhere it is ggml's
+    semantics and the blockwise flash attention: the faithful path, and on the CPU the faster
+    and lighter one (its fused lm head + loss; ``bench/README.md``). Attention follows the
+    ops: with ggml's ops, even on CUDA, ``auto`` keeps the blockwise kernel, so
+    ``ops = "ggml"`` alone chooses the whole ggml path.
+    """
+    if ops == AUTO:
+        ops = "torch" if cuda else "ggml"
+    if attention == AUTO:
+        attention = "sdpa" if cuda and ops == "torch" else "flash"
+    return ops, attention
+
+
 def op_set(ops: str, attention: str = "flash") -> OpSet:
-    """The op set ``ops`` (one of :data:`OPS`) with the attention choice ``attention``."""
+    """The op set ``ops`` (one of :data:`OPS`) with the attention choice ``attention``.
+
+    A choice still :data:`AUTO` is made for the CPU: a model is built there (its parameters
+    are created on the CPU), and code that moves it to CUDA and wants CUDA's choices makes
+    them first (``llamatrain.device.resolve_run_settings``), as training does.
+    """
+    ops, attention = run_choices(ops, attention, cuda=False)
     return {"ggml": GgmlOps, "torch": TorchOps}[ops](attention)
 
 

@@ -1,0 +1,151 @@
+"""What ``auto`` in ``model.ops``, ``model.attention`` and ``train.dtype`` becomes on each
+device (``llamatrain.device.resolve_run_settings``), and the CUDA branches of the device's
+process settings, selected on a CPU-only machine by making PyTorch report a GPU.
+
+The CUDA cases patch ``torch.cuda.is_available`` and ``torch.cuda.is_bf16_supported``: the
+resolution only asks those questions, so the branch a GPU machine takes runs here; nothing
+touches a real device.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+
+import pytest
+import torch
+
+from llamatrain import api
+from llamatrain.config import Config
+from llamatrain.device import configure_process, resolve_run_settings
+from llamatrain.model import Llama
+from llamatrain.model_config import ModelConfig
+from llamatrain.ops.sets import GgmlOps, TorchOps, op_set
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch):
+    """Make PyTorch report a CUDA device; ``gpu(bf16=False)`` one without native bf16."""
+
+    def make(*, bf16: bool = True) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+
+    return make
+
+
+def resolved(**settings: str) -> tuple[str, str, str]:
+    """(ops, attention, dtype) that a Config with ``settings`` (``section__key``) trains with."""
+    cfg = Config()
+    for key, value in settings.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    out = resolve_run_settings(cfg)
+    return out.model.ops, out.model.attention, out.train.dtype
+
+
+def test_the_defaults_are_auto():
+    cfg = Config()
+    assert (cfg.model.ops, cfg.model.attention, cfg.train.dtype) == ("auto", "auto", "auto")
+
+
+def test_auto_on_the_cpu_is_the_ggml_path_in_float32(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolved() == ("ggml", "flash", "float32")
+
+
+def test_auto_on_cuda_picks_torch_ops_sdpa_and_bf16(gpu):
+    gpu()
+    assert resolved() == ("torch", "sdpa", "bfloat16")
+
+
+def test_auto_on_cuda_without_native_bf16_stays_float32(gpu):
+    gpu(bf16=False)
+    assert resolved() == ("torch", "sdpa", "float32")
+
+
+def test_ggml_ops_alone_give_the_ggml_path_on_cuda(gpu):
+    gpu()
+    assert resolved(model__ops="ggml") == ("ggml", "flash", "float32")
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"model__attention": "softmax"}, ("torch", "softmax", "bfloat16")),
+        ({"train__dtype": "float32"}, ("torch", "sdpa", "float32")),
+        ({"model__ops": "ggml", "train__dtype": "bfloat16"}, ("ggml", "flash", "bfloat16")),
+        ({"model__ops": "ggml", "model__attention": "sdpa"}, ("ggml", "sdpa", "float32")),
+        ({"train__device": "cpu"}, ("ggml", "flash", "float32")),
+    ],
+)
+def test_on_cuda_a_setting_made_explicitly_is_kept(gpu, settings, expected):
+    gpu()
+    assert resolved(**settings) == expected
+
+
+def test_resolving_twice_changes_nothing(gpu):
+    gpu()
+    once = resolve_run_settings(Config())
+    assert resolve_run_settings(once) == once
+
+
+def test_a_model_built_with_auto_makes_the_cpu_choices():
+    """Inference builds models on the CPU from files that hold no run choices."""
+    assert op_set("auto", "auto") == GgmlOps("flash")
+    assert op_set("torch", "auto") == TorchOps("flash")
+    model = Llama(ModelConfig(dim=32, n_heads=4, n_layers=1, vocab_size=16, max_seq_len=8))
+    assert model.ops == GgmlOps("flash")
+
+
+@pytest.fixture
+def tf32_flag():
+    """Restore PyTorch's process-wide TF32 switch after a test flips it."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.usefixtures("tf32_flag")
+def test_configure_process_on_cuda_allows_tf32_under_bf16_only():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    configure_process(torch.device("cuda"), bf16=False)
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    configure_process(torch.device("cuda"), bf16=True)
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+
+
+def test_torch_ops_sdpa_and_bf16_autocast_train_on_the_cpu(tiny_overrides):
+    """The settings ``auto`` picks on CUDA, set explicitly, train a few steps on the CPU and
+    are what the run records."""
+    overrides = {
+        "model.ops": '"torch"',
+        "model.attention": '"sdpa"',
+        "train.dtype": '"bfloat16"',
+        "train.steps": 3,
+        "train.eval_every": 0,
+        "train.save_every": 0,
+        "train.sample_tokens": 0,
+        "output.export": "false",
+    }
+    result = api.fit("tiny", overrides=tiny_overrides(**overrides), progress=False)
+    assert result.history.train and all(math.isfinite(m["loss"]) for m in result.history.train)
+    recorded = tomllib.loads((result.run_dir / api.RUN_CONFIG).read_text())
+    assert recorded["model"]["ops"] == "torch" and recorded["model"]["attention"] == "sdpa"
+    assert recorded["train"]["dtype"] == "bfloat16"
+
+
+def test_a_run_records_what_auto_chose(tiny_overrides, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    overrides = {
+        "train.steps": 1,
+        "train.eval_every": 0,
+        "train.save_every": 0,
+        "train.sample_tokens": 0,
+        "output.export": "false",
+    }
+    result = api.fit("tiny", overrides=tiny_overrides(**overrides), progress=False)
+    recorded = tomllib.loads((result.run_dir / api.RUN_CONFIG).read_text())
+    chosen = (recorded["model"]["ops"], recorded["model"]["attention"], recorded["train"]["dtype"])
+    assert chosen == ("ggml", "flash", "float32")
+    assert (result.config.model.ops, result.config.train.dtype) == ("ggml", "float32")
