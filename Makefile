@@ -19,8 +19,13 @@ $(RUNTIME): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# llama-cpp-python is built from source with -march=native; on machines with Intel AMX its AMX
+# matmul kernels segfault in the first decode (ggml-org/llama.cpp#20824), so they are left out.
+# No pip cache: a wheel cached from a build with them would be reused as is.
+LLAMA_CPP_CMAKE_ARGS := -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8
+
 $(TESTING): $(RUNTIME)
-	$(BIN)/pip install -q -e ".[test,dev]"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q --no-cache-dir -e ".[test,dev]"
 	touch $@
 
 install: $(RUNTIME)
