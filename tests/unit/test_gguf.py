@@ -32,6 +32,7 @@ from llamatrain.gguf.llama import (
 )
 from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
 from llamatrain.model import Llama, ModelConfig
+from llamatrain.ops.sets import AUTO
 from llamatrain.tokenizer import SpmTokenizer, train_spm
 
 EXPECTED_KEYS = {
@@ -218,7 +219,7 @@ def test_model_config_round_trip(tok, tmp_path: Path, tied: bool) -> None:
     path = write_model(tmp_path / "m.gguf", cfg, tensors, tok)
     back = model_config_from_metadata(read_gguf(path))
     assert back.architecture() == cfg.architecture()
-    assert back == dataclasses.replace(cfg, ops="ggml")  # run choices take their defaults
+    assert back == dataclasses.replace(cfg, ops=AUTO, attention=AUTO)  # run choices: defaults
     assert model_metadata(back) == model_metadata(cfg)
 
 
@@ -270,7 +271,7 @@ def test_recorded_config_ignores_run_choices_and_unknown_keys(tok, tmp_path: Pat
     contents.metadata[CONFIG_KEY] = json.dumps(recorded)
     cfg = model_config_from_metadata(contents)
     assert cfg.architecture() == model.cfg.architecture()
-    assert (cfg.ops, cfg.attention) == ("ggml", "flash")
+    assert (cfg.ops, cfg.attention) == (AUTO, AUTO)  # the defaults, made by the run
 
 
 @pytest.mark.parametrize(("type_name", "block_err", "logit_tol"), [
