@@ -193,12 +193,13 @@ def hamlet(cache: Path) -> Path:
     return path
 
 
-def hamlet_opening(cache: Path) -> Path:
-    """The families' text: Hamlet's first ``FAMILY_CHARS`` characters (five families, two
-    tools, each round: the whole play would take most of an hour)."""
-    path = cache / f"hamlet-{FAMILY_CHARS}.txt"
+def hamlet_opening(cache: Path, chars: int = FAMILY_CHARS) -> Path:
+    """Hamlet's first ``chars`` characters. The families' text (``FAMILY_CHARS``: five
+    families, two tools, each round: the whole play would take most of an hour) and
+    bench/real_model.py's."""
+    path = cache / f"hamlet-{chars}.txt"
     if not path.exists():
-        path.write_text(hamlet(cache).read_text(encoding="utf-8")[:FAMILY_CHARS], "utf-8")
+        path.write_text(hamlet(cache).read_text(encoding="utf-8")[:chars], "utf-8")
     return path
 
 
@@ -273,13 +274,16 @@ def run_ours(settings: dict, work: Path, name: str) -> dict:
     val = [r["val_loss"] for r in evals if "val_loss" in r]
     return {
         "steps": int(done.group(1)),
-        "tokens_per_s": float(done.group(4).replace(",", "")),
+        # n_batch over the s/step it prints: its tokens/s is rounded to whole tokens
+        "tokens_per_s": settings["train.n_batch"] / float(done.group(3)),
         "peak_bytes": run["peak_bytes"],
         "val_loss": val[-1] if val else None,
     }
 
 
-def tiny32k_settings(model: Path, text: Path, n_batch: int, steps: int, out: Path) -> dict:
+def fit_settings(model: Path, text: Path, n_batch: int, steps: int, out: Path) -> dict:
+    """``llamatrain fit``'s settings beside llama-finetune's: ``model`` at n_ctx 256, AdamW at
+    its constant lr without weight decay, evaluation once at the end."""
     return {
         "model.init_from": str(model),
         "data.path": str(text),
@@ -453,7 +457,7 @@ def family_rows(binary: Path, cache: Path, work: Path, round_: int) -> list[dict
             rows.append(peer)
         steps = peer["steps"] if peer else None
         out = work / f"ours-{arch}-{round_}"
-        settings = tiny32k_settings(model, text, N_CTX, steps or 20, out)
+        settings = fit_settings(model, text, N_CTX, steps or 20, out)
         settings["data.val_fraction"] = 0.1  # 5% of the short text is less than a window
         row = run_ours(settings, work, f"ours-{arch}")
         row |= {"round": round_, "row": f"ours {arch}", "load": load_average()}
@@ -516,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 n_batch = int(name.split("-")[1])
                 steps = max(1, (llama_steps or 421) * N_CTX // n_batch)
-                row = run_ours(tiny32k_settings(model, text, n_batch, steps, out), work, name)
+                row = run_ours(fit_settings(model, text, n_batch, steps, out), work, name)
             row |= {"round": round_, "row": name, "load": load_average()}
             if name == "llama.cpp":
                 peer = row
