@@ -55,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -72,6 +73,9 @@ from peers import (  # noqa: E402
     summary,
 )
 from train import PeakProbe, flops_per_token  # noqa: E402
+
+if TYPE_CHECKING:
+    from llamatrain.model import ModelConfig
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "real_model.json"
 TEXT_CHARS = 60_000
@@ -180,6 +184,50 @@ def qlora_split(base: Path, rows: list[dict]) -> dict:
     return split
 
 
+def step_matmuls(cfg: ModelConfig) -> list[tuple[int, int, int]]:
+    """(m, k, n) of every matrix product of one full-finetuning step at ``N_CTX`` tokens:
+    each projection's forward (x·Wᵀ) and both backward products (g·W, gᵀ·x), every layer,
+    and the lm head's three."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    block = [(q, cfg.dim), (kv, cfg.dim), (kv, cfg.dim), (cfg.dim, q)]
+    block += [(cfg.hidden_dim, cfg.dim)] * 2 + [(cfg.dim, cfg.hidden_dim)]
+    layer = [shape for out, inp in block for shape in _products(out, inp)]
+    return layer * cfg.n_layers + _products(cfg.vocab_size, cfg.dim)
+
+
+def _products(out: int, inp: int) -> list[tuple[int, int, int]]:
+    return [(N_CTX, inp, out), (N_CTX, out, inp), (out, N_CTX, inp)]
+
+
+def matmul_bound(cfg: ModelConfig, rounds: int = 8) -> dict:
+    """What bounds full finetuning's MFU: the step's own matrix products alone (no
+    attention, norms, rope, activations, loss or AdamW), timed at the rows' threads in turns
+    with the 4096² peak probe. Their share of the peak is the MFU a step made of nothing else
+    would reach."""
+    shapes = step_matmuls(cfg)
+    pairs = {s: (torch.randn(s[0], s[1]), torch.randn(s[1], s[2])) for s in set(shapes)}
+    flops = sum(2 * m * k * n for m, k, n in shapes)
+    probe, rates = PeakProbe(torch.device("cpu")), []
+
+    def products() -> None:
+        for shape in shapes:
+            torch.mm(*pairs[shape])
+
+    products()
+    for _ in range(rounds):
+        probe.sample()
+        start = time.perf_counter()
+        products()
+        rates.append(flops / (time.perf_counter() - start))
+    rate = statistics.median(rates)
+    return {
+        "matmul_flops_per_token": flops / N_CTX,
+        "matmul_flops_per_s": rate,
+        "peak_flops": probe.best,
+        "x_peak": rate / probe.best,
+    }
+
+
 def targets(medians: list[dict], split: dict) -> dict:
     """The issue's figures: full's MFU and ratios to llama.cpp, the LoRA/QLoRA tok/s ratios
     with their targets, QLoRA's peak (less the framework) over its budget."""
@@ -239,13 +287,19 @@ def main(argv: list[str] | None = None) -> dict:
         if entry["row"] in VERSUS:
             entry["versus"] = VERSUS[entry["row"]]
     split = qlora_split(bases["q4_1"], rows)
+    bound = matmul_bound(cfg)
     results = {"meta": meta, "rows": rows, "summary": medians, "qlora_split": split}
+    results["matmul_bound"] = bound
     results["targets"] = targets(medians, split)
     print(f"\nmedians over {args.rounds} rounds:")
     for entry in medians:
         shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}
         print("  " + json.dumps(shown))
     print(lora.split_text(split) + f" ({split['x_budget']:.2f}x)")
+    print(
+        f"the full step's matmuls alone: {bound['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s = "
+        f"{100 * bound['x_peak']:.1f}% of the {bound['peak_flops'] / 1e9:.0f} GFLOP/s peak"
+    )
     print("targets: " + json.dumps({k: round(v, 3) for k, v in results["targets"].items()}))
     return finish(results, meta, started, args.json)
 
