@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ops import add_common_arguments, device_from_arguments, finish, load_average, machine_info  # noqa: E402
-from train import HEADER, BenchConfig, Row, print_row, run_group  # noqa: E402
+from train import BenchConfig, Row, run_plan  # noqa: E402
 
 from llamatrain.device import configure_process  # noqa: E402
 from llamatrain.model_config import ModelConfig  # noqa: E402
@@ -138,14 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         "flops_formula": "6*N + 12*L*H*Q*T, N = matmul weights incl. lm head, excl. embedding",
     }
     print(f"bench/gpu.py on {meta.get('gpu', device)} ({meta['dtype']}), torch {meta['torch']}")
-    print(HEADER)
-    print("-" * len(HEADER))
-    rows = []
-    for group in plan(args):
-        group_rows = run_group(group, device, steps=steps, min_seconds=0.5 if args.quick else 3.0)
-        for row in group_rows:
-            print_row(row)
-        rows += group_rows
+    rows = run_plan(plan(args), device, steps=steps, min_seconds=0.5 if args.quick else 3.0)
     return finish({"meta": meta, "rows": rows}, meta, started, args.json)
 
 

@@ -513,6 +513,22 @@ HEADER = (
 )
 
 
+def run_plan(
+    groups: list[list[Row]], device: torch.device, *, steps: int, min_seconds: float
+) -> list[dict]:
+    """Every group timed (``run_group``), its rows printed under the table's header as they
+    finish."""
+    print(HEADER)
+    print("-" * len(HEADER))
+    rows: list[dict] = []
+    for group in groups:
+        group_rows = run_group(group, device, steps=steps, min_seconds=min_seconds)
+        for row in group_rows:
+            print_row(row)
+        rows += group_rows
+    return rows
+
+
 def print_row(row: dict) -> None:
     mode = "compile" if row["compile"] else "eager"
     ckpt = row["checkpointing"]
@@ -615,14 +631,7 @@ def main(argv: list[str] | None = None) -> dict:
         "flops_formula": "6*N + 12*L*H*Q*T, N = matmul weights incl. lm head, excl. embedding",
     }
     print(f"bench/train.py on {device} ({meta['threads']} threads), load {meta['load_avg_start']}")
-    print(HEADER)
-    print("-" * len(HEADER))
-    rows = []
-    for group in plan(args):
-        group_rows = run_group(group, device, steps=steps, min_seconds=1.0 if args.quick else 3.0)
-        for row in group_rows:
-            print_row(row)
-        rows += group_rows
+    rows = run_plan(plan(args), device, steps=steps, min_seconds=1.0 if args.quick else 3.0)
     results: dict = {"meta": meta, "rows": rows}
     if not args.no_profile:
         results["profile"] = {
