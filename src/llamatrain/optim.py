@@ -116,17 +116,15 @@ class AdamW:
     def flat_moments(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The first and second moments of ``params`` as two flat vectors, without a copy:
         the storage every parameter's moments are views of, when ``params`` are
-        :attr:`order` and the moments are kept that way (see :meth:`_state`); else None."""
-        if [id(p) for p in params] != [id(p) for p in self.order] or not params:
+        :attr:`order` and the moments are kept that way (see :meth:`_state`); else None.
+        :meth:`_state` creates all of them as views of one pair of vectors or none of them,
+        and :meth:`set_state` copies into them, so the first parameter's views tell."""
+        if not params or [id(p) for p in params] != [id(p) for p in self.order]:
             return None
-        states = [self._state(p) for p in params]
-        flat = tuple(states[0][key]._base for key in ("exp_avg", "exp_avg_sq"))
-        shared = all(
-            s[key]._base is base
-            for s in states
-            for key, base in zip(("exp_avg", "exp_avg_sq"), flat, strict=True)
-        )
-        return flat if shared and flat[0] is not None else None  # type: ignore[return-value]
+        first = self._state(params[0])
+        if first["exp_avg"]._base is None:
+            return None
+        return first["exp_avg"]._base, first["exp_avg_sq"]._base
 
     def _state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """``p``'s state, created at the first step in the layout the fused kernel reads: a
