@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ops import add_common_arguments, device_from_arguments, finish, load_average, machine_info  # noqa: E402
-from train import BenchConfig, Row, run_plan  # noqa: E402
+from train import FLOPS_FORMULA, BenchConfig, Row, run_plan  # noqa: E402
 
 from llamatrain.device import configure_process  # noqa: E402
 from llamatrain.model_config import ModelConfig  # noqa: E402
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         "load_avg_start": load_average(),
         "quick": args.quick,
         "dtype": "bf16 autocast, float32 weights" if bf16 else "float32",
-        "flops_formula": "6*N + 12*L*H*Q*T, N = matmul weights incl. lm head, excl. embedding",
+        "flops_formula": FLOPS_FORMULA,
     }
     print(f"bench/gpu.py on {meta.get('gpu', device)} ({meta['dtype']}), torch {meta['torch']}")
     rows = run_plan(plan(args), device, steps=steps, min_seconds=0.5 if args.quick else 3.0)

@@ -190,6 +190,10 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim
 
 
+FLOPS_FORMULA = "6*N + 12*L*H*Q*T, N = matmul weights incl. lm head, excl. embedding"
+"""What :func:`flops_per_token` counts, as the JSON results record it."""
+
+
 def flops_per_token(cfg: ModelConfig, ctx: int) -> int:
     """6·N + 12·L·H·Q·T (forward + backward; see the module docstring)."""
     return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx
@@ -628,7 +632,7 @@ def main(argv: list[str] | None = None) -> dict:
     meta = machine_info(device) | {
         "load_avg_start": load_average(),
         "quick": args.quick,
-        "flops_formula": "6*N + 12*L*H*Q*T, N = matmul weights incl. lm head, excl. embedding",
+        "flops_formula": FLOPS_FORMULA,
     }
     print(f"bench/train.py on {device} ({meta['threads']} threads), load {meta['load_avg_start']}")
     rows = run_plan(plan(args), device, steps=steps, min_seconds=1.0 if args.quick else 3.0)
