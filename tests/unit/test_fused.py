@@ -152,6 +152,37 @@ def test_upstream_gradient_scales_and_retain_graph():
     torch.testing.assert_close(dw3, 3.0 * rdw, **GRAD_TOL)
 
 
+def test_unit_upstream_gradient_hands_over_the_stored_gradients():
+    """``loss.backward()``: the gradients the forward computed become ``.grad`` as they are,
+    no product, no copy (the same storage)."""
+    h, w, t = make(10, 4, 9, ignore_every=3)
+    loss = linear_cross_entropy(h, w, t, chunk_rows=3)
+    stored = [s.data_ptr() for s in loss.grad_fn.saved_tensors]
+    loss.backward()
+    assert [h.grad.data_ptr(), w.grad.data_ptr()] == stored
+    _, ref_grads = loss_and_grads(reference, h, w, t)
+    for got, want in zip((h.grad, w.grad), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **GRAD_TOL)
+
+
+def test_unit_upstream_gradient_leaves_a_retained_graph_intact():
+    """A retained graph keeps its stored gradients: changing the first backward's ``.grad``
+    in place must not reach the second backward."""
+    h, w, t = make(10, 4, 9, ignore_every=3)
+    loss = linear_cross_entropy(h, w, t, chunk_rows=3)
+    loss.backward(retain_graph=True)
+    first = (h.grad.clone(), w.grad.clone())
+    h.grad.zero_()
+    w.grad.zero_()
+    h.grad = w.grad = None
+    loss.backward()
+    for got, want in zip((h.grad, w.grad), first, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _, ref_grads = loss_and_grads(reference, h, w, t)
+    for got, want in zip((h.grad, w.grad), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **GRAD_TOL)
+
+
 # --------------------------------------------------------------------------- special cases
 
 

@@ -260,8 +260,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # Both stored gradients are linear in the incoming gradient: scale them. (Out of
-        # place, so a second backward with retain_graph=True sees the same stored values.)
+        # Both stored gradients are linear in the incoming gradient: scale them.
         dh, dw = ctx.saved_tensors
         h_shape, h_dtype = ctx.h_meta
         d_h = d_w = None
@@ -271,15 +270,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     "linear_cross_entropy: the forward ran without grad mode, so no gradient "
                     "was computed"
                 )
-            d_h = (dh * grad.to(dh.dtype)).reshape(h_shape).to(h_dtype)
+            d_h = _times_upstream(dh, grad).reshape(h_shape).to(h_dtype)
         if ctx.needs_input_grad[1]:
             if dw is None:
                 raise RuntimeError(
                     "linear_cross_entropy: the forward ran without grad mode, so no gradient "
                     "was computed"
                 )
-            d_w = (dw * grad.to(dw.dtype)).to(ctx.w_dtype)
+            d_w = _times_upstream(dw, grad).to(ctx.w_dtype)
         return d_h, d_w, None, None, None, None, None
+
+
+def _times_upstream(stored: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A stored gradient times the upstream one, out of place while the graph is retained,
+    so a second backward sees the stored values unchanged. Otherwise an upstream gradient of
+    exactly 1 (``loss.backward()`` on this loss alone, the usual step) returns the stored
+    tensor itself, which autograd adopts as ``.grad``, where a product would allocate and
+    write the whole (vocab, dim) table again (113 MB a step for SmolLM2). The graph task's
+    ``keep_graph`` flag is private API; torch.compile's AOTAutograd reads it to the same end
+    (freeing saved tensors early)."""
+    retained = torch._C._autograd._get_current_graph_task_keep_graph()
+    if not retained and grad.numel() == 1 and bool(grad == 1):
+        return stored
+    return stored * grad.to(stored.dtype)
 
 
 def linear_cross_entropy(
