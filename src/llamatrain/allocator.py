@@ -4,10 +4,11 @@ Why: a training step allocates and frees the same activations (hundreds of tenso
 MB) every step. glibc's malloc serves blocks above its mmap threshold with fresh ``mmap``s
 and hands freed memory at the top of the heap back to the kernel above its trim threshold,
 so each step faults its activations in again, tens of thousands of minor faults per step
-of a mid-sized model. Raising the mmap threshold to glibc's maximum (32 MiB) and keeping up
-to 1 GiB of freed memory in the heap lets the next step reuse those pages (a test counts the
-faults; bench/README.md has the figures). (PyTorch's CPU performance guides recommend preloading
-jemalloc or tcmalloc for the same reason; this needs no extra library.)
+of a mid-sized model. Serving every block from the heap (no ``mmap`` at all: glibc's
+threshold stops at 32 MiB, below a real vocabulary's (vocab, dim) gradient tables and logits)
+and keeping up to 1 GiB of freed memory in it lets the next step reuse those pages (a test
+counts the faults; bench/README.md has the figures). (PyTorch's CPU performance guides
+recommend preloading jemalloc or tcmalloc for the same reason; this needs no extra library.)
 
 The price is that up to ``TRIM_THRESHOLD`` of freed memory stays mapped to the process
 after a step: RSS falls back more slowly, the peak is unchanged. When training is over,
@@ -25,8 +26,10 @@ from collections.abc import Callable
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 
 MMAP_THRESHOLD = 32 << 20  # glibc's upper limit on 64-bit (HEAP_MAX_SIZE / 2)
+MMAP_MAX = 0  # blocks above the threshold from the heap too (glibc still maps if it is full)
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20  # grow the heap in steps of 64 MiB rather than page by page
 
@@ -48,6 +51,7 @@ def retain_freed_memory() -> bool:
         mallopt(param, value) == 1
         for param, value in (
             (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (_M_MMAP_MAX, MMAP_MAX),
             (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
             (_M_TOP_PAD, TOP_PAD),
         )
