@@ -20,7 +20,7 @@ import torch
 from llamatrain.allocator import retain_freed_memory
 from llamatrain.config import Config
 from llamatrain.errors import TrainingError
-from llamatrain.ops.sets import AUTO, run_choices
+from llamatrain.ops.sets import AUTO, OpSet, run_choices
 
 
 def resolve_device(name: str) -> torch.device:
@@ -38,7 +38,7 @@ def native_bf16(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def resolve_run_settings(cfg: Config) -> Config:
+def resolve_run_settings(cfg: Config, built: OpSet | None = None) -> Config:
     """``cfg`` with every ``auto`` run choice made concrete for the device it trains on.
 
     ``model.ops`` and ``model.attention``: ``llamatrain.ops.sets.run_choices``. ``train.dtype``
@@ -48,9 +48,18 @@ def resolve_run_settings(cfg: Config) -> Config:
     machine finds its device again. The result is what the run records (its
     ``config.toml``), so a resume with it computes the same arithmetic. On the CPU every
     ``auto`` is the choice it replaced as the default: ggml, flash, float32.
+
+    ``built``: the op set of a model built before the run was configured (a ``Trainer``
+    given one; a model is built with the CPU's choices, ``llamatrain.ops.sets.op_set``): its
+    ops and attention are the run's whatever ``cfg`` says, so ``auto``'s dtype follows what
+    will run and the record says what ran.
     """
     device = resolve_device(cfg.train.device)
-    ops, attention = run_choices(cfg.model.ops, cfg.model.attention, cuda=device.type == "cuda")
+    if built is None:
+        cuda = device.type == "cuda"
+        ops, attention = run_choices(cfg.model.ops, cfg.model.attention, cuda=cuda)
+    else:
+        ops, attention = built.name, built.attend
     dtype = cfg.train.dtype
     if dtype == AUTO:
         dtype = "bfloat16" if ops == "torch" and native_bf16(device) else "float32"

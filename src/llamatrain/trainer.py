@@ -43,6 +43,7 @@ from llamatrain.checkpoint import DIVERGED_FIX, Checkpoint, CheckpointManager, T
 from llamatrain.config import Config, config_to_dict, validate
 from llamatrain.convergence import ConvergenceTests
 from llamatrain.data import TrainData
+from llamatrain.device import resolve_run_settings
 from llamatrain.errors import TrainingError
 from llamatrain.evaluate import validation_metrics
 from llamatrain.files import append_text, check_target, write_text_atomically
@@ -107,7 +108,10 @@ class Trainer:
         lora_base: LoraBase | None = None,
         reference: ReferenceTable | None = None,
     ) -> None:
-        cfg = validate(cfg)  # fills the derived defaults a hand-built Config leaves unset
+        built = model.model.ops if isinstance(model, PreparedModel) else model.ops
+        # validate fills the derived defaults a hand-built Config leaves unset; auto choices
+        # follow the model's ops, built before this (api.fit resolves them the same way).
+        cfg = resolve_run_settings(validate(cfg), built)
         self.cfg, self.data, self.tokenizer = cfg, data, tokenizer
         self.main = parallel.is_main()  # the rank that prints, logs and writes
         self.progress = progress and self.main

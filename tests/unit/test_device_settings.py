@@ -9,6 +9,7 @@ touches a real device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 
@@ -21,6 +22,7 @@ from llamatrain.device import configure_process, resolve_run_settings
 from llamatrain.model import Llama
 from llamatrain.model_config import ModelConfig
 from llamatrain.ops.sets import GgmlOps, TorchOps, op_set
+from llamatrain.trainer import Trainer
 
 
 @pytest.fixture
@@ -88,6 +90,39 @@ def test_resolving_twice_changes_nothing(gpu):
     gpu()
     once = resolve_run_settings(Config())
     assert resolve_run_settings(once) == once
+
+
+@pytest.mark.parametrize(
+    "built, expected",
+    [
+        (GgmlOps("flash"), ("ggml", "flash", "float32")),
+        (TorchOps("sdpa"), ("torch", "sdpa", "bfloat16")),
+        (TorchOps("flash"), ("torch", "flash", "bfloat16")),
+    ],
+)
+def test_on_cuda_a_built_model_s_ops_decide_whatever_the_config_says(gpu, built, expected):
+    """A Trainer given a model (built with the CPU's choices) trains its ops: auto's dtype
+    follows them, and the record names them."""
+    gpu()
+    for ops in ("auto", "ggml", "torch"):
+        cfg = Config()
+        cfg.model.ops = ops
+        out = resolve_run_settings(cfg, built)
+        assert (out.model.ops, out.model.attention, out.train.dtype) == expected
+
+
+def test_a_trainer_given_a_model_makes_auto_concrete(tmp_path):
+    """A notebook's ``Trainer(model, Config())`` runs and records the concrete choices of the
+    model it was given, as fit does."""
+    cfg = Config()
+    cfg.output.dir = str(tmp_path / "run")
+    built = dataclasses.replace(cfg.model, vocab_size=64, max_seq_len=cfg.data.n_ctx)
+    model = Llama(dataclasses.replace(built, ops="torch", attention="sdpa"))
+    trainer = Trainer(model, cfg, progress=False)
+    chosen = (trainer.cfg.model.ops, trainer.cfg.model.attention, trainer.cfg.train.dtype)
+    assert chosen == ("torch", "sdpa", "float32")  # the CPU's dtype for the model's ops
+    recorded = trainer.state.config
+    assert (recorded["model"]["ops"], recorded["train"]["dtype"]) == ("torch", "float32")
 
 
 def test_a_model_built_with_auto_makes_the_cpu_choices():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,8 @@ class OpSet(ABC):
     kv_heads, t_kv, head_dim), each kv head shared by heads / kv_heads query heads."""
 
     attend: str = "flash"
+    name: ClassVar[str]
+    """The set's ``model.ops`` choice (one of :data:`OPS`)."""
 
     def __post_init__(self) -> None:
         if self.attend not in ATTENTIONS:
@@ -171,6 +174,8 @@ class OpSet(ABC):
 class GgmlOps(OpSet):
     """llamatrain's autograd Functions, whose backward is ggml's."""
 
+    name: ClassVar[str] = "ggml"
+
     def embedding(self, table, ids):
         return ggml.get_rows(table, ids)
 
@@ -224,6 +229,8 @@ class GgmlOps(OpSet):
 
 class TorchOps(OpSet):
     """Plain PyTorch, whose backward autograd derives."""
+
+    name: ClassVar[str] = "torch"
 
     def embedding(self, table, ids):
         return F.embedding(ids, table)
