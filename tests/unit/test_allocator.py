@@ -71,3 +71,40 @@ def test_released_memory_leaves_the_process():
     assert release_freed_memory()
     assert retained - _rss_bytes() > 80 << 20
     del keep
+
+
+_LARGE_BLOCKS = """
+import resource, torch
+from llamatrain.allocator import release_freed_memory, retain_freed_memory
+
+def rss_mb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() >> 20
+
+def left_after_freeing(mb: int) -> int:
+    before = rss_mb()
+    block = torch.empty((mb << 20) // 4).fill_(1.0)
+    del block
+    return rss_mb() - before
+
+assert retain_freed_memory()
+kept = left_after_freeing(200)  # a whole-table-sized block, as a training step frees them
+assert release_freed_memory()
+mapped = left_after_freeing(300)  # larger than any free heap block: a fresh one
+assert retain_freed_memory()  # a second run in the same process
+print(kept, mapped, left_after_freeing(400))
+"""
+
+
+@glibc_only
+def test_after_release_large_blocks_leave_when_freed_until_retained_again():
+    """While memory is retained a freed 200 MiB block stays in the process (the next step
+    reuses it); after the release a new large block is mapped and leaves when freed (what
+    an export allocates once); a next run retains again."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LARGE_BLOCKS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    kept, mapped, kept_again = map(int, done.stdout.split())
+    assert kept > 190 and kept_again > 390, (kept, kept_again)
+    assert mapped < 10, mapped
