@@ -19,6 +19,8 @@ of a different summation order and of the base-2 softmax. A formula error shows 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -200,6 +202,22 @@ def test_ignored_rows_get_zero_gradient_and_leave_the_mean():
     # The mean is over the 9 kept rows only.
     only_kept = linear_cross_entropy(h[keep], w, t_ign[keep], ignore_index=7)
     torch.testing.assert_close(loss, only_kept.detach(), **LOSS_TOL)
+
+
+def test_ignored_rows_never_reach_the_head():
+    """Only scored rows are computed: an ignored row's hidden state (here infinite, as a
+    diverged prompt position could be) changes neither the loss nor any gradient."""
+    h, w, t = make(12, 6, 20, seed=3, ignore_every=3)
+    ignored = t == -100
+    loss, (dh, dw) = loss_and_grads(linear_cross_entropy, h, w, t, chunk_rows=4)
+    poisoned = h.detach().clone()
+    poisoned[ignored] = math.inf
+    poisoned.requires_grad_()
+    loss2, (dh2, dw2) = loss_and_grads(linear_cross_entropy, poisoned, w, t, chunk_rows=4)
+    torch.testing.assert_close(loss2, loss, rtol=0, atol=0)
+    torch.testing.assert_close(dh2, dh, rtol=0, atol=0)
+    torch.testing.assert_close(dw2, dw, rtol=0, atol=0)
+    assert torch.all(dh2[ignored] == 0)
 
 
 def test_all_rows_ignored_gives_zero_loss_and_zero_grads():

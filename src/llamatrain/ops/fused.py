@@ -210,12 +210,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         cdt = compute_dtype(h.dtype, weight.dtype)
         dim = h.shape[-1]
+        flat, tgt = h.reshape(-1, dim), targets.reshape(-1).long()  # int64: gather/scatter
+        scored = _scored_rows(tgt, ignore_index)
+        if scored is not None:
+            flat, tgt = flat[scored], tgt[scored]
         # Base-2 scores: Z2 = (log2(e)·H)·Wᵀ = log2(e)·Z, so softmax(Z) = 2^(Z2 − lse2).
-        h2 = h.reshape(-1, dim).to(cdt) * _LOG2E
+        h2 = flat.to(cdt) * _LOG2E
         w = weight.to(cdt)
-        tgt = targets.reshape(-1).long()  # gather/scatter need int64 indices
         rows = h2.shape[0]
-        valid = tgt != ignore_index
+        valid = tgt != ignore_index  # all of them, unless compiling
         safe = torch.where(valid, tgt, 0).unsqueeze(-1)
         # Mean over non-ignored rows; with none left the loss is 0 (not 0/0).
         n_valid = valid.sum().clamp_(min=1).to(cdt)
@@ -251,6 +254,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         if dw is not None:
             dw.mul_(_LN2)
+        if dh is not None and scored is not None:  # an ignored row's gradient is zero
+            dh = dh.new_zeros(targets.numel(), dim).index_copy_(0, scored, dh)
         ctx.save_for_backward(dh, dw)
         ctx.h_meta = (h.shape, h.dtype)
         ctx.w_dtype = weight.dtype
@@ -281,6 +286,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return d_h, d_w, None, None, None, None, None
 
 
+def _scored_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The indices of the rows whose target is scored, or None when all are. Only those rows
+    go through the head: an ignored row adds nothing to the loss and gets a zero gradient,
+    and chat SFT ignores every prompt token (often half the rows; with Qwen's 152k
+    vocabulary the head is a quarter of a 0.5B model's FLOPs). Under torch.compile every
+    row goes through (their count would be data-dependent, a shape the trace cannot fix)."""
+    if torch.compiler.is_compiling():
+        return None
+    valid = targets != ignore_index
+    return None if bool(valid.all()) else valid.nonzero().squeeze(1)
+
+
 def _times_upstream(stored: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """A stored gradient times the upstream one, out of place while the graph is retained,
     so a second backward sees the stored values unchanged. Otherwise an upstream gradient of
@@ -288,7 +305,10 @@ def _times_upstream(stored: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     tensor itself, which autograd adopts as ``.grad``, where a product would allocate and
     write the whole (vocab, dim) table again (113 MB a step for SmolLM2). The graph task's
     ``keep_graph`` flag is private API; torch.compile's AOTAutograd reads it to the same end
-    (freeing saved tensors early)."""
+    (freeing saved tensors early). A traced backward (torch.compile) takes the product: the
+    flag is no tensor op, and the compiler schedules the buffers itself."""
+    if torch.compiler.is_compiling():
+        return stored * grad.to(stored.dtype)
     retained = torch._C._autograd._get_current_graph_task_keep_graph()
     if not retained and grad.numel() == 1 and bool(grad == 1):
         return stored
