@@ -56,6 +56,9 @@ class AdamW:
         self.order = order if order is not None else [p for g in groups for p in g["params"]]
         """The parameters in the order of :meth:`flat_moments` (default: the groups');
         ``build_optimizer`` gives the model's."""
+        self._flat = bool(self.order) and _flattenable(self.order)
+        """Whether the moments are kept as two flat vectors (decided once: a parameter's
+        kind, device and layout do not change while it is being optimized)."""
 
     def zero_grad(self) -> None:
         """Drop the gradients (``torch.optim``'s default): the next backward writes them
@@ -136,7 +139,7 @@ class AdamW:
         add twice the weights' bytes to the run's peak memory (a third of a full finetune's
         AdamW state)."""
         if p not in self.state:
-            if _flattenable(self.order) and any(p is q for q in self.order):
+            if self._flat and any(p is q for q in self.order):
                 self._allocate_flat()
             else:
                 self.state[p] = _new_state(p, *(torch.zeros_like(p) for _ in range(2)))
