@@ -106,6 +106,10 @@ def perplexity(
     chunk's first token is replaced by BOS and only the second half of each chunk is scored,
     so every scored token has at least n_ctx/2 tokens of context. ``mean_loss`` also scores
     the first half (plain mean next-token loss over the chunks).
+
+    Each target's log-probability comes from the model's chunked head (``head_logps``), so
+    a chunk's (n_ctx x vocab) logits never exist: at a real model's own context (SmolLM2's
+    8192 x 49,152) they, in float64 as llama-perplexity sums them, would be 3.2 GB.
     """
     path = Path(path)
     if not path.is_file():
@@ -125,8 +129,7 @@ def perplexity(
     for i in range(n_chunks):
         chunk = torch.tensor(tokens[i * n_ctx : (i + 1) * n_ctx])
         chunk[0] = tokenizer.bos_id
-        logits = model(chunk[None])[0].double()
-        nll = -torch.log_softmax(logits[:-1], dim=-1).gather(1, chunk[1:, None]).squeeze(1)
+        nll = -model(chunk[None, :-1], logps_of=chunk[None, 1:])[0].double()
         nll_second_half += nll[first:].sum().item()
         nll_all += nll.sum().item()
     scored = n_chunks * (n_ctx - 1 - first)
