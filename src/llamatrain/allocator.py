@@ -63,9 +63,9 @@ def release_freed_memory() -> bool:
     for one, live in their own mmapped arenas and cannot reuse heap pages. What comes next
     (a merge, an export) allocates whole-model tensors once each: mapped, they go back to
     the kernel when freed, where on the heap they could stay behind blocks allocated after
-    them (a QLoRA fit, whose peak is its merge and export: 1,221-1,227 MB with every block
-    on the heap to the end, 1,181-1,188 with this, 1,180-1,188 with glibc's defaults
-    throughout). Returns whether it ran (False where the C library is not glibc).
+    them (a QLoRA fit's peak RSS, which is its merge and export: 1,221-1,227 MB with every
+    block on the heap to the end, 1,179-1,215 with this, 1,181-1,185 with glibc's defaults
+    throughout; 3 runs each). Returns whether it ran (False where the C library is not glibc).
     """
     mallopt, trim = _glibc_function("mallopt"), _glibc_function("malloc_trim")
     if mallopt is None or trim is None:
