@@ -44,6 +44,7 @@ from llamatrain.ops import (
     soft_max,
     swiglu,
 )
+from llamatrain.ops.sets import op_set
 
 F64 = torch.float64
 F32_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -683,3 +684,27 @@ def test_mul_mat_backward_runs_under_the_forwards_autocast(device: str) -> None:
     # and not the float32 backward it would be without the autocast state
     dw32 = up.reshape(-1, 10).t() @ x.reshape(-1, 24)
     assert not torch.equal(dw, dw32)
+
+
+@pytest.mark.parametrize("ops", ["ggml", "torch"])
+def test_head_loss_computes_only_scored_rows(ops: str) -> None:
+    """Both op sets' lm head + loss leave the ignored rows (chat SFT's prompts) out: the value
+    and gradients of the full logits', and an ignored row's hidden state (here infinite)
+    reaches nothing."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 9, 16, generator=g)
+    w = torch.randn(40, 16, generator=g) * 0.3
+    t = torch.randint(0, 40, (2, 9), generator=g)
+    t[0, :4] = t[1, :6] = -100
+    full_h, full_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = F.cross_entropy(F.linear(full_h, full_w).flatten(0, 1), t.flatten(), ignore_index=-100)
+    ref_grads = torch.autograd.grad(ref, (full_h, full_w))
+    h[t == -100] = math.inf
+    h.requires_grad_()
+    w.requires_grad_()
+    loss = op_set(ops).head_loss(h, w, t)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-7)
+    grads = torch.autograd.grad(loss, (h, w))
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-7)
+    assert torch.all(grads[0][t == -100] == 0)

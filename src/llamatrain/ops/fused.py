@@ -55,6 +55,7 @@ __all__ = [
     "default_chunk_rows",
     "head_arguments",
     "linear_cross_entropy",
+    "scored_rows",
 ]
 
 # Bytes of float32 logits per chunk: 16 MiB = 131 rows at vocab 32000, a sixteenth of the
@@ -211,7 +212,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         cdt = compute_dtype(h.dtype, weight.dtype)
         dim = h.shape[-1]
         flat, tgt = h.reshape(-1, dim), targets.reshape(-1).long()  # int64: gather/scatter
-        scored = _scored_rows(tgt, ignore_index)
+        scored = scored_rows(tgt, ignore_index)
         if scored is not None:
             flat, tgt = flat[scored], tgt[scored]
         # Base-2 scores: Z2 = (log2(e)·H)·Wᵀ = log2(e)·Z, so softmax(Z) = 2^(Z2 − lse2).
@@ -286,12 +287,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return d_h, d_w, None, None, None, None, None
 
 
-def _scored_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
-    """The indices of the rows whose target is scored, or None when all are. Only those rows
-    go through the head: an ignored row adds nothing to the loss and gets a zero gradient,
-    and chat SFT ignores every prompt token (often half the rows; with Qwen's 152k
-    vocabulary the head is a quarter of a 0.5B model's FLOPs). Under torch.compile every
-    row goes through (their count would be data-dependent, a shape the trace cannot fix)."""
+def scored_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The indices of the rows (of flat ``targets``) whose target is scored, or None when all
+    are. Only those rows need the head: an ignored row adds nothing to the loss and gets a
+    zero gradient, and chat SFT ignores every prompt token (often half the rows; with Qwen's
+    152k vocabulary the head is a quarter of a 0.5B model's FLOPs). Under torch.compile
+    every row goes through (their count would be data-dependent, a shape the trace cannot
+    fix)."""
     if torch.compiler.is_compiling():
         return None
     valid = targets != ignore_index

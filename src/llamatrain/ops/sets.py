@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from llamatrain import ops as ggml
 from llamatrain.ops.activation import geglu as ggml_geglu
+from llamatrain.ops.fused import scored_rows
 from llamatrain.ops.layout import document_layout, layout_positions
 from llamatrain.ops.lora import torch_lora_linear
 from llamatrain.ops.softcap import softcap as ggml_softcap
@@ -270,6 +271,10 @@ class TorchOps(OpSet):
         return F.cross_entropy(rows, targets.flatten(), ignore_index=IGNORE_INDEX)
 
     def head_loss(self, hidden, weight, targets, *, softcap=None):
+        # Logits of the scored rows only (as the fused ggml head); with none, the plain mean.
+        scored = scored_rows(targets.flatten(), IGNORE_INDEX)
+        if scored is not None and len(scored):
+            hidden, targets = hidden.flatten(0, -2)[scored], targets.flatten()[scored]
         logits = F.linear(hidden, weight)
         if softcap is not None:
             logits = self.softcap(logits, softcap)
