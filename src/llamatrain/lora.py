@@ -285,14 +285,18 @@ def load_lora_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) 
 
 def merge_lora(model: Llama) -> Llama:
     """A new plain ``Llama`` whose adapted weights are W + s·B·A (llama.cpp's
-    ``llama-export-lora``); ``model`` is left as it is (training may go on)."""
+    ``llama-export-lora``); ``model`` is left as it is (training may go on). The adapted
+    weights are not copied first, only replaced: a copy of every base weight beside the
+    merged ones was the largest moment of a LoRA run's export (SmolLM2 over an f32 base:
+    ~230 MB above its training steps)."""
+    adapted = {f"{name}.weight": module for name, module in lora_modules(model)}
     state = {
         name: tensor.clone()
         for name, tensor in model.state_dict().items()
-        if not name.endswith(LORA_SUFFIXES)
+        if not name.endswith(LORA_SUFFIXES) and name not in adapted
     }
-    for name, module in lora_modules(model):
-        state[f"{name}.weight"] = module.merged_weight()
+    for name, module in adapted.items():
+        state[name] = module.merged_weight()
     with torch.device("meta"):
         merged = Llama(model.cfg)
     merged.load_state_dict(state, strict=True, assign=True)
