@@ -484,15 +484,25 @@ def _check_finite_weights(model: Llama, step: int, kept: str) -> None:
     """Refuse to save a diverged model: the update after a NaN gradient can leave NaN weights
     while the loss that step reported was still finite. Every rank checks its shard and all
     refuse together, so none waits for a save that is not coming."""
-    bad = next(
-        (n for n, w in model.named_parameters() if not torch.isfinite(local_tensor(w)).all()),
-        None,
-    )
+    bad = next((n for n, w in model.named_parameters() if not _all_finite(local_tensor(w))), None)
     if any_rank(bad is not None):
         raise CheckpointError(
             f"weight {bad or 'on another rank'} is not finite at step {step}, so it is not "
             f"saved; {kept}. " + DIVERGED_FIX
         )
+
+
+_FINITE_CHUNK = 1 << 20
+"""Elements checked at a time by :func:`_all_finite`."""
+
+
+def _all_finite(weight: torch.Tensor) -> bool:
+    """Whether every element is finite, checked a million elements at a time (one device
+    sync): ``isfinite(w).all()`` on a whole weight makes weight-sized temporaries (its
+    absolute values and masks), which a training process keeps for reuse: +148 MB at a QLoRA
+    run's checkpoint, for its float32 tied embedding."""
+    parts = weight.reshape(-1).split(_FINITE_CHUNK)
+    return bool(torch.stack([torch.isfinite(part).all() for part in parts]).all())
 
 
 class CheckpointManager:
