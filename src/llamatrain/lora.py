@@ -287,8 +287,8 @@ def merge_lora(model: Llama) -> Llama:
     """A new plain ``Llama`` whose adapted weights are W + s·B·A (llama.cpp's
     ``llama-export-lora``); ``model`` is left as it is (training may go on). The adapted
     weights are not copied first, only replaced: a copy of every base weight beside the
-    merged ones was the largest moment of a LoRA run's export (SmolLM2 over an f32 base:
-    ~230 MB above its training steps)."""
+    merged ones made the export a LoRA run's largest moment (a 3-step fit over SmolLM2's
+    f32 base: peak RSS 1,631 MB with the copies, 1,477 without)."""
     adapted = {f"{name}.weight": module for name, module in lora_modules(model)}
     state = {
         name: tensor.clone()
