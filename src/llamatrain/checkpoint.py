@@ -49,7 +49,7 @@ from llamatrain.model_source import (
     LoraBase,
     records_a_base,
 )
-from llamatrain.optim import AdamW, Optimizer
+from llamatrain.optim import AdamW, Optimizer, trained_parameters
 from llamatrain.parallel import any_rank, gathered, is_main, local_tensor, reshard, shard_like
 from llamatrain.plain_state import StateFormatError, decode_state, encode_state
 from llamatrain.tokenizer import Tokenizer
@@ -117,20 +117,15 @@ def _restore_rng_states(states: object) -> None:
         raise StateFormatError(f"the generator refused it ({err})") from None
 
 
-def _trained(model: Llama) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer updates: all of them, or a LoRA run's adapters."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def _adam_tensors(model: Llama, optimizer: Optimizer) -> dict[str, torch.Tensor]:
     """AdamW's moments in the 2023 layout, two flat vectors (zeros before the first step):
     the optimizer's own storage where it keeps them so (no copy), else concatenated; FSDP's
     shards are gathered (every rank takes part) and only rank 0 gets them."""
-    flat = optimizer.flat_moments(_trained(model))
+    flat = optimizer.flat_moments(trained_parameters(model))
     if flat is not None:
         return dict(zip(ADAM_TENSORS, flat, strict=True)) if is_main() else {}
     first, second = [], []
-    for p in _trained(model):
+    for p in trained_parameters(model):
         state = optimizer.state.get(p, {})
         first.append(gathered(state.get("exp_avg", torch.zeros_like(p))))
         second.append(gathered(state.get("exp_avg_sq", torch.zeros_like(p))))
@@ -143,7 +138,7 @@ def _adam_tensors(model: Llama, optimizer: Optimizer) -> dict[str, torch.Tensor]
 def _restore_adam(model: Llama, optimizer: AdamW, tensors: dict, step: int) -> None:
     """Rebuild AdamW's per-parameter state from the flat moment vectors."""
     first, second = (tensors.get(name) for name in ADAM_TENSORS)
-    size = sum(p.numel() for p in _trained(model))
+    size = sum(p.numel() for p in trained_parameters(model))
     if not all(_is_moments(m, size) for m in (first, second)):
         raise CheckpointError(
             "checkpoint optimizer state does not match the model's size (optimizer.adam.* "
@@ -153,7 +148,7 @@ def _restore_adam(model: Llama, optimizer: AdamW, tensors: dict, step: int) -> N
     if step == 0:
         return
     offset = 0
-    for p in _trained(model):
+    for p in trained_parameters(model):
         n = p.numel()
         moments = [shard_like(m[offset : offset + n], p) for m in (first, second)]
         optimizer.set_state(p, step, *moments)

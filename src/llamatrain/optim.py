@@ -18,9 +18,15 @@ from torch import nn
 from llamatrain.config import OptimSection
 
 
+def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer updates, in the model's order: all of them, or a LoRA
+    run's adapters. The order of AdamW's flat moments and of a checkpoint's."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def parameter_groups(model: nn.Module, weight_decay: float, decay_min_ndim: int) -> list[dict]:
     """Split parameters into a decayed group (ndim >= decay_min_ndim) and an undecayed one."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trained_parameters(model)
     decayed = [p for p in params if p.dim() >= decay_min_ndim]
     plain = [p for p in params if p.dim() < decay_min_ndim]
     return [
@@ -190,9 +196,8 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> Optimizer:
     update (bench/README.md has the measured difference).
     """
     if cfg.name == "lbfgs":
-        params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.LBFGS(
-            params,
+            trained_parameters(model),
             lr=cfg.lr,
             max_iter=cfg.lbfgs_max_iter,
             history_size=cfg.lbfgs_history,
@@ -203,7 +208,7 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> Optimizer:
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        order=[p for p in model.parameters() if p.requires_grad],
+        order=trained_parameters(model),
     )
 
 
