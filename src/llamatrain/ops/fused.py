@@ -309,12 +309,13 @@ def _times_upstream(stored: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     ``keep_graph`` flag is private API; torch.compile's AOTAutograd reads it to the same end
     (freeing saved tensors early). A traced backward (torch.compile) takes the product: the
     flag is no tensor op, and the compiler schedules the buffers itself."""
-    if torch.compiler.is_compiling():
-        return stored * grad.to(stored.dtype)
-    retained = torch._C._autograd._get_current_graph_task_keep_graph()
-    if not retained and grad.numel() == 1 and bool(grad == 1):
-        return stored
-    return stored * grad.to(stored.dtype)
+    hand_over = (
+        not torch.compiler.is_compiling()
+        and not torch._C._autograd._get_current_graph_task_keep_graph()
+        and grad.numel() == 1
+        and bool(grad == 1)
+    )
+    return stored if hand_over else stored * grad.to(stored.dtype)
 
 
 def linear_cross_entropy(
