@@ -219,6 +219,13 @@ def test_truncation_cuts_to_a_row_counts_and_drops_what_lost_every_trained_token
     assert [len(e.ids) for e in kept] == [4, 8] and (cut, emptied) == (2, 1)
 
 
+def test_an_example_that_scores_nothing_is_left_out_cut_or_not():
+    """A one-token text (``{"text": ""}`` without BOS: EOS alone, nobody's target) scores
+    nothing even uncut; a batch of such rows would have no loss to average."""
+    kept, cut, unscored = truncate([example(1), example(4), example(12, scored_from=9)], 8)
+    assert [len(e.ids) for e in kept] == [4] and (cut, unscored) == (1, 2)
+
+
 def test_validation_is_the_last_whole_examples():
     examples = [example(2, first=i) for i in range(20)]
     train, val = split_examples(examples, 0.1)

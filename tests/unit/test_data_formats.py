@@ -307,3 +307,27 @@ def test_build_train_data_reads_a_parquet_file(tmp_path, vocab_dir):
     cfg = load_config("tiny", overrides)
     data = build_train_data(cfg, read_tokenizer(vocab), model_template=None)
     assert data.paths == [path] and len(data.train) >= 1 and data.val is not None
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_run_whose_examples_all_lose_their_trained_tokens_is_refused_in_one_line(
+    tmp_path, vocab_dir, packing
+):
+    """Alpaca's prompt alone fills a 16-token row, so no output is left to score: refused
+    before training, not an empty row whose loss divides by zero (nor a "too short corpus")."""
+    path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 4)
+    vocab = vocab_dir / "ggml-vocab-qwen2.gguf"
+    overrides = [
+        f'tokenizer.path="{vocab}"',
+        f'data.path="{path}"',
+        f'data.cache_dir="{tmp_path / "cache"}"',
+        'data.format="jsonl"',
+        "data.n_ctx=16",
+        "data.val_fraction=0",
+        f"data.packing={str(packing).lower()}",
+        "train.n_batch=32",
+    ]
+    cfg = load_config("tiny", overrides)
+    refused = pytest.raises(DataError, match=r"^no example keeps a trained token .* data\.n_ctx")
+    with refused, pytest.warns(UserWarning, match="8 examples had no trained token"):
+        build_train_data(cfg, read_tokenizer(vocab), model_template=None)

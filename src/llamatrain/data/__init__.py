@@ -40,6 +40,7 @@ from llamatrain.data.examples import (
     cut_chars,
     pack_rows,
     pad_rows,
+    require_trainable,
     resolve_chat_template,
     split_examples,
     truncate,
@@ -62,7 +63,6 @@ from llamatrain.data.windows import (
     split_windows,
     val_batches,
 )
-from llamatrain.errors import DataError
 
 if TYPE_CHECKING:
     from llamatrain.config import Config
@@ -185,8 +185,8 @@ def _jsonl_data(
     examples = load_examples(
         paths, encoder, bad, d.cache_dir, format=d.format, layout=d.layout
     )  # cached before they are cut to a row
-    examples, cut, emptied = truncate(examples, span)
-    notes = bad.summaries() + _truncation_notes(cut, emptied, span) + _cut_text_notes(encoder)
+    examples, cut, unscored = truncate(examples, span)
+    notes = bad.summaries() + _truncation_notes(cut, unscored, span) + _cut_text_notes(encoder)
     inexact = sum(ex.inexact for ex in examples)
     if inexact:
         notes.append(
@@ -195,6 +195,7 @@ def _jsonl_data(
         )
     for note in notes:
         warnings.warn(note, stacklevel=3)
+    require_trainable(examples, span, "example")
     train_examples, val_examples = split_examples(examples, d.val_fraction)
     rows = pack_rows if d.packing else pad_rows
     train = rows(train_examples, span, tokenizer.eos_id)
@@ -224,8 +225,7 @@ def _preference_data(
         )
     for note in notes:
         warnings.warn(note, stacklevel=3)
-    if not pairs:
-        raise DataError(f"no preference pair fits data.n_ctx + 1 = {span} tokens; raise n_ctx")
+    require_trainable(pairs, span, "preference pair")
     train_pairs, val_pairs = split_examples(pairs, d.val_fraction)
     train = pair_rows(train_pairs, span, tokenizer.eos_id, packing=d.packing)
     val = pair_rows(val_pairs, span, tokenizer.eos_id, packing=d.packing) if val_pairs else None
@@ -245,9 +245,15 @@ def _cut_text_notes(encoder: LineEncoder) -> list[str]:
     ]
 
 
-def _truncation_notes(cut: int, emptied: int, span: int) -> list[str]:
-    """The one line that reports examples cut to a row, if any were."""
-    if not cut:
-        return []
-    lost = f"; {emptied} of them lost every trained token and were left out" if emptied else ""
-    return [f"{cut} examples were longer than data.n_ctx + 1 = {span} tokens, cut to it{lost}"]
+def _truncation_notes(cut: int, unscored: int, span: int) -> list[str]:
+    """The lines that report examples cut to a row and examples left out for scoring no
+    token within it (:func:`~llamatrain.data.examples.truncate`), if any were."""
+    notes = []
+    if cut:
+        notes.append(f"{cut} examples were longer than data.n_ctx + 1 = {span} tokens, cut to it")
+    if unscored:
+        notes.append(
+            f"{unscored} examples had no trained token within data.n_ctx + 1 = {span} tokens "
+            "and were left out"
+        )
+    return notes

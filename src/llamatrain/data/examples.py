@@ -22,7 +22,7 @@ example longer than a row is cut to it. The encoded examples are cached before t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,7 @@ __all__ = [
     "pad_rows",
     "prompt_ids",
     "read_examples",
+    "require_trainable",
     "resolve_chat_template",
     "split_examples",
     "trained_tokens",
@@ -365,18 +366,31 @@ def split_examples(
 
 
 def truncate(examples: Sequence[Example], span: int) -> tuple[list[Example], int, int]:
-    """Examples cut to ``span`` tokens; also how many were cut, and how many of those lost
-    every scored token and were left out (a row that scores nothing teaches nothing)."""
-    kept, cut, emptied = [], 0, 0
+    """Examples cut to ``span`` tokens; also how many were cut, and how many were left out
+    because they score no token once cut — those the cut left nothing trained, and those
+    that had none (a one-token text): a row that scores nothing teaches nothing, and a batch
+    of such rows has no loss to average."""
+    kept, cut, unscored = [], 0, 0
     for ex in examples:
         if len(ex.ids) > span:
             cut += 1
             ex = Example(ex.ids[:span], ex.scored[:span], ex.inexact)
-            if not ex.scored.any():
-                emptied += 1
-                continue
+        if not ex.scored.any():
+            unscored += 1
+            continue
         kept.append(ex)
-    return kept, cut, emptied
+    return kept, cut, unscored
+
+
+def require_trainable(kept: Sized, span: int, what: str) -> None:
+    """Refuse a run that has nothing to train on before it starts: when every example (or
+    preference pair: ``what``) was left out for scoring no token within a row of ``span``
+    tokens, the first step would divide a loss by no targets after the model was built."""
+    if not len(kept):
+        raise DataError(
+            f"no {what} keeps a trained token within data.n_ctx + 1 = {span} tokens, so "
+            "there is nothing to train on; raise data.n_ctx (or shorten the prompts)"
+        )
 
 
 class ExampleRows:
