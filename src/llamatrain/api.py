@@ -9,6 +9,7 @@ lower modules.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ import torch
 from llamatrain import parallel
 from llamatrain.allocator import release_freed_memory
 from llamatrain.build import (
+    RunModel,
     build_model,
     fresh_run,
     load_tokenizer,
+    lora_targets,
     prepare,
     read_model_source,
     reference_of,
@@ -42,15 +45,16 @@ from llamatrain.files import write_text_atomically
 from llamatrain.generate import Conversation, chat, generate_text
 from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
 from llamatrain.gguf.describe import describe_gguf
-from llamatrain.gguf.export_types import QUANTIZER_TYPES
-from llamatrain.gguf.file import verify_gguf
+from llamatrain.gguf.export_types import AUTO_EXPORT_TYPE, QUANTIZER_TYPES, merged_export_type
+from llamatrain.gguf.file import DeferredTensor, verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, write_model
 from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
 from llamatrain.hf.peft import write_peft_adapter
-from llamatrain.lora import merge_lora
+from llamatrain.lora import merged_tensors
 from llamatrain.model import Llama
-from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
+from llamatrain.model_config import tensor_shapes
+from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file, stored_types
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
 from llamatrain.runlock import run_lock, set_aside_previous_run
 from llamatrain.tokenizer import (
@@ -176,6 +180,7 @@ def _fit_locked(
             model_template=run.inherited.get(CHAT_TEMPLATE_KEY),
         )
     inherited = _with_chat_template(run.inherited, data.chat_template)
+    cfg = _with_export_type(cfg, run)
     prepared = prepare(run.model, cfg)
     with parallel.main_first():  # the reference cache of a full finetune's DPO/IPO, if any
         initial = run.checkpoint is None
@@ -209,7 +214,7 @@ def _fit_locked(
     export_path = None
     if cfg.output.export:
         export_path = export_gguf(
-            merge_lora(model) if run.lora_base is not None else model,
+            model,
             run.tokenizer,
             run_dir / f"model-{cfg.output.export_type}.gguf",
             type=cfg.output.export_type,
@@ -217,6 +222,26 @@ def _fit_locked(
         )
     curves = _write_curves(run_dir)
     return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path, curves, adapter_path)
+
+
+def _with_export_type(cfg: Config, run: RunModel) -> Config:
+    """``cfg`` with ``output.export_type = "auto"`` made the type this run's model is written
+    as (``merged_export_type``: f32 for a model trained whole, the base's float type or q8_0
+    for a LoRA run), so the file name and the run's config.toml say what was written."""
+    if cfg.output.export_type != AUTO_EXPORT_TYPE:
+        return cfg
+    shapes = tensor_shapes(run.model.cfg).items()
+    base_types = None
+    if run.lora_base is not None:
+        adapted = [name for name, _ in shapes if name.endswith(_adapted_suffixes(cfg))]
+        base_types = stored_types(run.lora_base.path, adapted)
+    rows = [shape[-1] for _, shape in shapes if len(shape) == 2]
+    chosen = merged_export_type(base_types, rows)
+    return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, export_type=chosen))
+
+
+def _adapted_suffixes(cfg: Config) -> tuple[str, ...]:
+    return tuple(f".{target}.weight" for target in lora_targets(cfg))
 
 
 def _release_training_state(trainer: Trainer) -> None:
@@ -300,9 +325,13 @@ def export_gguf(
 
     ``inherited``: the base model's keys to keep (name, license, chat template …), as
     ``export`` passes them from a checkpoint.
+
+    A LoRA-adapted model is written merged (W + s·B·A), and every model is written a tensor
+    at a time (``llamatrain.lora.merged_tensors``): the export costs one tensor beside the
+    model, whatever its size, never a merged or float32 copy of it.
     """
     write = write_quantized_model if type in QUANTIZER_TYPES else write_model
-    return write(path, model.cfg, _float_tensors(model), tokenizer, type=type, inherited=inherited)
+    return write(path, model.cfg, merged_tensors(model), tokenizer, type=type, inherited=inherited)
 
 
 def export_hf(
@@ -318,8 +347,9 @@ def export_hf(
 
 
 def _float_tensors(model: Llama) -> dict[str, torch.Tensor]:
-    """The model's tensors as float32 on the CPU, as both export formats take them."""
-    return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    """The (merged) model's tensors as float32 on the CPU, whole, as safetensors takes them."""
+    tensors = merged_tensors(model).items()
+    return {k: (v.read() if isinstance(v, DeferredTensor) else v).float().cpu() for k, v in tensors}
 
 
 EXPORT_FORMATS = ("gguf", "hf")

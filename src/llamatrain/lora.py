@@ -21,9 +21,10 @@ file's own blocks (QLoRA) — in place of each target before the weights are rea
 :class:`LoraLinear` adapts it as it adapts a ``Linear``; the matmul widens it a chunk of rows
 at a time (``ops.lora``). Adapters stay float32.
 
-:func:`merge_lora` folds the adapters into a plain ``Llama`` (W + s·B·A, what llama.cpp's
-``llama-export-lora`` writes); :func:`lora_state_dict` and :func:`load_lora_state_dict` move
-the adapter tensors alone.
+:func:`merged_tensors` gives the plain model's tensors with each merged weight (W + s·B·A,
+what llama.cpp's ``llama-export-lora`` writes) computed only when a writer reads it;
+:func:`merge_lora` builds that model whole; :func:`lora_state_dict` and
+:func:`load_lora_state_dict` move the adapter tensors alone.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.adapter import ALL_TARGETS, LORA_SUFFIXES, lora_settings_problem
+from llamatrain.gguf.file import DeferredTensor
 from llamatrain.model import Linear, Llama
 from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
 from llamatrain.ops.lora import dense_weight
@@ -54,6 +56,7 @@ __all__ = [
     "lora_modules",
     "lora_state_dict",
     "merge_lora",
+    "merged_tensors",
     "store_frozen_targets",
     "stored_type",
     "trainable_parameter_count",
@@ -169,11 +172,12 @@ class LoraLinear(nn.Module):
     def merged_weight(self) -> torch.Tensor:
         """W + s·B·A in the adapters' dtype, summed in float32 at least (one rounding): a
         Linear's own dtype; float32 over a bf16/f16/quantized base, which is widened, so
-        the merged model is a plain float32 one."""
+        the merged model is a plain float32 one. One addmm: no weight-sized B·A beside the
+        base and the result (a merge streams a tensor at a time, so this is its peak)."""
         dtype = torch.promote_types(self.lora_a.dtype, torch.float32)
-        delta = self.lora_b.to(dtype) @ self.lora_a.to(dtype)
         base = dense_weight(self.weight, self.qtype, self.lora_a.shape[1], dtype)
-        return (base + self.scale * delta).to(self.lora_a.dtype)
+        a, b = self.lora_a.to(dtype), self.lora_b.to(dtype)
+        return torch.addmm(base, b, a, alpha=self.scale).to(self.lora_a.dtype)
 
     def extra_repr(self) -> str:
         n_out, n_in = self.lora_b.shape[0], self.lora_a.shape[1]
@@ -283,20 +287,40 @@ def load_lora_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) 
             target.copy_(tensors[name])
 
 
+def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor | DeferredTensor]:
+    """Every tensor of the plain model ``model`` stands for, in its state-dict order, without
+    building it: an adapted weight as a :class:`DeferredTensor` whose ``read()`` computes
+    W + s·B·A then (:meth:`LoraLinear.merged_weight`), every other tensor as it is (detached,
+    not copied); the adapter factors are left out. A model without adapters gives its own
+    tensors.
+
+    Why deferred: merged weights are float32 over any base, so merging a 7B model at once
+    would hold 27 GB beside the base; a streaming writer (``llamatrain.gguf.file.write_gguf``)
+    reads one at a time, as llama.cpp's ``llama-export-lora`` merges one tensor at a time.
+    """
+    adapted = {f"{name}.weight": module for name, module in lora_modules(model)}
+    tensors: dict[str, torch.Tensor | DeferredTensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(LORA_SUFFIXES):
+            continue
+        module = adapted.get(name)
+        if module is None:
+            tensors[name] = tensor.detach()
+        else:
+            shape = (module.lora_b.shape[0], module.lora_a.shape[1])
+            tensors[name] = DeferredTensor(shape, module.lora_a.dtype, module.merged_weight)
+    return tensors
+
+
 def merge_lora(model: Llama) -> Llama:
     """A new plain ``Llama`` whose adapted weights are W + s·B·A (llama.cpp's
-    ``llama-export-lora``); ``model`` is left as it is (training may go on). The adapted
-    weights are not copied first, only replaced: a copy of every base weight beside the
-    merged ones made the export a LoRA run's largest moment (a 3-step fit over SmolLM2's
-    f32 base: peak RSS 1,631 MB with the copies, 1,477 without)."""
-    adapted = {f"{name}.weight": module for name, module in lora_modules(model)}
+    ``llama-export-lora``), built from :func:`merged_tensors`; ``model`` is left as it is
+    (training may go on). Holds the merged model whole: to write one, hand
+    :func:`merged_tensors` to a writer instead, which merges a tensor at a time."""
     state = {
-        name: tensor.clone()
-        for name, tensor in model.state_dict().items()
-        if not name.endswith(LORA_SUFFIXES) and name not in adapted
+        name: tensor.read() if isinstance(tensor, DeferredTensor) else tensor.clone()
+        for name, tensor in merged_tensors(model).items()
     }
-    for name, module in adapted.items():
-        state[name] = module.merged_weight()
     with torch.device("meta"):
         merged = Llama(model.cfg)
     merged.load_state_dict(state, strict=True, assign=True)

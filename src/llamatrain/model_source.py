@@ -11,27 +11,33 @@ which is what a LoRA run records to refuse being applied over any other base.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import CheckpointError
-from llamatrain.gguf.file import read_gguf_metadata
+from llamatrain.gguf.file import read_gguf, read_gguf_metadata
 from llamatrain.hf.weights import weight_files
 
 __all__ = [
     "BASE_PATH_KEY",
+    "BASE_ROLE",
     "BASE_SHA256_KEY",
     "LATEST",
     "LoraBase",
+    "REFERENCE_PATH_KEY",
+    "REFERENCE_ROLE",
+    "REFERENCE_SHA256_KEY",
     "base_sha256",
+    "check_same_model",
     "checkpoint_dir",
     "describe_base",
     "is_hf_folder",
     "is_lora_checkpoint",
     "model_file",
     "records_a_base",
+    "stored_types",
 ]
 
 LATEST = "latest.gguf"
@@ -39,12 +45,20 @@ LATEST = "latest.gguf"
 BASE_PATH_KEY = "training.lora.base"
 BASE_SHA256_KEY = "training.lora.base_sha256"
 """The keys a LoRA run's checkpoint records its frozen base under: its path and content hash."""
+REFERENCE_PATH_KEY = "training.reference.model"
+REFERENCE_SHA256_KEY = "training.reference.model_sha256"
+"""The keys a full finetune's DPO/IPO checkpoint records its reference model under (the file
+``model.init_from`` named, whose log-probs it scores against): its path and content hash."""
+BASE_ROLE, REFERENCE_ROLE = "base model", "DPO/IPO reference model"
+"""What a recorded model is to its run, as :func:`check_same_model` names it."""
 
 
 @dataclass(frozen=True)
 class LoraBase:
-    """The frozen model a LoRA run adapts: its absolute path and the sha256 of its content
-    (:func:`base_sha256`), which a resume or load checks before using the adapter on it."""
+    """A model file a run depends on but does not hold — the frozen base a LoRA run adapts,
+    or the reference a full finetune's DPO/IPO scores against: its absolute path and the sha256
+    of its content (:func:`base_sha256`), which a resume or load checks before using the run
+    with it (:func:`check_same_model`)."""
 
     path: str
     sha256: str
@@ -104,3 +118,26 @@ def describe_base(path: str | Path, adapter: str | Path = "the LoRA run") -> Lor
             "model.init_from at a copy of it"
         )
     return LoraBase(str(path.resolve()), base_sha256(path))
+
+
+def check_same_model(
+    used: LoraBase, recorded: LoraBase, role: str, checkpoint: str | Path | None
+) -> None:
+    """Refuse (CheckpointError) to go on with ``checkpoint`` when the model it depends on as
+    ``role`` (its LoRA base, its DPO/IPO reference) has other content now than when it was
+    recorded: a resumed run then continues over, or against, exactly what it started with."""
+    if used.sha256 != recorded.sha256:
+        raise CheckpointError(
+            f"{used.path} is not the {role} of checkpoint {checkpoint}: its content changed "
+            f"(sha256 {used.sha256[:12]}… vs {recorded.sha256[:12]}… recorded); point "
+            f"model.init_from at that model, unchanged ({recorded.path})"
+        )
+
+
+def stored_types(path: str | Path, names: Iterable[str]) -> list[str]:
+    """The ggml types (``"Q4_K"``, ``"F16"`` …) ``names`` are stored as in a GGUF model (a run
+    folder's latest checkpoint's); none for an HF folder, whose floats are read widened."""
+    if is_hf_folder(path):
+        return []
+    types = read_gguf(model_file(path), tensor_data=False).tensor_types
+    return [types[name] for name in names if name in types]

@@ -6,15 +6,18 @@ an implementation independent of ours, so a bug shared by our writer and reader 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
 
 from llamatrain.cli import main
 from llamatrain.errors import ConfigError, GGUFError
@@ -28,6 +31,7 @@ from llamatrain.gguf.export_types import (
 )
 from llamatrain.gguf.file import (
     TENSOR_SHA256_KEY,
+    DeferredTensor,
     read_gguf,
     read_gguf_metadata,
     read_tensors_into,
@@ -240,6 +244,59 @@ def test_a_successful_write_replaces_the_file(tmp_path: Path) -> None:
     write_gguf(target, "test", {"t.note": "second"}, {})
     assert read_gguf_metadata(target)["t.note"] == "second"
     assert [p.name for p in target.parent.iterdir()] == ["m.gguf"]
+
+
+# -------------------------------------------------------------------------------- streaming
+
+
+@pytest.mark.parametrize("type_name", ["f16", "bf16", "q8_0", "q4_0"])
+def test_encoding_a_chunk_of_rows_at_a_time_gives_the_whole_arrays_bytes(
+    tmp_path: Path, type_name: str, monkeypatch
+) -> None:
+    monkeypatch.setattr(gguf_file, "_CHUNK_VALUES", 3 * 64)  # 3 rows a chunk, 43 rows: 15 chunks
+    w = weights(43, 64)
+    path = write_gguf(tmp_path / "w.gguf", "test", {}, {"w": (w, type_name)}, checksums=True)
+    qtype = FILE_TYPES[type_name][0]
+    whole = w.numpy().astype(np.float16) if type_name == "f16" else quantize(w.numpy(), qtype)
+    info = read_gguf(path, tensor_data=False).infos["w"]
+    with path.open("rb") as f:
+        f.seek(info.offset)
+        assert f.read(info.n_bytes) == whole.tobytes()
+    assert verify_gguf(path) == 1  # the digest is of the bytes written, chunk by chunk
+
+
+def test_deferred_tensors_are_produced_one_at_a_time(tmp_path: Path) -> None:
+    """What makes a write stream: a tensor's values exist only while it is written (a merged
+    7B held whole is 27 GB). Each read hands out a fresh tensor and counts the live ones."""
+    live: list[int] = []
+    peak = [0]
+
+    def produce(seed: int) -> torch.Tensor:
+        tensor = weights(64, 64, seed)
+        live.append(seed)
+        peak[0] = max(peak[0], len(live))
+        weakref.finalize(tensor, live.remove, seed)
+        return tensor
+
+    tensors = {
+        f"w{i}": (DeferredTensor((64, 64), torch.float32, functools.partial(produce, i)), "q8_0")
+        for i in range(6)
+    }
+    path = write_gguf(tmp_path / "d.gguf", "test", {}, tensors)
+    assert peak[0] == 1 and live == []
+    read = read_gguf(path).tensors
+    for i in range(6):
+        expected = quantize(weights(64, 64, i).numpy(), GGMLQuantizationType.Q8_0)
+        assert torch.equal(
+            read[f"w{i}"], torch.from_numpy(dequantize(expected, GGMLQuantizationType.Q8_0))
+        )
+
+
+def test_a_deferred_tensor_of_another_shape_than_declared_is_refused(tmp_path: Path) -> None:
+    wrong = DeferredTensor((64, 64), torch.float32, lambda: weights(32, 64))
+    with pytest.raises(GGUFError, match="planned"):
+        write_gguf(tmp_path / "d.gguf", "test", {}, {"w": (wrong, "f32")})
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------- reading

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from llamatrain.config.fields import config_keys
 from llamatrain.gguf.adapter import ALL_TARGETS
-from llamatrain.gguf.export_types import ALL_EXPORT_TYPES
+from llamatrain.gguf.export_types import RUN_EXPORT_TYPES
 from llamatrain.model_config import ModelConfig
 from llamatrain.settings import setting
 
@@ -288,10 +288,13 @@ class OutputSection:
     dir: str = setting("runs/default", "run folder: checkpoints, metrics.jsonl, exported model")
     export: bool = setting(True, "write a llama.cpp GGUF model at the end of training")
     export_type: str = setting(
-        "f32",
-        "tensor type of the exported model (norms stay f32); the K-quants and other types "
-        "llama.cpp's quantizer writes need pip install 'llamatrain[quantize]'",
-        choices=ALL_EXPORT_TYPES,
+        "auto",
+        "tensor type of the exported model (norms stay f32). auto: f32 for a model trained "
+        "whole; a LoRA run's merged model as its base's float type, q8_0 over a quantized "
+        "base (a 4-bit requantization rounds most of the update away; the exact adapter is "
+        "written too). The K-quants and other types llama.cpp's quantizer writes need pip "
+        "install 'llamatrain[quantize]'",
+        choices=RUN_EXPORT_TYPES,
     )
     loggers: list[str] | None = setting(
         None,

@@ -14,6 +14,8 @@ imports the ``gguf`` package, and it takes nothing from it but those enums.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
+
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from llamatrain.errors import ConfigError
@@ -23,8 +25,11 @@ __all__ = [
     "EXPORT_TYPES",
     "FILE_TYPES",
     "QUANTIZER_TYPES",
+    "AUTO_EXPORT_TYPE",
+    "RUN_EXPORT_TYPES",
     "check_export_type",
     "general_file_type",
+    "merged_export_type",
 ]
 
 _T = GGMLQuantizationType
@@ -88,3 +93,42 @@ def general_file_type(type_name: str) -> int:
     """The ``general.file_type`` code of an export type (llama.cpp reports it as the ftype)."""
     check_export_type(type_name)
     return FILE_TYPES[type_name][1]
+
+
+AUTO_EXPORT_TYPE = "auto"
+"""``output.export_type``'s default: the type chosen for the run's base (see
+:func:`merged_export_type`)."""
+
+RUN_EXPORT_TYPES: tuple[str, ...] = (AUTO_EXPORT_TYPE, *ALL_EXPORT_TYPES)
+"""The choices of ``output.export_type``: a type, or ``auto``."""
+
+_FLOAT_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+_BLOCK = 32  # values per Q8_0 block
+
+
+def merged_export_type(base_types: Collection[str] | None, row_lengths: Iterable[int]) -> str:
+    """What ``output.export_type = "auto"`` writes a run's model as.
+
+    ``base_types``: the ggml types of the adapted matrices in a LoRA run's base GGUF (empty
+    for an HF folder, None for a run without a base or a full finetune). ``row_lengths``:
+    of the model's matrices.
+
+    - No LoRA base: ``f32``, the float32 weights that were trained.
+    - A base whose adapted matrices are one float type: that type, the base's own size.
+    - An HF folder: ``f16``, the default of llama.cpp's ``convert_hf_to_gguf.py``.
+    - A quantized base: ``q8_0``, never its own 4-bit type. Merging adds s·B·A, an update far
+      below a 4-bit block's step: requantized as Q4_0 a merged weight is off by ~1.06× the
+      whole update when the update is 3% of the weight (Q8_0: 0.18×; a 1024² Q4_0 base and a
+      rank-8 update, gguf's quantizers), so a 4-bit merge rounds most of the training away.
+      Q8_0 keeps it at ~2× a Q4 base's size; the adapter written beside it (exact, for
+      ``--lora`` over the untouched base) is the base's size plus megabytes.
+    Rows that are not whole Q8_0 blocks get ``f16`` instead of a per-tensor fallback.
+    """
+    if base_types is None:
+        return "f32"
+    kinds = set(base_types)
+    if len(kinds) == 1 and next(iter(kinds)) in _FLOAT_TYPES:
+        return _FLOAT_TYPES[next(iter(kinds))]
+    if not kinds or any(length % _BLOCK for length in row_lengths):
+        return "f16"
+    return "q8_0"

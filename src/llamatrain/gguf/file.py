@@ -9,10 +9,12 @@ parser and the export types take only gguf's enums).
 Writing goes through ``gguf.GGUFWriter`` (the writer llama.cpp's own converter uses, so the
 bytes are laid out the way llama.cpp expects) into a temp file in the target's folder that is
 fsynced and renamed over the target: an interrupted save never leaves a half-written file, and
-an old file survives a failed overwrite. Reading starts with a ``struct`` parser of our own
-(``llamatrain.gguf.header``) that checks every count, length, dimension and offset against the
-file size before using it, so a damaged file is one ``GGUFError``, never an overflow or a huge
-allocation.
+an old file survives a failed overwrite. It streams: the header lists every tensor first, then
+each tensor is produced (a ``DeferredTensor`` only then), encoded and written before the next,
+so writing a model costs one tensor beside it, whatever its size.
+Reading starts with a ``struct`` parser of our own (``llamatrain.gguf.header``) that checks
+every count, length, dimension and offset against the file size before using it, so a damaged
+file is one ``GGUFError``, never an overflow or a huge allocation.
 Tensor data is read into place: F32 and integer tensors straight into their result, quantized
 ones dequantized (by gguf-py, bit for bit llama.cpp's dequantization) a chunk of rows at a
 time, and ``read_tensors_into`` fills a model's parameters themselves, so importing a model
@@ -32,7 +34,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeAlias
@@ -57,7 +59,9 @@ __all__ = [
     "STATE_SHA256_KEY",
     "TENSOR_SHA256_KEY",
     "GGUFContents",
+    "DeferredTensor",
     "GGUFSource",
+    "TensorData",
     "TensorToWrite",
     "load_tensor_data",
     "nonfinite_tensors",
@@ -123,11 +127,34 @@ GGUFSource: TypeAlias = "str | os.PathLike[str] | GGUFContents"
 
 # ------------------------------------------------------------------------------------ writing
 
-TensorToWrite: TypeAlias = tuple[torch.Tensor | np.ndarray, str]
+
+@dataclass(frozen=True)
+class DeferredTensor:
+    """A tensor to write that is produced only when the writer reaches it: its shape and dtype
+    now (the header lists every tensor before any data), its values from ``read()`` later.
+
+    Why: a merged LoRA model or a model widened to float32 would otherwise be held whole beside
+    the model it comes from (27 GB for a 7B); deferred, a write holds one tensor at a time, as
+    llama.cpp's ``llama-export-lora`` does. ``read()`` may be called more than once (a
+    checksummed write reads each tensor twice: once for the header's digests, once to write).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+    def is_floating_point(self) -> bool:
+        """As ``torch.Tensor.is_floating_point``, so checks of a model's tensors take either."""
+        return self.dtype.is_floating_point
+
+
+TensorData: TypeAlias = "torch.Tensor | np.ndarray | DeferredTensor"
+"""What a tensor to write is given as: its values, or a :class:`DeferredTensor`."""
+
+TensorToWrite: TypeAlias = "tuple[TensorData, str]"
 """A tensor and the export type (an ``EXPORT_TYPES`` name) its matrices are to be stored as."""
 
 _EncodedValue: TypeAlias = tuple[Any, GGUFValueType, GGUFValueType | None]
-_EncodedTensor: TypeAlias = tuple[np.ndarray, GGMLQuantizationType | None]
 
 _NUMPY_VALUE_TYPES: dict[type, GGUFValueType] = {
     np.uint8: _V.UINT8,
@@ -159,28 +186,38 @@ def write_gguf(
     is UINT32, a 1-D ``np.float32`` array an ARRAY of FLOAT32), so a caller can spell exactly
     the types its readers expect; plain Python values are inferred (bool BOOL, int INT64 or
     UINT64 when too large, float FLOAT64, str STRING, a list an ARRAY of its items' type).
-    Each tensor is stored as its export type (see ``_encode_tensor``); integer tensors keep
-    an integer type. Everything is encoded before the file system is touched, so a value that
-    cannot be stored fails without leaving anything behind.
+    Each tensor is stored as its export type (see ``_stored_layout``); integer tensors keep
+    an integer type.
+
+    The write streams: the keys and every tensor's stored type and size are settled before
+    the file system is touched (a value that cannot be stored fails without leaving anything
+    behind), then each tensor is produced (a :class:`DeferredTensor` read), encoded a chunk of
+    rows at a time and written before the next: the peak is one tensor plus a chunk, never
+    the model's encoded copy. A failure part-way leaves the target as it was.
     """
     path = Path(path)
     if "general.architecture" in metadata:
         raise GGUFError("metadata sets general.architecture; pass it as the architecture instead")
     encoded_metadata = {key: _encode_value(key, value) for key, value in metadata.items()}
-    encoded_tensors = {
-        name: _encode_tensor(name, data, type_name) for name, (data, type_name) in tensors.items()
+    layouts = {
+        name: _stored_layout(name, _shape_and_dtype(data), type_name)
+        for name, (data, type_name) in tensors.items()
     }
     if checksums:
-        digests = {name: _sha256(array) for name, (array, _) in encoded_tensors.items()}
+        digests = {
+            name: _Encoding(tensors[name][0], layout).sha256() for name, layout in layouts.items()
+        }
         encoded_metadata[TENSOR_SHA256_KEY] = _encode_value(TENSOR_SHA256_KEY, json.dumps(digests))
         state_digest = _state_sha256(metadata)
         encoded_metadata[STATE_SHA256_KEY] = _encode_value(STATE_SHA256_KEY, state_digest)
     writer = GGUFWriter(None, architecture)
     for key, (value, value_type, item_type) in encoded_metadata.items():
         writer.add_key_value(key, value, value_type, sub_type=item_type)
-    for name, (array, raw_type) in encoded_tensors.items():
-        writer.add_tensor(name, array, raw_dtype=raw_type)
-    _write_atomically(writer, path)
+    for name, layout in layouts.items():
+        writer.add_tensor_info(name, layout.shape, layout.dtype, layout.nbytes, layout.raw_type)
+    encodings = (_Encoding(tensors[name][0], layout) for name, layout in layouts.items())
+    with written_atomically(path, GGUF_KIND, is_gguf) as tmp:
+        _write_and_sync(writer, tmp, encodings)
     return path
 
 
@@ -204,20 +241,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _sha256(data: np.ndarray) -> str:
-    """Of the bytes as stored: the writer writes an array's C-order bytes as they are."""
-    return hashlib.sha256(np.ascontiguousarray(data)).hexdigest()
-
-
-def _write_atomically(writer: GGUFWriter, path: Path) -> None:
-    """Temp file in the target's folder, fsync, rename, fsync the folder; no trace on failure.
-    Only a GGUF (or nothing) is replaced: see :mod:`llamatrain.files`."""
-    with written_atomically(path, GGUF_KIND, is_gguf) as tmp:
-        _write_and_sync(writer, tmp)
-
-
-def _write_and_sync(writer: GGUFWriter, tmp: Path) -> None:
-    """Write the whole file and fsync it; its handle is closed however this ends.
+def _write_and_sync(writer: GGUFWriter, tmp: Path, encodings: Iterator[_Encoding]) -> None:
+    """Write the whole file, one tensor's encoding after another, and fsync it; its handle is
+    closed however this ends.
 
     fsync through the handle that wrote: a write-back error is reported to it for certain.
     Closing never raises: after a failed write it flushes what is still buffered and fails the
@@ -226,7 +252,9 @@ def _write_and_sync(writer: GGUFWriter, tmp: Path) -> None:
     try:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for encoding in encodings:
+            writer.write_tensor_data(encoding)  # type: ignore[arg-type]  # see _Encoding
         writer.flush()
         for fout in writer.fout or []:
             os.fsync(fout.fileno())
@@ -277,7 +305,114 @@ def _encode_scalar(key: str, value: Any) -> tuple[Any, GGUFValueType]:
     )
 
 
-def _to_numpy(data: torch.Tensor | np.ndarray) -> np.ndarray:
+@dataclass(frozen=True)
+class _StoredLayout:
+    """How one tensor is stored: what gguf's ``add_tensor_info`` takes (the shape in bytes for
+    a block type, as gguf's own ``add_tensor`` passes an encoded array's), and the type the
+    values are encoded as (``None``: a numpy dtype, kept as ``dtype`` says)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    raw_type: GGMLQuantizationType | None
+
+    @property
+    def integer(self) -> bool:
+        """An integer tensor, stored as its values are (a block type's bytes are uint8 too)."""
+        return self.raw_type is None and self.dtype.kind in "biu"
+
+
+def _shape_and_dtype(data: TensorData) -> tuple[tuple[int, ...], np.dtype]:
+    """A tensor's shape and the numpy dtype its values reach the encoder as (float32 for any
+    float), without producing a deferred tensor's values."""
+    dtype = data.dtype
+    if isinstance(dtype, torch.dtype):
+        dtype = torch.empty(0, dtype=dtype).numpy().dtype if not dtype.is_floating_point else None
+    if dtype is None or dtype.kind == "f":
+        dtype = np.dtype(np.float32)
+    return tuple(data.shape), np.dtype(dtype)
+
+
+def _stored_layout(
+    name: str, shape_and_dtype: tuple[tuple[int, ...], np.dtype], type_name: str
+) -> _StoredLayout:
+    """Matrices take the requested type; 1-D tensors (norms) stay F32 as llama.cpp's own
+    converter leaves them; rows that are not whole quantization blocks fall back to F16 (with
+    a warning) because llama.cpp cannot hold a partial block. Integer tensors keep an integer
+    type."""
+    check_export_type(type_name)
+    shape, dtype = shape_and_dtype
+    count = int(np.prod(shape, dtype=np.int64))
+    if dtype.kind in "biu":
+        signed = _signed(name, dtype)
+        return _StoredLayout(shape, signed, count * signed.itemsize, None)
+    qtype = FILE_TYPES[type_name][0]
+    if len(shape) < 2 or qtype == _T.F32:
+        return _StoredLayout(shape, np.dtype(np.float32), count * 4, None)
+    if qtype in (_T.Q8_0, _T.Q4_0) and shape[-1] % QUANT_BLOCK:
+        warnings.warn(
+            f"{name}: row length {shape[-1]} is not a multiple of {QUANT_BLOCK}, so it "
+            f"cannot be {qtype.name}; writing it as F16 instead",
+            stacklevel=4,
+        )
+        qtype = _T.F16
+    if qtype == _T.F16:
+        return _StoredLayout(shape, np.dtype(np.float16), count * 2, None)
+    byte_shape = tuple(gguf_quants.quant_shape_to_byte_shape(shape, qtype))
+    nbytes = int(np.prod(byte_shape, dtype=np.int64))
+    return _StoredLayout(byte_shape, np.dtype(np.uint8), nbytes, qtype)
+
+
+class _Encoding:
+    """A tensor's stored bytes, encoded a chunk of rows at a time while they are written.
+
+    gguf's ``write_tensor_data`` asks of the array it is given only ``nbytes`` and
+    ``tofile(f)``, so this stands in for the encoded array: gguf-py's quantizers hold several
+    float copies of what they encode (a 1 GB embedding would take ~4 GB at once), while rows
+    are encoded independently, so chunks give the same bytes for a chunk's worth of memory.
+    """
+
+    def __init__(self, data: TensorData, layout: _StoredLayout) -> None:
+        self.data, self.layout, self.nbytes = data, layout, layout.nbytes
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The stored bytes in order, ``_CHUNK_VALUES`` values at a time."""
+        array = _values(self.data)
+        if self.layout.integer:
+            yield np.ascontiguousarray(array.astype(self.layout.dtype, copy=False))
+            return
+        rows = array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array.reshape(1, -1)
+        step = max(1, _CHUNK_VALUES // max(1, rows.shape[1]))
+        for start in range(0, rows.shape[0], step):
+            yield self._encoded(rows[start : start + step])
+
+    def _encoded(self, rows: np.ndarray) -> np.ndarray:
+        rows = rows.astype(np.float32, copy=False)
+        if self.layout.raw_type is None:
+            return np.ascontiguousarray(rows.astype(self.layout.dtype, copy=False))
+        return gguf_quants.quantize(rows, self.layout.raw_type)
+
+    def tofile(self, f: BinaryIO) -> None:
+        written = 0
+        for chunk in self.chunks():
+            chunk.tofile(f)
+            written += chunk.nbytes
+        if written != self.nbytes:  # the header promised this size: never write another
+            raise GGUFError(f"a tensor encoded to {written} bytes where {self.nbytes} were planned")
+
+    def sha256(self) -> str:
+        """Of the stored bytes (what ``verify_gguf`` recomputes from the file)."""
+        digest = hashlib.sha256()
+        for chunk in self.chunks():
+            digest.update(chunk)
+        return digest.hexdigest()
+
+
+def _values(data: TensorData) -> np.ndarray:
+    """A tensor's values as a C-ordered numpy array (a deferred one's produced now); float32
+    kept as it is, without a copy, other floats widened."""
+    if isinstance(data, DeferredTensor):
+        data = data.read()
     if isinstance(data, np.ndarray):
         return np.ascontiguousarray(data)
     data = data.detach().cpu()
@@ -286,40 +421,12 @@ def _to_numpy(data: torch.Tensor | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data.numpy())
 
 
-def _encode_tensor(name: str, data: torch.Tensor | np.ndarray, type_name: str) -> _EncodedTensor:
-    """(array as GGUFWriter takes it, raw GGML type when numpy's dtype does not say it).
-
-    Matrices take the requested type; 1-D tensors (norms) stay F32 as llama.cpp's own
-    converter leaves them; rows that are not whole quantization blocks fall back to F16 (with
-    a warning) because llama.cpp cannot hold a partial block. Integer tensors keep an integer
-    type.
-    """
-    check_export_type(type_name)
-    array = _to_numpy(data)
-    if array.dtype.kind in "biu":
-        return _integer_array(name, array), None
-    array = array.astype(np.float32, copy=False)
-    qtype = FILE_TYPES[type_name][0]
-    if array.ndim < 2 or qtype == _T.F32:
-        return array, None
-    if qtype in (_T.Q8_0, _T.Q4_0) and array.shape[-1] % QUANT_BLOCK:
-        warnings.warn(
-            f"{name}: row length {array.shape[-1]} is not a multiple of {QUANT_BLOCK}, so it "
-            f"cannot be {qtype.name}; writing it as F16 instead",
-            stacklevel=2,
-        )
-        qtype = _T.F16
-    if qtype == _T.F16:
-        return array.astype(np.float16), None
-    return gguf_quants.quantize(array, qtype), qtype
-
-
-def _integer_array(name: str, array: np.ndarray) -> np.ndarray:
+def _signed(name: str, dtype: np.dtype) -> np.dtype:
     """GGUF's integer tensors are signed: bools and unsigned ints widen to one that holds them."""
-    signed = np.promote_types(array.dtype, np.int8)
+    signed = np.promote_types(dtype, np.int8)
     if signed.kind != "i":
-        raise TypeError(f"tensor {name}: GGUF cannot store {array.dtype}; convert it to int64")
-    return array.astype(signed, copy=False)
+        raise TypeError(f"tensor {name}: GGUF cannot store {dtype}; convert it to int64")
+    return signed
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -537,7 +644,7 @@ def nonfinite_tensors(source: GGUFSource) -> list[str]:
 
 
 def _stored_sha256(p: Path, f: BinaryIO, info: TensorInfo) -> str:
-    """sha256 of a tensor's bytes in the file: equal to ``_sha256`` of what was written."""
+    """sha256 of a tensor's bytes in the file: equal to ``_Encoding.sha256`` of what was written."""
     digest = hashlib.sha256()
     for chunk in _read_chunks(p, f, info, _HASH_CHUNK_BYTES):
         digest.update(chunk)

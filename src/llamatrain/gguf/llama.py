@@ -28,8 +28,10 @@ from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.export_types import general_file_type
 from llamatrain.gguf.file import (
     INTEGER_TYPES,
+    DeferredTensor,
     GGUFContents,
     GGUFSource,
+    TensorData,
     TensorToWrite,
     load_tensor_data,
     read_gguf,
@@ -352,7 +354,9 @@ def _as_read(value: float) -> float:
 
 
 def check_tensors(
-    cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
+    cfg: ModelConfig,
+    tensors: Mapping[str, torch.Tensor | DeferredTensor],
+    path: str | os.PathLike[str],
 ) -> None:
     """Raise GGUFError unless ``tensors`` are exactly the float tensors of ``Llama(cfg)``.
 
@@ -398,7 +402,7 @@ def _first_few(names: list[str], n: int = 6) -> str:
 def write_model(
     path: str | os.PathLike[str],
     cfg: ModelConfig,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, TensorData],
     tokenizer: Tokenizer,
     *,
     type: str = "f32",

@@ -25,12 +25,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
-
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.files import check_target, is_gguf, replace_durably, temporary_path
 from llamatrain.gguf.export_types import EXPORT_TYPES, QUANTIZER_TYPES
-from llamatrain.gguf.file import GGUF_KIND
+from llamatrain.gguf.file import GGUF_KIND, TensorData
 from llamatrain.gguf.llama import write_model
 from llamatrain.model_config import ModelConfig
 from llamatrain.tokenizer import Tokenizer
@@ -47,7 +45,7 @@ _GGML_LOG_CONT = 5  # continues the previous message
 def write_quantized_model(
     path: str | os.PathLike[str],
     cfg: ModelConfig,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, TensorData],
     tokenizer: Tokenizer,
     *,
     type: str,
