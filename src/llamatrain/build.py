@@ -55,8 +55,10 @@ from llamatrain.lora import (
 )
 from llamatrain.model import Llama
 from llamatrain.model_source import (
+    BASE_ROLE,
+    REFERENCE_ROLE,
     LoraBase,
-    base_sha256,
+    check_same_model,
     checkpoint_dir,
     describe_base,
     is_hf_folder,
@@ -163,12 +165,7 @@ def with_base(checkpoint: Checkpoint, base: str | Path | None = None) -> LlamaFi
     into the model that is built from it)."""
     recorded = checkpoint.state.lora_base
     used = describe_base(base or recorded.path, checkpoint.path)
-    if used.sha256 != recorded.sha256:
-        raise CheckpointError(
-            f"{used.path} is not the base model LoRA checkpoint {checkpoint.path} was trained on "
-            f"(sha256 {used.sha256[:12]}… vs {recorded.sha256[:12]}…); point model.init_from "
-            f"at that base, unchanged ({recorded.path})"
-        )
+    check_same_model(used, recorded, BASE_ROLE, checkpoint.path)
     base_file = read_model_source(used.path)
     inherited = dict(base_file.inherited)
     if CHAT_TEMPLATE_RUN_KEY in checkpoint.metadata:
@@ -323,6 +320,10 @@ def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunMo
             cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
         )
     check_compatible(checkpoint, expected, tokenizer)
+    reference = checkpoint.state.reference_model
+    if reference is not None and _scores_against_a_table(cfg):  # before the table is read
+        used = describe_base(cfg.model.init_from, checkpoint.path)
+        check_same_model(used, reference, REFERENCE_ROLE, checkpoint.path)
     run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
     model = Llama(dataclasses.replace(checkpoint.config, **run_choices))
     return RunModel(model, checkpoint.tokenizer, checkpoint.state.inherited, checkpoint=checkpoint)
@@ -416,13 +417,14 @@ def reference_of(
     are restored afterwards).
     """
     t = cfg.train
-    if t.objective not in ("dpo", "ipo") or cfg.lora.rank:
+    if not _scores_against_a_table(cfg):
         return None
     autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
     if t.dtype == "bfloat16":
         autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    source = describe_base(cfg.model.init_from, "this DPO/IPO run")
     key = {
-        "model_sha256": base_sha256(cfg.model.init_from),
+        "model_sha256": source.sha256,
         "ops": cfg.model.ops,
         "attention": cfg.model.attention,
         "dtype": t.dtype,
@@ -439,7 +441,13 @@ def reference_of(
         return reference_table(scorer, data.train, data.val, cfg.seqs_per_ubatch, device, autocast)
 
     table, _ = cached_reference_table(cfg.data.cache_dir, key, data.train, data.val, compute)
-    return table
+    return dataclasses.replace(table, model=source)
+
+
+def _scores_against_a_table(cfg: Config) -> bool:
+    """DPO/IPO over a full finetune: its reference is ``model.init_from``'s log-probs, a
+    table (a LoRA run's is its base with the adapters off)."""
+    return cfg.train.objective in ("dpo", "ipo") and not cfg.lora.rank
 
 
 def _initial_model(model: Llama, cfg: Config, device: torch.device, *, initial: bool) -> Llama:

@@ -17,6 +17,9 @@ A LoRA run's checkpoint is its adapter GGUF (``llamatrain.gguf.adapter``) with t
 the frozen base's path and content hash (``training.lora.base`` / ``.base_sha256``): the base
 is not copied into every checkpoint, and a run is never resumed or loaded over another base.
 This module never reads the base; ``llamatrain.build.with_base`` does, and checks its hash.
+A full finetune's DPO/IPO checkpoint records its reference model the same way
+(``training.reference.model`` / ``.model_sha256``), checked on resume by the same rule
+(``llamatrain.model_source.check_same_model``).
 
 Loading a checkpoint builds no model: it returns the weights and the state, and the trainer
 restores them onto its own model and optimizer (``Trainer.load_state``). Today's llama.cpp
@@ -46,6 +49,8 @@ from llamatrain.model_source import (
     BASE_PATH_KEY,
     BASE_SHA256_KEY,
     LATEST,
+    REFERENCE_PATH_KEY,
+    REFERENCE_SHA256_KEY,
     LoraBase,
     records_a_base,
 )
@@ -88,6 +93,9 @@ class TrainingState:
     """The base model's keys every checkpoint and export keep (``inherited_metadata``)."""
     lora_base: LoraBase | None = None
     """Set for a LoRA run: its checkpoints then hold the adapter, not the model."""
+    reference_model: LoraBase | None = None
+    """Set for a full finetune's DPO/IPO: the file its reference log-probs are of, which a
+    resume checks is unchanged (``model_source.check_same_model``)."""
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -207,8 +215,7 @@ def _save_lora_checkpoint(
     """The adapter GGUF plus the training state and the base it adapts (rank 0 writes)."""
     if not is_main():
         return Path(path)
-    extra_kv[BASE_PATH_KEY] = state.lora_base.path
-    extra_kv[BASE_SHA256_KEY] = state.lora_base.sha256
+    extra_kv |= _record(state.lora_base, BASE_PATH_KEY, BASE_SHA256_KEY)
     if CHAT_TEMPLATE_KEY in state.inherited:
         extra_kv[CHAT_TEMPLATE_RUN_KEY] = state.inherited[CHAT_TEMPLATE_KEY]
     _, first = next(lora_modules(model))
@@ -241,6 +248,7 @@ def _training_extras(
         "optimizer.type": "adam" if is_adam else "lbfgs",
         "optimizer.lr_schedule.step": state.step,
     }
+    extra_kv |= _record(state.reference_model, REFERENCE_PATH_KEY, REFERENCE_SHA256_KEY)
     extra_kv[RNG_LAYOUT_KEY], extra_tensors = encode_state(_rng_states(), RNG_TENSORS)
     if state.seen_tokens is not None:
         extra_tensors["training.seen_tokens"] = _pack_bits(state.seen_tokens)
@@ -252,6 +260,22 @@ def _training_extras(
         extra_kv[LBFGS_LAYOUT_KEY] = layout
         extra_tensors.update(tensors)
     return extra_kv, extra_tensors
+
+
+def _record(model: LoraBase | None, path_key: str, sha256_key: str) -> dict[str, str]:
+    """The keys a checkpoint records a model it depends on under (none for None)."""
+    return {} if model is None else {path_key: model.path, sha256_key: model.sha256}
+
+
+def _recorded(meta: dict, path_key: str, sha256_key: str) -> LoraBase | None:
+    """The model :func:`_record` recorded (None when neither key is there); a damaged or
+    half record is refused, never read as "no model to check"."""
+    path, sha256 = meta.get(path_key), meta.get(sha256_key)
+    if path is None and sha256 is None:
+        return None
+    if not (isinstance(path, str) and isinstance(sha256, str)):
+        raise _damaged_key(sha256_key, "or its model's path is missing or not text")
+    return LoraBase(path, sha256)
 
 
 @dataclass
@@ -370,10 +394,7 @@ def _load_lora_checkpoint(contents: GGUFContents) -> Checkpoint:
     adapter = read_lora_adapter(contents)
     meta, tensors = contents.metadata, contents.tensors
     state = _training_state(meta, tensors, None, {})
-    base, sha256 = meta.get(BASE_PATH_KEY), meta.get(BASE_SHA256_KEY)
-    if not (isinstance(base, str) and isinstance(sha256, str)):
-        raise _damaged_key(BASE_SHA256_KEY, "or its base's path is missing or not text")
-    state.lora_base = LoraBase(base, sha256)
+    state.lora_base = _recorded(meta, BASE_PATH_KEY, BASE_SHA256_KEY)
     return Checkpoint(None, adapter.tensors, None, state, meta, tensors, adapter, contents.path)
 
 
@@ -393,6 +414,7 @@ def _training_state(
         convergence=_json_state(meta, "training.convergence"),
         seen_tokens=_seen_tokens(tensors, vocab_size),
         inherited=inherited,
+        reference_model=_recorded(meta, REFERENCE_PATH_KEY, REFERENCE_SHA256_KEY),
     )
 
 

@@ -35,7 +35,9 @@ A full finetune has no frozen base to switch back to, so its reference is a
 :class:`ReferenceTable`: every row's per-pair reference sums and token counts, computed once
 before training by the initial model (:func:`reference_table`) and kept in the cache
 (:func:`cached_reference_table`) keyed by the model file's sha256 and the rows, as the token
-cache is (written atomically, checked on every use); a resume reads the same entry.
+cache is (written atomically, checked on every use); a resume reads the same entry. The run's
+checkpoints record that file and its sha256 (:attr:`ReferenceTable.model`), and a resume over a
+file whose content changed is refused, as a LoRA run's over another base is.
 
 A step's loss is the mean over its pairs (ORPO's NLL: over its chosen tokens) however the
 step is cut into micro-batches: :meth:`PreferenceObjective.loss` divides each micro-batch's
@@ -65,6 +67,7 @@ from llamatrain.errors import TrainingError
 from llamatrain.files import write_text_atomically, written_atomically
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
+from llamatrain.model_source import LoraBase
 from llamatrain.ops.sets import IGNORE_INDEX
 
 __all__ = [
@@ -419,6 +422,9 @@ class ReferenceTable:
 
     train: np.ndarray
     val: np.ndarray | None
+    model: LoraBase | None = None
+    """The model file the log-probs are of, which the run's checkpoints record so that a
+    resume refuses a changed one; None for log-probs of a model in memory."""
 
     def rows(self, indices: np.ndarray) -> torch.Tensor:
         """The training rows ``indices``' slots, as a batch of them (the sampler's indices)."""

@@ -51,7 +51,7 @@ from llamatrain.generate import generate
 from llamatrain.interrupt import StopRequest
 from llamatrain.lora import lora_modules
 from llamatrain.model import Llama
-from llamatrain.model_source import LoraBase, checkpoint_dir
+from llamatrain.model_source import REFERENCE_ROLE, LoraBase, check_same_model, checkpoint_dir
 from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
@@ -132,7 +132,10 @@ class Trainer:
             self._reference_from_model = True
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.state = TrainingState(
-            config=config_to_dict(cfg), inherited=dict(inherited or {}), lora_base=lora_base
+            config=config_to_dict(cfg),
+            inherited=dict(inherited or {}),
+            lora_base=lora_base,
+            reference_model=None if self.reference is None else self.reference.model,
         )
         if data is not None:
             self.state.seen_tokens = data.seen_tokens(self.model.cfg.vocab_size)
@@ -156,6 +159,9 @@ class Trainer:
                 "it cannot continue a checkpoint; pass the initial model's reference "
                 "(llamatrain.build.reference_of) or resume through llamatrain.api.fit"
             )
+        recorded, used = checkpoint.state.reference_model, self.state.reference_model
+        if recorded is not None and used is not None:  # the reference it started against
+            check_same_model(used, recorded, REFERENCE_ROLE, checkpoint.path)
         checkpoint.restore_weights(self.model)
         checkpoint.restore_optimizer(self.model, self.optimizer)
         checkpoint.restore_rng()

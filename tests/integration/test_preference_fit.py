@@ -27,13 +27,15 @@ import torch
 
 from llamatrain import api, build
 from llamatrain.build import build_tokenizer
+from llamatrain.checkpoint import load_checkpoint
 from llamatrain.cli import main
 from llamatrain.config import load_config
 from llamatrain.data import build_train_data, resolve_inputs
-from llamatrain.errors import TrainingError
+from llamatrain.errors import CheckpointError, TrainingError
 from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.lora import lora_state_dict
 from llamatrain.model import Llama
+from llamatrain.model_source import base_sha256
 from llamatrain.plot import read_records
 from llamatrain.preference import PreferenceObjective, pair_logps, token_logps
 from llamatrain.trainer import Trainer
@@ -285,6 +287,26 @@ def test_full_finetune_dpo_resume_reads_the_cache_and_is_bit_exact(full_run, fil
         items = full_overrides(files, tmp_path / "copy", cache)
         again = api.fit("tiny", overrides=items, resume="latest", progress=False)
     assert [r["loss"] for r in again.history.train] == straight[4:]
+
+
+def test_full_finetune_dpo_resume_refuses_a_reference_model_replaced_since(files, tmp_path):
+    """The checkpoint records the reference file's sha256; a file of other content under the
+    same name is refused as a LoRA base is, not silently scored against (a recomputed table)."""
+    base = tmp_path / "base.gguf"
+    shutil.copy(files["base"], base)
+    cache = tmp_path / "cache"
+    shutil.copytree(files["cache"], cache)
+    items = [*full_overrides(files, tmp_path / "run", cache), f'model.init_from="{base}"']
+    api.fit("tiny", overrides=[*items, "train.steps=2"], progress=False)
+    checkpoint = load_checkpoint(tmp_path / "run" / "checkpoints" / "latest.gguf")
+    assert checkpoint.state.reference_model.sha256 == base_sha256(base)
+    model, tokenizer = api.load_gguf(base)
+    with torch.no_grad():
+        model.token_embd.weight.add_(0.5)  # same shape and vocabulary, other log-probs
+    api.export_gguf(model, tokenizer, base)
+    with pytest.raises(CheckpointError, match="is not the DPO/IPO reference model") as info:
+        api.fit("tiny", overrides=items, resume="latest", progress=False)
+    assert "\n" not in str(info.value) and "model.init_from" in str(info.value)
 
 
 def test_simpo_trains_a_whole_model_without_a_reference(files, tmp_path):
