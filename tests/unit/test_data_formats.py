@@ -10,6 +10,7 @@ extras are installed (skipped otherwise).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from llama_cpp_files import vocab_dir as vocab_dir
 from llamatrain.config import load_config
 from llamatrain.data import build_train_data, resolve_inputs
 from llamatrain.data.chat_template import ChatTemplate, chat_template_for
+from llamatrain.data.example_cache import load_examples
 from llamatrain.data.examples import LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines, ChatLine, CompletionLine, TextLine, parse_line
 from llamatrain.data.layouts import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
@@ -243,6 +245,45 @@ def test_hf_folders_train_the_tokens_of_the_jsonl_lines(tmp_path, encoder):
     paths = resolve_inputs([str(tmp_path / "one"), str(tmp_path / "dict")], format="hf")
     jsonl = [write_jsonl(tmp_path / "a.jsonl", rows), write_jsonl(tmp_path / "b.jsonl", MIXED)]
     assert_same(examples(paths, encoder, format="hf"), examples(jsonl, encoder))
+
+
+def _hf_folder_reaching_out(tmp_path: Path, how: str) -> Path:
+    """A save_to_disk folder (``ds``) whose rows would come from ``outside/`` — its Arrow
+    file named by ``../``, by absolute path or through a link, or its train split a link."""
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict(columns(ALPACA)).save_to_disk(str(tmp_path / "outside"))
+    (arrow,) = (tmp_path / "outside").glob("*.arrow")
+    if how == "split link":
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict(columns(MIXED))}).save_to_disk(
+            str(tmp_path / "ds")
+        )
+        shutil.rmtree(tmp_path / "ds" / "train")
+        (tmp_path / "ds" / "train").symlink_to(tmp_path / "outside")
+        return tmp_path / "ds"
+    datasets.Dataset.from_dict(columns(MIXED)).save_to_disk(str(tmp_path / "ds"))
+    state_path = tmp_path / "ds" / "state.json"
+    state = json.loads(state_path.read_text())
+    name = {"dotdot": f"../outside/{arrow.name}", "absolute": str(arrow)}.get(how, "link.arrow")
+    if how == "file link":
+        (tmp_path / "ds" / name).symlink_to(arrow)
+    state["_data_files"] = [{"filename": name}]
+    state_path.write_text(json.dumps(state))
+    return tmp_path / "ds"
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "file link", "split link"])
+def test_an_hf_folder_naming_files_outside_it_is_refused_by_every_reader(tmp_path, encoder, how):
+    """Neither resolving data.path, nor reading the rows, nor keying the example cache reads a
+    file outside the folder named (the cache hashed only files inside, then served rows the
+    outside file no longer held)."""
+    folder = _hf_folder_reaching_out(tmp_path, how)
+    refused = r"(a path outside|a link leading out of) .*ds; data.format = 'hf' reads only"
+    with pytest.raises(DataError, match=refused):
+        resolve_inputs(str(folder), format="hf")
+    with pytest.raises(DataError, match=refused):
+        examples([folder], encoder, format="hf")
+    with pytest.raises(DataError, match=refused):
+        load_examples([folder], encoder, BadLines("error"), tmp_path / "cache", format="hf")
 
 
 def test_a_bad_table_row_is_named_by_file_and_row(tmp_path, encoder):

@@ -49,6 +49,7 @@ __all__ = [
     "chunk_text",
     "load_tokens",
     "read_description",
+    "sha256_file",
     "token_dtype",
 ]
 
@@ -156,14 +157,15 @@ def _key_source(paths: list[Path], tokenizer: Tokenizer, layout: _Layout) -> dic
         "tokenizer": tokenizer.fingerprint(),
         "doc_bos": layout.bos,
         "doc_eos": layout.eos,
-        "files": [_sha256_file(p) for p in paths],
+        "files": [sha256_file(p) for p in paths],
     }
     if layout.chunk_chars != CHUNK_CHARS:  # the default is implied, so existing keys stay valid
         key_src["chunk_chars"] = layout.chunk_chars
     return key_src
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """A file's sha256: what a cache built from it is keyed by (its bytes, not its name)."""
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

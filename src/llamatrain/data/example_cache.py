@@ -2,6 +2,7 @@
 
 Like the token cache (:mod:`~llamatrain.data.cache`), an entry is named by a hash of what the
 examples depend on: each input file's sha256 (for an HF ``save_to_disk`` folder, every file in
+it that its rows are read from, :func:`~llamatrain.data.sources.hf_files`: all of them inside
 it), the tokenizer's fingerprint, the chat template's source, ``data.train_on``,
 ``data.layout``, ``data.format``, ``data.on_bad_line`` and :data:`_CACHE_VERSION`. Examples
 are cached before they are cut to a row, so ``data.n_ctx`` is not part of the key.
@@ -25,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from llamatrain.data.cache import read_description, token_dtype
+from llamatrain.data.cache import read_description, sha256_file, token_dtype
 from llamatrain.data.examples import Example, LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
+from llamatrain.data.sources import hf_files
 from llamatrain.files import write_text_atomically, written_atomically
 
 __all__ = ["load_examples"]
@@ -96,14 +98,14 @@ def load_examples(
 
 
 def _sha256_input(path: Path) -> str:
-    """A file's sha256; for a folder (an HF ``save_to_disk`` one), one over each file's
-    relative name and sha256."""
+    """A file's sha256; for an HF ``save_to_disk`` folder, one over the relative name and
+    sha256 of each file its rows are read from (:func:`~llamatrain.data.sources.hf_files`,
+    which refuses a file outside it): the key covers every byte the examples come from."""
     if not path.is_dir():
-        with path.open("rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        return sha256_file(path)
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(json.dumps([f.relative_to(path).as_posix(), _sha256_input(f)]).encode())
+    for f in hf_files(path):
+        h.update(json.dumps([f.relative_to(path).as_posix(), sha256_file(f)]).encode())
     return h.hexdigest()
 
 

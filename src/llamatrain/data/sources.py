@@ -8,6 +8,12 @@ For ``data.format = "parquet"`` the inputs are Parquet files (a folder: every ``
 below it) and for ``"hf"`` folders written by HF ``datasets``' ``save_to_disk``;
 :func:`table_rows` reads their rows as dicts, through the optional extras ``llamatrain[parquet]``
 (pyarrow) and ``llamatrain[datasets]``, named in one line when missing.
+
+A ``save_to_disk`` folder names its own files (``state.json``'s Arrow files, a DatasetDict's
+split folders), and ``datasets`` would open whatever they name. Only files inside the folder the
+user named are read (:func:`hf_files`): a name that is absolute, holds ``..`` or reaches out
+through a link is refused before anything reads it, so neither the rows nor the example cache
+keyed by those files' bytes can come from elsewhere.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ from __future__ import annotations
 import codecs
 import glob
 import importlib
+import json
 from collections.abc import Iterator, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from types import ModuleType
 from typing import Any, TextIO
 
 from llamatrain.data.shakespeare import shakespeare_corpus
-from llamatrain.errors import DataError
+from llamatrain.errors import DataError, shown
 
 __all__ = [
     "READ_BLOCK",
@@ -30,6 +37,7 @@ __all__ = [
     "SONNETS_PATH",
     "TABLE_FORMATS",
     "check_text_file",
+    "hf_files",
     "open_text",
     "read_text",
     "resolve_inputs",
@@ -191,10 +199,10 @@ def _check_parquet(path: Path) -> None:
 
 
 def _hf_folder(spec: str) -> Path:
-    """A ``datasets`` ``save_to_disk`` folder (a Dataset or a DatasetDict), unchecked beyond
-    its marker file."""
+    """A ``datasets`` ``save_to_disk`` folder (a Dataset or a DatasetDict) whose files all
+    lie inside it (:func:`hf_files`)."""
     path = Path(spec).expanduser()
-    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    markers = (*_HF_DATASET, _HF_DICT)
     if not path.is_dir() or not any((path / m).is_file() for m in markers):
         what = "is not a folder" if not path.is_dir() else "has none of " + ", ".join(markers)
         raise DataError(
@@ -202,7 +210,88 @@ def _hf_folder(spec: str) -> Path:
             "datasets' Dataset.save_to_disk (relative paths start at the working directory "
             f"{Path.cwd()})"
         )
+    hf_files(path)
     return path
+
+
+_HF_DATASET = ("dataset_info.json", "state.json")
+"""The files that make a ``save_to_disk`` folder a Dataset (as ``datasets.load_from_disk``
+tells them apart: both there)."""
+_HF_DICT = "dataset_dict.json"
+"""The file that makes one a DatasetDict, listing its split folders."""
+
+
+def hf_files(folder: Path) -> list[Path]:
+    """Every file reading ``folder``'s rows reads — its Dataset's (a DatasetDict's ``train``
+    split's) ``dataset_info.json``, ``state.json`` and each Arrow file ``state.json`` names —
+    each checked to lie inside ``folder`` (:func:`_inside`); DataError in one line otherwise."""
+    split = _hf_dataset(folder)
+    files = [_inside(folder, split, name, f"{split}") for name in _HF_DATASET]
+    entries = _hf_json(files[1]).get("_data_files")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise DataError(f"{files[1]} has no list of data files; re-save the dataset")
+    named_by = f"{files[1]}'s _data_files"
+    files += [_inside(folder, split, e.get("filename"), named_by) for e in entries]
+    for file in files:
+        if not file.is_file():
+            raise DataError(f"{file} is not a file; re-save the dataset with save_to_disk")
+    return files
+
+
+def _hf_dataset(folder: Path) -> Path:
+    """The Dataset folder whose rows are read: ``folder`` itself, or its ``train`` split when
+    it is a DatasetDict (the other splits are never opened)."""
+    if all((folder / name).is_file() for name in _HF_DATASET):
+        return folder
+    splits = _hf_json(_inside(folder, folder, _HF_DICT, str(folder))).get("splits")
+    splits = splits if isinstance(splits, list) else []
+    if "train" not in splits:
+        names = ", ".join(shown(str(split), 40) for split in splits[:8]) or "none"
+        raise DataError(
+            f"{folder} is a DatasetDict without a 'train' split (it has {names}); name the "
+            "split's folder instead"
+        )
+    return _inside(folder, folder, "train", f"{folder / _HF_DICT}")
+
+
+def _inside(top: Path, base: Path, name: object, named_by: str) -> Path:
+    """``base / name`` when it stays inside ``top`` (the folder the user named): ``name`` a
+    relative path without ``..``, and every link on the way resolving inside ``top``. A
+    crafted folder must not make llamatrain read — or key its cache by — a file elsewhere."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise DataError(
+            f"{named_by} names {shown(repr(name), 40)} where a file name goes; re-save the dataset"
+        )
+    windows = PureWindowsPath(name)
+    if PurePosixPath(name).is_absolute() or windows.drive or ".." in windows.parts:
+        raise DataError(
+            f"{named_by} names '{shown(name)}', a path outside {top}; data.format = 'hf' reads "
+            "only files inside the folder named: re-save the dataset with save_to_disk"
+        )
+    path = base / name
+    try:
+        inside = path.resolve().is_relative_to(top.resolve())
+    except (OSError, RuntimeError):  # a link loop
+        inside = False
+    if not inside:
+        raise DataError(
+            f"{named_by} names '{shown(name)}', a link leading out of {top}; data.format = 'hf' "
+            "reads only files inside the folder named: copy the file in instead of linking it"
+        )
+    return path
+
+
+def _hf_json(path: Path) -> dict[str, Any]:
+    """A ``save_to_disk`` folder's JSON object, or DataError naming the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise DataError(
+            f"{path} cannot be read as datasets' JSON ({shown(str(e))}); re-save the dataset"
+        ) from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path} is not the JSON object datasets writes there; re-save it")
+    return value
 
 
 def optional_module(name: str, extra: str) -> ModuleType:
@@ -228,17 +317,11 @@ def table_rows(path: Path, format: str) -> Iterator[dict[str, Any]]:
             yield from batch.to_pylist()
         return
     datasets = optional_module("datasets", "datasets")
+    hf_files(path)  # each inside the folder, before datasets opens any
     try:
-        dataset = datasets.load_from_disk(str(path))
+        dataset = datasets.Dataset.load_from_disk(str(_hf_dataset(path)))
     except Exception as e:  # a damaged or foreign folder
-        raise DataError(f"{path} cannot be read as a datasets folder: {e}") from None
-    if isinstance(dataset, datasets.DatasetDict):
-        if "train" not in dataset:
-            raise DataError(
-                f"{path} is a DatasetDict without a 'train' split (it has "
-                f"{', '.join(dataset)}); name the split's folder, e.g. {path / next(iter(dataset))}"
-            )
-        dataset = dataset["train"]
+        raise DataError(f"{path} cannot be read as a datasets folder: {shown(str(e))}") from None
     yield from dataset  # rows as dicts (datasets reads them in batches from its Arrow files)
 
 
