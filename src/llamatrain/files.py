@@ -25,6 +25,7 @@ from llamatrain.errors import OutputError
 
 __all__ = [
     "append_text",
+    "check_folder",
     "check_target",
     "is_gguf",
     "open_owned",
@@ -84,6 +85,22 @@ def check_target(
         raise OutputError(
             f"{path} exists and is not a {kind}; llamatrain does not overwrite other files — "
             "choose another path or remove it first"
+        )
+    return path
+
+
+def check_folder(path: str | os.PathLike[str], kind: str) -> Path:
+    """Refuse (OutputError) to write into ``path`` unless it is missing or a folder itself —
+    never a link to one, which would carry what is written (a tracker's files) elsewhere."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISDIR(mode):
+        raise OutputError(
+            f"{path} is {_what(mode) or 'a file'}; a {kind} is written only as a folder of "
+            "its own, never through a link — remove it or choose another path"
         )
     return path
 
@@ -177,9 +194,7 @@ def staged_folder(target: Path, kind: str) -> Iterator[Path]:
     fsynced and it is renamed onto ``t``. An old ``t`` (the caller has checked that it may go)
     is renamed aside first and removed only after the new one is in place, so a failure at any
     point leaves ``t`` as it was and no staging folder behind."""
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        check_target(target, kind)  # a link, or a file where a folder goes
-        raise OutputError(f"{target} is a file; a {kind} is a folder — choose a new path")
+    check_folder(target, kind)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = temporary_path(target)
     staging.mkdir()

@@ -37,12 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import ConfigError
-from llamatrain.files import write_text_atomically
+from llamatrain.files import check_folder, check_target, write_text_atomically
 
 __all__ = [
     "EXTRAS",
     "IDS_FILE",
     "TRACKERS",
+    "WRITES",
+    "check_writes",
     "mlflow_uri",
     "Trackers",
     "flat_config",
@@ -59,6 +61,15 @@ EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 IDS_FILE = "trackers.json"
 """Where a run folder keeps its tracker run ids, for a resume to continue them."""
+
+WRITES: dict[str, dict[str, tuple[str, ...]]] = {
+    "tensorboard": {"folders": ("tensorboard",)},
+    "wandb": {"folders": ("wandb",)},
+    "mlflow": {"files": ("mlflow.db",), "folders": ("mlartifacts",)},
+}
+"""What each tracker writes in the run folder. Each is checked before the tracker opens
+(:func:`check_writes`), as ``metrics.jsonl`` is: a link planted there is refused, never
+followed out of the run folder."""
 
 
 def missing_extra(names: Sequence[str] | None) -> str | None:
@@ -242,6 +253,15 @@ def mlflow_uri(run_dir: str | Path) -> str:
 _OPENERS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}
 
 
+def check_writes(name: str, run_dir: Path) -> None:
+    """Refuse (OutputError) to open tracker ``name`` when a file or folder it writes in
+    ``run_dir`` (:data:`WRITES`) is a link or not of its kind."""
+    for file in WRITES[name].get("files", ()):
+        check_target(run_dir / file, f"{name} store")
+    for folder in WRITES[name].get("folders", ()):
+        check_folder(run_dir / folder, f"{name} folder")
+
+
 class Trackers:
     """The trackers of one run: each record goes to all of them (none: nothing to do)."""
 
@@ -301,7 +321,9 @@ def open_trackers(
         raise ConfigError(problem)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ids_path = run_dir / IDS_FILE
+    ids_path = check_target(run_dir / IDS_FILE, "tracker ids")  # read and written, never a link
+    for name in names:
+        check_writes(name, run_dir)
     ids = json.loads(ids_path.read_text()) if ids_path.is_file() and step > 0 else {}
     opened = Trackers()
     try:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from llamatrain import api
-from llamatrain.errors import ConfigError
+from llamatrain.errors import ConfigError, OutputError
 from llamatrain.trackers import (
+    EXTRAS,
     IDS_FILE,
     Trackers,
     flat_config,
@@ -100,6 +101,27 @@ def test_an_unknown_or_missing_tracker_is_one_line(tiny_overrides, monkeypatch, 
         "output.loggers has 'wandb', which is not installed; pip install 'llamatrain[wandb]' "
         "(or leave it out of output.loggers)"
     )
+
+
+@pytest.mark.parametrize(
+    ("tracker", "planted"),
+    [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow.db"),
+     ("mlflow", "mlartifacts"), ("tensorboard", IDS_FILE)],
+)  # fmt: skip
+def test_a_link_planted_where_a_tracker_writes_is_refused_not_followed(tmp_path, tracker, planted):
+    """As metrics.jsonl and .lock links are: nothing a tracker writes leaves the run folder,
+    and the link is refused before the tracker opens (it writes nothing anywhere)."""
+    pytest.importorskip(EXTRAS[tracker])
+    run_dir, victim = tmp_path / "run", tmp_path / "elsewhere"
+    run_dir.mkdir()
+    victim.mkdir()
+    if "." not in planted:  # a folder the tracker would fill; a file's link is left dangling
+        (victim / planted).mkdir()
+    (run_dir / planted).symlink_to(victim / planted)
+    with pytest.raises(OutputError, match=f"{planted} is a symbolic link"):
+        open_trackers([tracker], run_dir, {"train": {"steps": 1}}, step=1)
+    assert [p.name for p in victim.rglob("*")] == ([] if "." in planted else [planted])
+    assert [p.name for p in run_dir.iterdir()] == [planted]
 
 
 def test_tensorboard_event_files_hold_the_run(tiny_overrides):
