@@ -53,7 +53,8 @@ from llamatrain.lora import (
     store_frozen_targets,
     stored_type,
 )
-from llamatrain.model import Llama
+from llamatrain.memory import check_fits, plan_memory
+from llamatrain.model import Llama, ModelConfig
 from llamatrain.model_source import (
     BASE_ROLE,
     REFERENCE_ROLE,
@@ -284,13 +285,25 @@ def fresh_run(cfg: Config, paths: Sequence[Path]) -> RunModel:
     model_cfg = dataclasses.replace(
         cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
     )
+    _check_memory(cfg, model_cfg)
     return RunModel(Llama(model_cfg), tokenizer)
+
+
+def _check_memory(cfg: Config, model: ModelConfig, base: LlamaFile | None = None) -> None:
+    """Refuse a run that cannot fit this machine before any weight is allocated or read
+    (``llamatrain.memory``: planned from the config and the base's header). The plan is of a
+    CPU process's memory, so a run on an accelerator is not checked here."""
+    if resolve_device(cfg.train.device).type != "cpu":
+        return
+    header = None if base is None else base.contents
+    check_fits(plan_memory(cfg, model, None if header is None else header.tensor_types), cfg)
 
 
 def _from_base(cfg: Config, base: LlamaFile) -> Llama:
     """The model of ``base`` with the run's choices; its context stays the base's unless the
     run trains on longer windows."""
     context = max(base.config.max_seq_len, cfg.data.n_ctx)
+    _check_memory(cfg, base.config, base)
     run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
     base_dtype = cfg.lora.base_dtype if cfg.lora.rank else "f32"
     return build_lora_base(base, base_dtype, lora_targets(cfg), max_seq_len=context, **run_choices)
@@ -325,6 +338,7 @@ def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunMo
         used = describe_base(cfg.model.init_from, checkpoint.path)
         check_same_model(used, reference, REFERENCE_ROLE, checkpoint.path)
     run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
+    _check_memory(cfg, checkpoint.config)
     model = Llama(dataclasses.replace(checkpoint.config, **run_choices))
     return RunModel(model, checkpoint.tokenizer, checkpoint.state.inherited, checkpoint=checkpoint)
 

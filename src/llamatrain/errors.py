@@ -56,3 +56,7 @@ class ModelError(LlamatrainError):
 class OutputError(LlamatrainError):
     """An output path is not llamatrain's to write: a link, a pipe, a device, a folder, a file
     of another kind, or a run folder that holds a run."""
+
+
+class MemoryBudgetError(LlamatrainError):
+    """A run needs more memory than the machine can give it."""

@@ -44,6 +44,7 @@ class RunPlan:
     steps: int
     done: int  # steps a resumed run has already made
     run_dir: str
+    memory: str = ""  # what the run will hold at peak (llamatrain.memory.MemoryPlan.line)
 
     def lines(self) -> list[str]:
         trained = "" if self.trained == self.params else f", {self.trained:,} of them trained"
@@ -56,6 +57,7 @@ class RunPlan:
             f"steps: {self.steps}{resumed}, each {self.seqs_per_step} rows of {self.n_ctx} = "
             f"{self.seqs_per_step * self.n_ctx:,} tokens in {self.micro_batches} "
             f"micro-batch(es); about {epochs:.2f} epochs",
+            *([self.memory] if self.memory else []),
             f"run folder: {self.run_dir}",
         ]
 

@@ -50,6 +50,7 @@ from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.generate import generate
 from llamatrain.interrupt import StopRequest
 from llamatrain.lora import lora_modules
+from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_source import REFERENCE_ROLE, LoraBase, check_same_model, checkpoint_dir
 from llamatrain.ops.sets import IGNORE_INDEX
@@ -592,7 +593,18 @@ class Trainer:
             steps=cfg.train.steps,
             done=self.state.step,
             run_dir=str(Path(cfg.output.dir).resolve()),
+            memory=plan_memory(cfg, m, held_types(model)).line(),
         )
+
+
+def held_types(model: Llama) -> dict[str, str]:
+    """The ggml type each adapted projection's frozen weight is held as (what a memory plan
+    counts them at): its blocks' type, or the float type it was narrowed to."""
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    return {
+        f"{name}.weight": module.qtype or names[module.weight.dtype]
+        for name, module in lora_modules(model)
+    }
 
 
 def scored_count(targets: torch.Tensor) -> int:

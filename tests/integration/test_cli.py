@@ -121,13 +121,14 @@ def test_fit_checkpoints_and_export_hold_the_trained_model(tiny_run, export):
 
 
 def test_fit_says_what_it_is_about_to_do_before_the_first_step(tiny_run):
-    """The first screen: model size and device, the data, the work per step and in all, and
-    where the run goes, before anything else is printed."""
-    first = tiny_run.stdout.splitlines()[:4]
+    """The first screen: model size and device, the data, the work per step and in all, the
+    memory it will need and where the run goes, before anything else is printed."""
+    first = tiny_run.stdout.splitlines()[:5]
     assert first[0].startswith("model: llama, 2 layers x 64, ") and "parameters; cpu" in first[0]
     assert first[1].startswith("data: ") and "training windows of 64" in first[1]
     assert first[2].startswith("steps: 60, each ") and "epochs" in first[2]
-    assert first[3] == f"run folder: {tiny_run.run_dir.resolve()}"
+    assert first[3].startswith("memory: about ") and "activations" in first[3]
+    assert first[4] == f"run folder: {tiny_run.run_dir.resolve()}"
 
 
 def test_fit_prints_samples_as_text(tiny_run):

@@ -253,7 +253,7 @@ def test_a_successful_write_replaces_the_file(tmp_path: Path) -> None:
 def test_encoding_a_chunk_of_rows_at_a_time_gives_the_whole_arrays_bytes(
     tmp_path: Path, type_name: str, monkeypatch
 ) -> None:
-    monkeypatch.setattr(gguf_file, "_CHUNK_VALUES", 3 * 64)  # 3 rows a chunk, 43 rows: 15 chunks
+    monkeypatch.setattr(gguf_file, "CHUNK_VALUES", 3 * 64)  # 3 rows a chunk, 43 rows: 15 chunks
     w = weights(43, 64)
     path = write_gguf(tmp_path / "w.gguf", "test", {}, {"w": (w, type_name)}, checksums=True)
     qtype = FILE_TYPES[type_name][0]
@@ -388,7 +388,7 @@ def test_dequantizing_in_chunks_changes_nothing(tmp_path: Path, monkeypatch) -> 
     path = write_gguf(tmp_path / "m.gguf", "test", {}, MIXED)
     whole = read_gguf(path).tensors
     for chunk in (1, 100, 3 * 96):
-        monkeypatch.setattr(gguf_file, "_CHUNK_VALUES", chunk)
+        monkeypatch.setattr(gguf_file, "CHUNK_VALUES", chunk)
         for name, tensor in read_gguf(path).tensors.items():
             assert torch.equal(tensor, whole[name]), (chunk, name)
 

@@ -53,6 +53,7 @@ GGUF_KIND = "GGUF file"
 """How refusals name what is being written (see :func:`llamatrain.files.check_target`)."""
 
 __all__ = [
+    "CHUNK_VALUES",
     "GGUF_KIND",
     "INTEGER_TYPES",
     "QUANT_BLOCK",
@@ -376,13 +377,13 @@ class _Encoding:
         self.data, self.layout, self.nbytes = data, layout, layout.nbytes
 
     def chunks(self) -> Iterator[np.ndarray]:
-        """The stored bytes in order, ``_CHUNK_VALUES`` values at a time."""
+        """The stored bytes in order, ``CHUNK_VALUES`` values at a time."""
         array = _values(self.data)
         if self.layout.integer:
             yield np.ascontiguousarray(array.astype(self.layout.dtype, copy=False))
             return
         rows = array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array.reshape(1, -1)
-        step = max(1, _CHUNK_VALUES // max(1, rows.shape[1]))
+        step = max(1, CHUNK_VALUES // max(1, rows.shape[1]))
         for start in range(0, rows.shape[0], step):
             yield self._encoded(rows[start : start + step])
 
@@ -432,7 +433,7 @@ def _signed(name: str, dtype: np.dtype) -> np.dtype:
 # ------------------------------------------------------------------------------------ reading
 
 
-_CHUNK_VALUES = 1 << 22
+CHUNK_VALUES = 1 << 22
 """Values dequantized at a time (16 MiB as float32). Reading a tensor then costs its float32
 result plus this much: a whole-tensor dequantization holds several float copies of it (gguf's
 per-group results, their concatenation, a cast), ~3x the largest tensor on top of the model."""
@@ -445,7 +446,7 @@ def _dtype(info: TensorInfo) -> torch.dtype:
 
 def _read_into(p: Path, f: BinaryIO, info: TensorInfo, target: torch.Tensor) -> None:
     """Fill ``target`` with a stored tensor: integers and F32 read straight into it, any other
-    type dequantized into it a chunk of rows at a time (see ``_CHUNK_VALUES``)."""
+    type dequantized into it a chunk of rows at a time (see ``CHUNK_VALUES``)."""
     if tuple(target.shape) != info.np_shape or target.dtype != _dtype(info):
         raise GGUFError(
             f"{p}: tensor {shown(info.name)} is {info.qtype.name} {info.np_shape} but is read "
@@ -466,7 +467,7 @@ def _read_into(p: Path, f: BinaryIO, info: TensorInfo, target: torch.Tensor) -> 
     if rows.size == 0:
         return
     row_bytes = info.n_bytes // rows.shape[0]
-    step = max(1, _CHUNK_VALUES // rows.shape[1])
+    step = max(1, CHUNK_VALUES // rows.shape[1])
     chunks = _read_chunks(p, f, info, step * row_bytes)
     for start, raw in zip(range(0, rows.shape[0], step), chunks, strict=True):
         raw_rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, row_bytes)

@@ -1,0 +1,249 @@
+"""How much memory a run will need, said before it loads anything, and whether the machine has it.
+
+A run that trains for an hour and then cannot write its result is a lost run; one that cannot
+even hold its weights should be refused in one line before its first byte is read.
+:func:`plan_memory` is a pure function of the config and the base file's header (its tensor
+types): the weights as the run holds them (a LoRA run's frozen targets as ``lora.base_dtype``
+keeps them, everything else float32), what training adds (trained parameters, their gradients
+and the optimizer's moments), one micro-batch's activations, and what the export adds on top
+of the weights (it streams: one merged tensor at a time). :func:`available_memory` is what the
+process may still take: the machine's available memory, a cgroup's limit and an address-space
+limit (``prlimit --as``), whichever is smallest.
+
+The activation figure is calibrated, not derived: a ggml-op llama step on the CPU held
+~8.8k floats per token per block at dim 512, ffn 1536 without activation checkpointing
+(peak RSS 580 vs 688 MB at 256 vs 1,024 tokens a micro-batch, 4 blocks), which
+``_floats_per_token`` (6·dim + 2·kv + 3·ffn) reproduces. The constant part is a CPU process
+with PyTorch imported (~234 MB measured) plus its allocator's slack. The figures are
+estimates within ~20%: the refusal is for runs that cannot fit, not a tight budget.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from llamatrain.config import Config
+from llamatrain.errors import MemoryBudgetError
+from llamatrain.gguf.adapter import ALL_TARGETS
+from llamatrain.gguf.export_types import QUANTIZER_TYPES
+from llamatrain.gguf.file import CHUNK_VALUES
+from llamatrain.model_config import ModelConfig, tensor_shapes
+from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
+from llamatrain.ops.fused import CHUNK_BYTES as HEAD_CHUNK_BYTES
+
+__all__ = ["MemoryPlan", "available_memory", "check_fits", "plan_memory", "resident_bytes"]
+
+GB = 1 << 30
+FRAMEWORK_BYTES = 350 << 20
+"""PyTorch, llamatrain and the data in a CPU process (234 MB measured after imports, plus the
+allocator's slack and the token cache's pages)."""
+_FLOAT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes a run will hold, by what a user can change."""
+
+    weights: int
+    """The model as held: frozen targets as stored, everything else float32."""
+    training: int
+    """Trained parameters, their gradients and the optimizer's state."""
+    activations: int
+    """One micro-batch's saved activations and the lm head's chunk."""
+    export: int
+    """The streaming export's addition to the weights (its largest tensor, widened)."""
+
+    @property
+    def peak(self) -> int:
+        """Training and the export do not overlap: the trainer frees the moments first."""
+        return FRAMEWORK_BYTES + self.weights + max(self.training + self.activations, self.export)
+
+    def line(self) -> str:
+        """The opening summary's memory line."""
+        return (
+            f"memory: about {_size(self.peak)} at peak ({self.parts()}; the export adds "
+            f"{_size(self.export)})"
+        )
+
+    def parts(self) -> str:
+        return (
+            f"weights {_size(self.weights)}, trained state {_size(self.training)}, "
+            f"activations {_size(self.activations)}"
+        )
+
+    def remedy(self, cfg: Config) -> str:
+        """What to change, for the part that dominates."""
+        if cfg.lora.rank == 0 and self.training >= max(self.activations, self.weights // 2):
+            return "train LoRA adapters instead (lora.rank = 16) or a smaller base"
+        if self.activations > self.weights:
+            return "lower train.n_ubatch or data.n_ctx, or set train.checkpointing = 'full'"
+        if cfg.lora.rank and cfg.lora.base_dtype != "quantized":
+            return "keep the base as its file stores it (lora.base_dtype = 'quantized')"
+        return "use a smaller or more quantized base, or a machine with more memory"
+
+
+def plan_memory(
+    cfg: Config, model: ModelConfig, stored_types: Mapping[str, str] | None = None
+) -> MemoryPlan:
+    """The memory ``cfg`` will need to train and export ``model`` (its base's ``stored_types``,
+    name -> ggml type, decide what a quantized LoRA base holds; None: none known)."""
+    shapes = tensor_shapes(model)
+    targets = _adapted(cfg, shapes)
+    weights = sum(
+        _held_bytes(cfg, name, shape, (stored_types or {}).get(name))
+        if name in targets
+        else 4 * _count(shape)
+        for name, shape in shapes.items()
+    )
+    trained = sum(
+        cfg.lora.rank * (shape[0] + shape[1]) if cfg.lora.rank else _count(shape)
+        for name, shape in shapes.items()
+        if not cfg.lora.rank or name in targets
+    )
+    return MemoryPlan(
+        weights=weights,
+        training=4 * trained * (1 + _moments(cfg)),  # the parameters' f32 grads and moments
+        activations=_activation_bytes(cfg, model),
+        export=_export_bytes(cfg, shapes, targets),
+    )
+
+
+def _adapted(cfg: Config, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+    if not cfg.lora.rank:
+        return set()
+    targets = ALL_TARGETS if cfg.lora.targets is None else tuple(cfg.lora.targets)
+    return {name for name in shapes if name.endswith(tuple(f".{t}.weight" for t in targets))}
+
+
+def _held_bytes(cfg: Config, name: str, shape: tuple[int, ...], stored: str | None) -> int:
+    """A frozen target's bytes as ``lora.base_dtype`` keeps it."""
+    if cfg.lora.base_dtype in _FLOAT_BYTES:
+        return _FLOAT_BYTES[cfg.lora.base_dtype] * _count(shape)
+    if stored in ("F32", "F16", "BF16"):
+        return {"F32": 4, "F16": 2, "BF16": 2}[stored] * _count(shape)
+    if stored in DEQUANTIZABLE and shape[1] % 32 == 0:
+        return shape[0] * row_bytes(stored, shape[1])
+    return 4 * _count(shape)  # unknown: as float32, never an underestimate
+
+
+def _export_bytes(cfg: Config, shapes: Mapping[str, tuple[int, ...]], targets: set[str]) -> int:
+    """A merged weight is its decoded base and the sum (float32); llama.cpp's quantizer reads a
+    tensor and writes its encoding; otherwise the writer's chunk of rows and its encoding."""
+    widened = targets or (shapes if cfg.output.export_type in QUANTIZER_TYPES else ())
+    if not widened:
+        return 4 * CHUNK_VALUES * 2
+    return 2 * 4 * max(_count(shapes[name]) for name in widened)
+
+
+def _moments(cfg: Config) -> int:
+    """Parameter-sized float32 tensors the optimizer keeps per trained parameter."""
+    return 2 if cfg.optim.name == "adamw" else 2 * cfg.optim.lbfgs_history + 2
+
+
+def _floats_per_token(model: ModelConfig) -> int:
+    kv = model.kv_heads * model.head_dim
+    return 6 * model.dim + 2 * kv + 3 * model.hidden_dim
+
+
+def _activation_bytes(cfg: Config, model: ModelConfig) -> int:
+    """Saved activations of one micro-batch, plus the lm head's chunk of logits and its
+    gradient. Activation checkpointing keeps each block's input and recomputes one segment."""
+    tokens = cfg.train.n_ubatch or cfg.train.n_batch
+    per_block = 4 * tokens * _floats_per_token(model)
+    if cfg.train.checkpointing == "full":
+        blocks = 4 * tokens * model.dim * model.n_layers + per_block
+    elif cfg.train.checkpointing == "every_n":
+        segment = min(cfg.train.checkpoint_every_n, model.n_layers)
+        blocks = 4 * tokens * model.dim * model.n_layers + segment * per_block
+    else:  # none, or auto before it has measured: the upper bound
+        blocks = per_block * model.n_layers
+    rows = min(tokens, max(HEAD_CHUNK_BYTES // (4 * model.vocab_size), model.dim))
+    return blocks + 2 * 4 * rows * model.vocab_size
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate (None where nothing says): the smallest of the
+    machine's available memory (``MemAvailable``), a cgroup v2 limit less its usage, and an
+    address-space limit (``RLIMIT_AS``) less the address space already taken. Memory the
+    process holds already (PyTorch itself) counts as taken."""
+    candidates = [
+        _meminfo("MemAvailable"),
+        _cgroup_headroom(),
+        _address_space_headroom(),
+    ]
+    known = [c for c in candidates if c is not None]
+    return min(known) if known else None
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == key:
+                return int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _cgroup_headroom() -> int | None:
+    root = Path("/sys/fs/cgroup")
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((root / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _address_space_headroom() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        status = Path(f"/proc/{os.getpid()}/status").read_text()
+        return soft - _status_bytes(status, "VmSize")
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _status_bytes(status: str, key: str) -> int:
+    """A ``/proc/<pid>/status`` figure (kB) in bytes."""
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith(key)) * 1024
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where /proc does not say)."""
+    try:
+        return _status_bytes(Path(f"/proc/{os.getpid()}/status").read_text(), "VmRSS")
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def check_fits(plan: MemoryPlan, cfg: Config) -> None:
+    """Refuse, in one line naming what to change, a run whose plan needs more than this
+    process can still take (what it holds now, PyTorch itself, counts as already had)."""
+    available = available_memory()
+    held = resident_bytes()
+    if available is None or plan.peak - held <= available:
+        return
+    raise MemoryBudgetError(
+        f"this run needs about {_size(plan.peak)} ({plan.parts()}) but about "
+        f"{_size(available + held)} is available; {plan.remedy(cfg)}"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / GB:,.1f} GB" if n >= GB else f"{n / (1 << 20):,.0f} MB"

@@ -1,0 +1,139 @@
+"""llamatrain.memory: the memory a run will need, planned before it loads, and the refusal of a
+run that cannot fit.
+
+The plan's weights and trained state are counts, checked exactly against the tensors a run
+holds; its activations are a calibrated estimate (the module docstring says how), checked
+here for the rules that do not depend on the calibration: more tokens need more, activation
+checkpointing needs less.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from user_errors import error_of
+
+from llamatrain import memory
+from llamatrain.config import load_config
+from llamatrain.lora import ALL_TARGETS, apply_lora, lora_state_dict, store_frozen_targets
+from llamatrain.memory import MemoryPlan, check_fits, plan_memory
+from llamatrain.model import Llama, ModelConfig
+from llamatrain.model_config import tensor_shapes
+
+SEVEN_B = ModelConfig(
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=32,
+    ffn_dim=11008,
+    vocab_size=32000,
+    max_seq_len=4096,
+)
+"""Llama-2-7B's shape."""
+SMALL = ModelConfig(
+    dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=512, max_seq_len=64
+)
+
+
+def lora_config(*extra: str):
+    return load_config(
+        "tiny", ['model.init_from="base.gguf"', "lora.rank=8", "data.n_ctx=64", *extra]
+    )
+
+
+def test_a_qlora_plan_counts_the_blocks_it_holds_and_float32_for_the_rest() -> None:
+    """Exactly the bytes of the model a QLoRA run builds: every adapted projection as its
+    file's blocks, everything else float32; trained state: adapters, gradients, 2 moments."""
+    cfg = lora_config('lora.base_dtype="quantized"')
+    types = dict.fromkeys(tensor_shapes(SMALL), "Q4_0")
+    targets = {name: "Q4_0" for name in types if name.rsplit(".", 2)[1] in ALL_TARGETS}
+    with torch.device("meta"):
+        model = Llama(SMALL)
+        store_frozen_targets(model, targets)
+    model.to_empty(device="cpu")
+    apply_lora(model, 8, 16.0)
+    plan = plan_memory(cfg, SMALL, types)
+    adapters = lora_state_dict(model)
+    held = sum(t.nbytes for name, t in model.state_dict().items() if name not in adapters)
+    assert plan.weights == held
+    assert plan.training == 3 * sum(t.nbytes for t in adapters.values())
+
+
+def test_a_full_finetune_plan_counts_every_parameter_four_times() -> None:
+    cfg = load_config("tiny", ["data.n_ctx=64"])
+    plan = plan_memory(cfg, SMALL)
+    params = sum(t.numel() for t in Llama(SMALL).state_dict().values())
+    assert plan.weights == 4 * params
+    assert plan.training == 4 * params * 3
+
+
+def test_activations_grow_with_tokens_and_shrink_with_checkpointing() -> None:
+    def activations(*extra: str) -> int:
+        return plan_memory(lora_config(*extra), SEVEN_B).activations
+
+    base = activations("train.n_batch=256", "train.checkpointing='none'")
+    assert activations("train.n_batch=512", "train.checkpointing='none'") > 1.9 * base
+    assert activations("train.n_batch=256", "train.checkpointing='full'") < base / 4
+
+
+def test_a_7b_qlora_plan_is_the_files_size_plus_float32_embeddings() -> None:
+    types = dict.fromkeys(tensor_shapes(SEVEN_B), "Q4_0")
+    plan = plan_memory(lora_config('lora.base_dtype="quantized"'), SEVEN_B, types)
+    blocks = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) // 32 * 18  # Q4_0: 18 bytes a block
+    embeddings = 2 * 4 * 32000 * 4096  # token_embd and output, float32 (1.05 GB)
+    norms = 4 * 4096 * (2 * 32 + 1)
+    assert plan.weights == blocks + embeddings + norms  # 4.69 GB
+    assert plan.export == 2 * 4 * 11008 * 4096  # the largest merged weight and its base
+    bf16 = plan_memory(lora_config('lora.base_dtype="bf16"'), SEVEN_B, types)
+    assert bf16.weights > 1.5 * plan.weights
+
+
+def test_a_run_that_cannot_fit_is_one_line_naming_what_to_change(monkeypatch) -> None:
+    monkeypatch.setattr(memory, "available_memory", lambda: 2 << 30)
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 300 << 20)
+    plan = plan_memory(lora_config('lora.base_dtype="bf16"'), SEVEN_B)
+    message = error_of(check_fits, plan, lora_config('lora.base_dtype="bf16"'))
+    assert "needs about" in message and "about 2.3 GB is available" in message
+    assert "lora.base_dtype = 'quantized'" in message
+    full = load_config("tiny", ["data.n_ctx=64"])
+    assert "lora.rank" in error_of(check_fits, plan_memory(full, SEVEN_B), full)
+    fits = MemoryPlan(weights=1 << 20, training=0, activations=0, export=0)
+    check_fits(fits, full)  # 351 MB of 2.3 GB: no error
+
+
+def test_fit_refuses_before_reading_the_model_under_an_address_space_limit(tmp_path) -> None:
+    """A from-scratch run of a 7B shape under a 4 GB address-space limit: refused in one line
+    before the model is allocated (exit 1, no traceback), where it would have died in a
+    MemoryError traceback or been killed."""
+    script = textwrap.dedent(
+        f"""
+        import resource, sys
+        from llamatrain.cli import main
+        used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (used + (4 << 30), resource.RLIM_INFINITY))
+        sys.exit(main(["fit", "--config", "tiny", "--set", "model.dim=4096",
+                       "--set", "model.n_layers=32", "--set", "model.n_heads=32",
+                       "--set", "model.ffn_dim=11008", "--set", 'output.dir="{tmp_path}/run"',
+                       "--set", 'data.cache_dir="{tmp_path}/cache"']))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr
+    assert "this run needs about" in lines[-1] and "lora.rank" in lines[-1]
+
+
+@pytest.mark.parametrize("limit", ["max\n", "1073741824\n"])
+def test_a_cgroup_limit_counts_as_the_machine(monkeypatch, tmp_path, limit) -> None:
+    (tmp_path / "memory.max").write_text(limit)
+    (tmp_path / "memory.current").write_text(str(1 << 28))
+    monkeypatch.setattr(memory, "Path", lambda p: tmp_path if p == "/sys/fs/cgroup" else p)
+    expected = None if limit == "max\n" else (1 << 30) - (1 << 28)
+    assert memory._cgroup_headroom() == expected
