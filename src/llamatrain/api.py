@@ -26,10 +26,12 @@ from llamatrain.build import (
     fresh_run,
     load_tokenizer,
     lora_targets,
+    model_to_export,
     prepare,
     read_model_source,
     reference_of,
     resumed_run,
+    target_suffixes,
     with_base,
 )
 from llamatrain.checkpoint import load_checkpoint
@@ -233,15 +235,12 @@ def _with_export_type(cfg: Config, run: RunModel) -> Config:
     shapes = tensor_shapes(run.model.cfg).items()
     base_types = None
     if run.lora_base is not None:
-        adapted = [name for name, _ in shapes if name.endswith(_adapted_suffixes(cfg))]
+        suffixes = target_suffixes(lora_targets(cfg))
+        adapted = [name for name, _ in shapes if name.endswith(suffixes)]
         base_types = stored_types(run.lora_base.path, adapted)
     rows = [shape[-1] for _, shape in shapes if len(shape) == 2]
     chosen = merged_export_type(base_types, rows)
     return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, export_type=chosen))
-
-
-def _adapted_suffixes(cfg: Config) -> tuple[str, ...]:
-    return tuple(f".{target}.weight" for target in lora_targets(cfg))
 
 
 def _release_training_state(trainer: Trainer) -> None:
@@ -367,11 +366,10 @@ def export(source: str | Path, path: str | Path, type: str = "f32", format: str 
             f"an HF export stores float32 safetensors; the type {type!r} is for GGUF exports"
         )
     require_quantizer(type)
-    source_file = read_model_source(source)
-    model, tokenizer = _build(source_file)
+    model, tokenizer, inherited = model_to_export(source)
     if format == "hf":
-        return export_hf(model, tokenizer, path, inherited=source_file.inherited)
-    return export_gguf(model, tokenizer, path, type=type, inherited=source_file.inherited)
+        return export_hf(model, tokenizer, path, inherited=inherited)
+    return export_gguf(model, tokenizer, path, type=type, inherited=inherited)
 
 
 def export_adapter(source: str | Path, path: str | Path, format: str = "gguf") -> Path:

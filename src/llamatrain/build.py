@@ -66,6 +66,7 @@ from llamatrain.model_source import (
     model_file,
     records_a_base,
 )
+from llamatrain.ops.dequantize import DEQUANTIZABLE
 from llamatrain.parallel import Parallel
 from llamatrain.preference import ReferenceTable, cached_reference_table, reference_table
 from llamatrain.tokenizer import (
@@ -84,10 +85,13 @@ __all__ = [
     "build_tokenizer",
     "fresh_run",
     "load_tokenizer",
+    "lora_run_model",
+    "model_to_export",
     "prepare",
     "read_model_source",
     "reference_of",
     "resumed_run",
+    "target_suffixes",
     "with_base",
 ]
 
@@ -149,12 +153,35 @@ def read_model_source(path: str | Path) -> LlamaFile:
     folder (any other folder: one without ``checkpoints/``). A checkpoint's tensors are checked
     against the sha256 recorded when it was written (``verify_gguf``), so nothing built from
     it uses silently damaged weights; a LoRA run's is its base with the adapter merged in."""
+    opened = _open_source(path)
+    if isinstance(opened, LlamaFile):
+        return opened
+    checkpoint, base = opened
+    merged = merge_lora(lora_run_model(checkpoint, base))
+    state = {name: t.detach() for name, t in merged.state_dict().items()}
+    return LlamaFile(merged.cfg, state, checkpoint.tokenizer, checkpoint.state.inherited)
+
+
+def model_to_export(path: str | Path) -> tuple[Llama, Tokenizer, dict[str, Any]]:
+    """What ``export`` writes from ``path`` (as :func:`read_model_source` names it): the model,
+    its tokenizer and the keys it keeps. A LoRA run's is its adapted model, the base held as its
+    file stores it: a writer merges it a tensor at a time (``lora.merged_tensors``), so a 7B
+    run's export never holds its 27 GB merged float32 copy."""
+    opened = _open_source(path)
+    if isinstance(opened, LlamaFile):
+        return build_model(opened), opened.tokenizer, dict(opened.inherited)
+    checkpoint, base = opened
+    return lora_run_model(checkpoint, base), checkpoint.tokenizer, checkpoint.state.inherited
+
+
+def _open_source(path: str | Path) -> LlamaFile | tuple[Checkpoint, LlamaFile]:
+    """A model file's contents (header only for a GGUF), or a LoRA checkpoint with its base."""
     if is_hf_folder(path):
         return read_hf_folder(path)
     header = read_gguf(model_file(path), tensor_data=False)  # parsed once, handed down
     if records_a_base(header.metadata):
         checkpoint = load_checkpoint(header)
-        return _merged_lora_run(checkpoint, with_base(checkpoint))
+        return checkpoint, with_base(checkpoint)
     verify_gguf(header)
     return read_model(header, tensor_data=False)
 
@@ -179,15 +206,23 @@ def with_base(checkpoint: Checkpoint, base: str | Path | None = None) -> LlamaFi
     return base_file
 
 
-def _merged_lora_run(checkpoint: Checkpoint, base: LlamaFile) -> LlamaFile:
-    """A LoRA checkpoint as the plain model it stands for: base W + s·B·A."""
+def lora_run_model(checkpoint: Checkpoint, base: LlamaFile) -> Llama:
+    """A LoRA checkpoint's model as its run held it: the base (checked by :func:`with_base`)
+    with each adapted projection kept as its GGUF stores it where ``ops.dequantize`` reads the
+    type (float32 otherwise, and from an HF folder), and the checkpoint's adapters on it."""
     adapter = checkpoint.adapter
-    model = build_model(base)
+    types = base.contents.tensor_types if _header_only(base) and base.contents else {}
+    names = [name for name in types if name.endswith(target_suffixes(adapter.targets))]
+    stored = "quantized" if names and all(types[n] in DEQUANTIZABLE for n in names) else "f32"
+    model = build_lora_base(base, stored, adapter.targets)
     apply_lora(model, adapter.rank, adapter.alpha, targets=adapter.targets)
     checkpoint.restore_weights(model)
-    merged = merge_lora(model)
-    state = {name: t.detach() for name, t in merged.state_dict().items()}
-    return LlamaFile(merged.cfg, state, checkpoint.tokenizer, checkpoint.state.inherited)
+    return model
+
+
+def target_suffixes(targets: Sequence[str]) -> tuple[str, ...]:
+    """The name endings of the weights LoRA ``targets`` adapt (``.attn_q.weight`` …)."""
+    return tuple(f".{target}.weight" for target in targets)
 
 
 def build_model(source: LlamaFile, **changes: object) -> Llama:

@@ -26,8 +26,8 @@ import pytest
 import torch
 from llama_cpp_runs import cpp_logits
 
-from llamatrain import api
-from llamatrain.build import build_tokenizer
+from llamatrain import api, build
+from llamatrain.build import build_lora_base, build_tokenizer
 from llamatrain.config import load_config
 from llamatrain.data import SONNETS_PATH, resolve_inputs
 from llamatrain.gguf.export_types import merged_export_type
@@ -248,3 +248,30 @@ def test_a_quantized_runs_merged_export_is_q8_0_written_a_tensor_at_a_time(
 )
 def test_auto_export_types(base_types, rows, chosen) -> None:
     assert merged_export_type(base_types, rows) == chosen
+
+
+def test_exporting_a_lora_run_merges_over_the_base_as_its_file_stores_it(
+    q4_0_run, tmp_path, monkeypatch
+) -> None:
+    """``llamatrain export RUN`` holds the run's base as the run did (Q4_0 blocks) and merges
+    one weight at a time as it writes; the file is the merged model ``load`` gives."""
+    built = []
+    monkeypatch.setattr(
+        build, "build_lora_base", lambda *a, **k: built.append(a[1]) or build_lora_base(*a, **k)
+    )
+    merged_weight, live, peak = LoraLinear.merged_weight, [0], [0]
+
+    def counted(module: LoraLinear) -> torch.Tensor:
+        weight = merged_weight(module)
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(weight, lambda: live.__setitem__(0, live[0] - 1))
+        return weight
+
+    monkeypatch.setattr(LoraLinear, "merged_weight", counted)
+    path = api.export(q4_0_run.run_dir, tmp_path / "merged.gguf")
+    assert built == ["quantized"] and peak[0] == 1 and live[0] == 0
+    exported = read_gguf(path).tensors
+    loaded, _ = api.load(q4_0_run.run_dir)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
