@@ -41,6 +41,9 @@ GB = 1 << 30
 FRAMEWORK_BYTES = 350 << 20
 """PyTorch, llamatrain and the data in a CPU process (234 MB measured after imports, plus the
 allocator's slack and the token cache's pages)."""
+VOCAB_BYTES_PER_TOKEN = 1536
+"""The vocabulary as Python objects: a 128k byte-level BPE tokenizer measured 1.0 KB a token
+(its merges), a 32k SentencePiece one 0.24 KB, and the header's token lists beside them."""
 _FLOAT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 
 
@@ -56,11 +59,13 @@ class MemoryPlan:
     """One micro-batch's saved activations and the lm head's chunk."""
     export: int
     """The streaming export's addition to the weights (its largest tensor, widened)."""
+    framework: int = FRAMEWORK_BYTES
+    """PyTorch, the process and the vocabulary (``FRAMEWORK_BYTES`` + the tokenizer)."""
 
     @property
     def peak(self) -> int:
         """Training and the export do not overlap: the trainer frees the moments first."""
-        return FRAMEWORK_BYTES + self.weights + max(self.training + self.activations, self.export)
+        return self.framework + self.weights + max(self.training + self.activations, self.export)
 
     def line(self) -> str:
         """The opening summary's memory line."""
@@ -109,6 +114,7 @@ def plan_memory(
         training=4 * trained * (1 + _moments(cfg)),  # the parameters' f32 grads and moments
         activations=_activation_bytes(cfg, model),
         export=_export_bytes(cfg, shapes, targets),
+        framework=FRAMEWORK_BYTES + VOCAB_BYTES_PER_TOKEN * model.vocab_size,
     )
 
 
