@@ -31,12 +31,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llamatrain.errors import ConfigError
+from llamatrain.errors import CheckpointError, ConfigError, shown
 from llamatrain.files import check_folder, check_target, write_text_atomically
 
 __all__ = [
@@ -61,6 +62,12 @@ EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 IDS_FILE = "trackers.json"
 """Where a run folder keeps its tracker run ids, for a resume to continue them."""
+
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+"""The run ids a resume passes on (W&B's and MLflow's are letters, digits, ``-`` and ``_``)."""
+
+IDS_LIMIT = 1 << 16
+"""The most bytes ``trackers.json`` may hold (llamatrain writes about a hundred)."""
 
 WRITES: dict[str, dict[str, tuple[str, ...]]] = {
     "tensorboard": {"folders": ("tensorboard",)},
@@ -208,8 +215,7 @@ class _Mlflow:
         run_id = ids.get("mlflow") if step > 0 else None
         params = flat_config(config)
         if run_id:
-            self.client.update_run(run_id, status="RUNNING")
-            logged = self.client.get_run(run_id).data.params
+            logged = self._resumed(run_id, run_dir).data.params
             params = {k: v for k, v in params.items() if k not in logged}  # params never change
         else:
             experiment = self.client.get_experiment_by_name("llamatrain")
@@ -226,6 +232,21 @@ class _Mlflow:
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for start in range(0, len(items), 100):  # MLflow takes 100 params a batch
             self.client.log_batch(run_id, params=items[start : start + 100])
+
+    def _resumed(self, run_id: str, run_dir: Path) -> Any:
+        """Run ``run_id`` of the store, running again; one missing from it (``trackers.json``
+        or ``mlflow.db`` replaced) is refused in one line, not MLflow's traceback."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as e:
+            raise CheckpointError(
+                f"{run_dir / IDS_FILE} names MLflow run {run_id}, which {run_dir / 'mlflow.db'} "
+                "does not hold; remove trackers.json to start a new tracker run"
+            ) from e
+        self.client.update_run(run_id, status="RUNNING")
+        return run
 
     def scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
@@ -251,6 +272,28 @@ def mlflow_uri(run_dir: str | Path) -> str:
 
 
 _OPENERS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}
+
+
+def read_ids(path: Path) -> dict[str, str]:
+    """The tracker run ids recorded in ``path`` for a resume to continue, refused in one line
+    (CheckpointError) when damaged: a resume must not hand a tracker a value it chokes on."""
+    with path.open("rb") as f:
+        raw = f.read(IDS_LIMIT + 1)
+    try:
+        if len(raw) > IDS_LIMIT:
+            raise ValueError(f"more than {IDS_LIMIT} bytes")
+        ids = json.loads(raw.decode("utf-8"))
+        if not isinstance(ids, dict) or not all(isinstance(v, str) for v in ids.values()):
+            raise ValueError("not an object of names and texts")
+        for name in ("wandb", "mlflow"):
+            if name in ids and not RUN_ID.fullmatch(ids[name]):
+                raise ValueError(f"{name} run id {shown(ids[name])!r} is not one")
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(
+            f"{path} is damaged ({shown(str(e))}); remove it to start new tracker runs "
+            "(metrics.jsonl keeps every record)"
+        ) from e
+    return ids
 
 
 def check_writes(name: str, run_dir: Path) -> None:
@@ -324,7 +367,7 @@ def open_trackers(
     ids_path = check_target(run_dir / IDS_FILE, "tracker ids")  # read and written, never a link
     for name in names:
         check_writes(name, run_dir)
-    ids = json.loads(ids_path.read_text()) if ids_path.is_file() and step > 0 else {}
+    ids = read_ids(ids_path) if ids_path.is_file() and step > 0 else {}
     opened = Trackers()
     try:
         for name in dict.fromkeys(names):

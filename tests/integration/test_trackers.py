@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from user_errors import error_of
 
 from llamatrain import api
 from llamatrain.errors import ConfigError, OutputError
@@ -122,6 +123,39 @@ def test_a_link_planted_where_a_tracker_writes_is_refused_not_followed(tmp_path,
         open_trackers([tracker], run_dir, {"train": {"steps": 1}}, step=1)
     assert [p.name for p in victim.rglob("*")] == ([] if "." in planted else [planted])
     assert [p.name for p in run_dir.iterdir()] == [planted]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{",
+        b"\xff\xfe",
+        b"[1]",
+        b'{"wandb": 3}',
+        b'{"wandb": "../x"}',
+        b'{"mlflow": ""}',
+        b"[" * 100_000,
+        b'{"a": "' + b"x" * 70_000 + b'"}',
+        b'{"wandb": "\u001b[2J"}',
+    ],
+)
+def test_a_damaged_trackers_json_is_refused_in_one_line_on_resume(tmp_path, content):
+    """Cause 1 (issue 37): a resume read trackers.json with json.loads and handed whatever it
+    held to the trackers — a traceback from json, a dict method or the tracker itself."""
+    pytest.importorskip("tensorboard")
+    (tmp_path / IDS_FILE).write_bytes(content)
+    message = error_of(open_trackers, ["tensorboard"], tmp_path, {"train": {}}, step=2)
+    assert "trackers.json is damaged" in message and "remove it" in message
+    assert "\x1b" not in message
+    assert [p.name for p in tmp_path.iterdir()] == [IDS_FILE]
+
+
+def test_a_resume_naming_an_mlflow_run_the_store_lacks_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("mlflow")
+    open_trackers(["mlflow"], tmp_path, {"train": {"steps": 1}}, step=0).close()
+    (tmp_path / IDS_FILE).write_text('{"mlflow": "0123456789abcdef0123456789abcdef"}')
+    message = error_of(open_trackers, ["mlflow"], tmp_path, {"train": {}}, step=2)
+    assert "does not hold" in message and "remove trackers.json" in message
 
 
 def test_tensorboard_event_files_hold_the_run(tiny_overrides):
