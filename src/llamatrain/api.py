@@ -48,7 +48,7 @@ from llamatrain.generate import Conversation, chat, generate_text
 from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
 from llamatrain.gguf.describe import describe_gguf
 from llamatrain.gguf.export_types import AUTO_EXPORT_TYPE, QUANTIZER_TYPES, merged_export_type
-from llamatrain.gguf.file import DeferredTensor, verify_gguf
+from llamatrain.gguf.file import verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, write_model
 from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
@@ -341,14 +341,9 @@ def export_hf(
 ) -> Path:
     """Write an HF checkpoint folder transformers loads as ``LlamaForCausalLM`` (config.json,
     float32 model.safetensors, tokenizer.json and tokenizer_config.json with ``inherited``'s
-    chat template); the vocabulary must be byte-level BPE."""
-    return write_hf_folder(directory, model.cfg, _float_tensors(model), tokenizer, inherited)
-
-
-def _float_tensors(model: Llama) -> dict[str, torch.Tensor]:
-    """The (merged) model's tensors as float32 on the CPU, whole, as safetensors takes them."""
-    tensors = merged_tensors(model).items()
-    return {k: (v.read() if isinstance(v, DeferredTensor) else v).float().cpu() for k, v in tensors}
+    chat template); the vocabulary must be byte-level BPE. A LoRA-adapted model is written
+    merged, a shard at a time (``llamatrain.hf.folder.SHARD_BYTES``)."""
+    return write_hf_folder(directory, model.cfg, merged_tensors(model), tokenizer, inherited)
 
 
 EXPORT_FORMATS = ("gguf", "hf")

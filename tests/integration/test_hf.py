@@ -33,8 +33,10 @@ from llamatrain.data import SONNETS_PATH
 from llamatrain.errors import CheckpointError, TokenizerError
 from llamatrain.gguf.llama import read_model
 from llamatrain.gguf.vocab import tokenizer_metadata
+from llamatrain.hf import folder as hf_folder
 from llamatrain.hf.folder import read_hf_folder
 from llamatrain.hf.weights import to_rotate_half
+from llamatrain.lora import LoraLinear, apply_lora, lora_modules, merge_lora
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.tokenizer import (
     TOKEN_TYPE_BYTE,
@@ -286,6 +288,35 @@ def test_export_replaces_only_its_own_folder(hf_models, tmp_path, capsys):
         api.export_hf(model, tokenizer, tmp_path / "theirs")
     assert [p.name for p in (tmp_path / "theirs").iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "theirs"]  # no temp folders
+
+
+def test_a_large_export_is_written_a_shard_at_a_time(hf_models, tmp_path, monkeypatch):
+    """Past ``SHARD_BYTES`` the weights go into transformers' shards and index, each shard's
+    tensors produced only when it is written (a LoRA model's merged weights: one shard's
+    worth at a time, never the merged model); transformers loads the folder as the same
+    model, our reader reads it back bit for bit, and a second export replaces it."""
+    monkeypatch.setattr(hf_folder, "SHARD_BYTES", 64 << 10)
+    model, tokenizer = api.load(hf_models["tied"][0])
+    apply_lora(model, 2, 4.0)
+    for _, module in lora_modules(model):
+        torch.nn.init.normal_(module.lora_b, std=0.05)
+    read, merged_weight = [], LoraLinear.merged_weight
+    monkeypatch.setattr(LoraLinear, "merged_weight", lambda m: read.append(m) or merged_weight(m))
+    out = api.export_hf(model, tokenizer, tmp_path / "out")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert len(read) == sum(1 for _ in lora_modules(model))  # each merged weight once
+    reloaded = LlamaForCausalLM.from_pretrained(out).eval()
+    ids = token_ids(N_TOKENS)
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(model.eval(), ids), **TOLERANCE)
+    again = read_hf_folder(out)
+    merged = merge_lora(model).state_dict()
+    assert all(torch.equal(again.tensors[k], merged[k]) for k in again.tensors)
+    monkeypatch.setattr(hf_folder, "SHARD_BYTES", 2 << 30)
+    api.export_hf(model, tokenizer, out)  # a sharded folder of ours: replaced whole
+    assert not any(p.name.startswith("model-") for p in out.iterdir())
+    assert (out / "model.safetensors").is_file()
 
 
 def test_a_vocabulary_tokenizer_json_cannot_hold_is_refused_before_any_weight(tmp_path):

@@ -15,7 +15,9 @@ metadata and it holds nothing else of anyone's).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from safetensors.torch import save_file
 
 from llamatrain.errors import CheckpointError
 from llamatrain.files import staged_folder
+from llamatrain.gguf.file import DeferredTensor, TensorData
 from llamatrain.gguf.llama import LlamaFile
 from llamatrain.hf.config import hf_config, model_config_from_hf, read_json_object
 from llamatrain.hf.inside import file_in_folder
@@ -38,12 +41,14 @@ from llamatrain.hf.tokenizer_files import (
     write_tokenizer_files,
 )
 from llamatrain.hf.weights import (
+    INDEX_FILE,
     SINGLE_FILE,
     check_weights_fit,
-    hf_state_dict,
+    hf_names,
+    hf_tensor,
     read_hf_weights,
 )
-from llamatrain.model_config import ModelConfig
+from llamatrain.model_config import ModelConfig, tensor_shapes
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = ["CONFIG_FILE", "read_hf_folder", "write_hf_folder"]
@@ -54,9 +59,15 @@ CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 _PRODUCER = {"producer": "llamatrain"}
 """Recorded in the safetensors metadata: how a later export knows the folder is ours."""
 _WRITTEN = frozenset(
-    {CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
+    {CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, INDEX_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
 )
-"""The files of a folder we wrote: an export replaces such a folder, and no other."""
+"""The files of a folder we wrote (and its shards): an export replaces such a folder, and no
+other."""
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+SHARD_BYTES = 2 << 30
+"""float32 bytes a weight shard holds at most: what an HF export holds at once (a 7B's
+merged model is 27 GB). 2 GiB, under transformers' own default of 5 GB, since the shard
+is held beside the model it comes from."""
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -105,15 +116,16 @@ def _inherited(folder: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
 def write_hf_folder(
     directory: str | os.PathLike[str],
     cfg: ModelConfig,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, TensorData],
     tokenizer: Tokenizer,
     inherited: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a folder transformers loads as ``LlamaForCausalLM`` (float32 safetensors) with
     its tokenizer (``AutoTokenizer``; byte-level BPE vocabularies only).
 
-    ``tensors`` are ours (``Llama(cfg).state_dict()``); ``inherited`` may carry the
-    ``tokenizer.chat_template`` to keep. What config.json or tokenizer.json cannot express
+    ``tensors`` are ours (``Llama(cfg).state_dict()``; deferred ones are produced a shard at a
+    time, see ``_save_shards``); ``inherited`` may carry the ``tokenizer.chat_template`` to
+    keep. What config.json or tokenizer.json cannot express
     (the rope scaling, a vocabulary other than byte-level BPE) fails before any weight is
     written, and a failure leaves nothing behind.
     """
@@ -124,19 +136,71 @@ def write_hf_folder(
             f"{tokenizer.vocab_size} tokens; export a model with the tokenizer it was built for"
         )
     _check_replaceable(target)
-    config = hf_config(cfg, tokenizer, hf_rope_scaling(cfg, tensors.get("rope_freqs.weight")))
-    state = hf_state_dict(cfg, tensors)
+    rope_freqs = tensors.get("rope_freqs.weight")
+    if isinstance(rope_freqs, DeferredTensor):
+        rope_freqs = rope_freqs.read()
+    config = hf_config(cfg, tokenizer, hf_rope_scaling(cfg, rope_freqs))
     template = (inherited or {}).get(CHAT_TEMPLATE_KEY)
     with staged_folder(target, "HF folder") as staging:
         write_tokenizer_files(staging, tokenizer, template, cfg.max_seq_len)  # may refuse: first
         _write_json(staging / CONFIG_FILE, config)
         _write_json(staging / GENERATION_CONFIG, _generation_config(tokenizer))
-        _save_weights(state, staging / SINGLE_FILE)
+        _save_shards(cfg, tensors, staging)
     return target
 
 
+def _save_shards(cfg: ModelConfig, tensors: Mapping[str, TensorData], folder: Path) -> None:
+    """The weights as ``model.safetensors``, or as shards of at most ``SHARD_BYTES`` with
+    ``model.safetensors.index.json`` (transformers' layout for large models). Each shard's
+    tensors are produced (a :class:`DeferredTensor` merged), converted and written before the
+    next shard's: an export holds one shard, never the merged model."""
+    shards = _shard_names(cfg)
+    files = _shard_files(len(shards))
+    weight_map: dict[str, str] = {}
+    for names, file in zip(shards, files, strict=True):
+        state = dict(hf_tensor(cfg, name, _values(tensors[name])) for name in names)
+        _save_weights(state, folder / file)
+        weight_map.update(dict.fromkeys(state, file))
+        del state
+    if len(files) > 1:
+        total = sum(_float32_bytes(cfg).values())
+        _write_json(
+            folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}
+        )
+
+
+def _float32_bytes(cfg: ModelConfig) -> dict[str, int]:
+    """Each stored tensor's float32 bytes, in order."""
+    shapes = tensor_shapes(cfg)
+    return {name: 4 * math.prod(shapes[name]) for name in hf_names(cfg)}
+
+
+def _shard_names(cfg: ModelConfig) -> list[list[str]]:
+    """Our tensor names grouped into shards of at most ``SHARD_BYTES`` of float32, in order."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in _float32_bytes(cfg).items():
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _shard_files(count: int) -> list[str]:
+    """transformers' shard names, or the single file."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _values(tensor: TensorData) -> torch.Tensor:
+    return tensor.read() if isinstance(tensor, DeferredTensor) else torch.as_tensor(tensor)
+
+
 def _save_weights(state: Mapping[str, torch.Tensor], path: Path) -> None:
-    """``model.safetensors``, marked as ours; a failed write (a full disk) is one line."""
+    """A safetensors file, marked as ours; a failed write (a full disk) is one line."""
     try:
         save_file(dict(state), str(path), metadata={"format": "pt", **_PRODUCER})
     except SafetensorError as e:
@@ -165,7 +229,9 @@ def _check_replaceable(target: Path) -> None:
     if not target.is_dir():
         raise CheckpointError(f"{target} is a file; an HF export writes a folder — pick a new path")
     entries = {p.name for p in target.iterdir()}
-    if entries and not (entries <= _WRITTEN and _written_by_us(target / SINGLE_FILE)):
+    ours = {name for name in entries if name in _WRITTEN or _SHARD.fullmatch(name)}
+    weights = sorted(name for name in entries if name.endswith(".safetensors"))
+    if entries and not (entries == ours and weights and _written_by_us(target / weights[0])):
         raise CheckpointError(
             f"{target} is a non-empty folder llamatrain did not write; export into a new or "
             "empty folder"

@@ -46,7 +46,9 @@ __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "check_weights_fit",
+    "hf_names",
     "hf_state_dict",
+    "hf_tensor",
     "hf_tensor_name",
     "read_hf_weights",
     "to_adjacent_pairs",
@@ -328,16 +330,20 @@ def hf_state_dict(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict
     """HF's names and row order for our tensors (``COMPUTED`` ones left out), ready for
     ``safetensors.torch.save_file``; a tied model has no ``lm_head.weight``, as transformers
     saves it."""
-    state: dict[str, torch.Tensor] = {}
-    for name in tensor_shapes(cfg):
-        if name in COMPUTED:
-            continue
-        tensor = tensors[name].detach().float().cpu()
-        shift = _norm_shift(name, cfg)
-        if shift:
-            tensor = tensor - shift
-        heads = _rope_heads(name, cfg)
-        state[hf_tensor_name(name, cfg.arch)] = (
-            tensor if heads is None else to_rotate_half(tensor, heads)
-        ).contiguous()
-    return state
+    return dict(hf_tensor(cfg, name, tensors[name]) for name in hf_names(cfg))
+
+
+def hf_names(cfg: ModelConfig) -> list[str]:
+    """Our names of the tensors an HF folder stores, in our order."""
+    return [name for name in tensor_shapes(cfg) if name not in COMPUTED]
+
+
+def hf_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One of our tensors under its HF name, float32, in HF's row order and norm convention."""
+    tensor = tensor.detach().float().cpu()
+    shift = _norm_shift(name, cfg)
+    if shift:
+        tensor = tensor - shift
+    heads = _rope_heads(name, cfg)
+    converted = tensor if heads is None else to_rotate_half(tensor, heads)
+    return hf_tensor_name(name, cfg.arch), converted.contiguous()
