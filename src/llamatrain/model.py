@@ -316,12 +316,21 @@ class Llama(nn.Module):
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else self.ops.softcap(logits, cap)
 
-    def head_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def head_logps(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
         """Each target's log-probability (batch, seq) under :meth:`head_logits` on final-normed
         hidden states, 0 where it is not scored (-100), a chunk of rows at a time: the (batch,
         seq, vocab) logits never exist (``llamatrain.ops.logps``). Both op sets use it, as
-        neither has a log-prob op of its own; its values and gradients are the full logits'."""
+        neither has a log-prob op of its own; its values and gradients are the full logits'.
+
+        ``temperature``: of the logits divided by it (what GRPO's sampler drew from, TRL's
+        ``logits / temperature``): ``softcap(h·Wᵀ, c) / T = softcap((h / T)·Wᵀ, c / T)``, so
+        the hidden states and the cap are scaled instead, and the chunked head is unchanged."""
         cap = self.cfg.final_logit_softcap
+        if temperature != 1.0:
+            hidden = hidden / temperature
+            cap = None if cap is None else cap / temperature
         return linear_logps(hidden, self.lm_head_weight, targets, IGNORE_INDEX, softcap=cap)
 
     def rope_for(self, pos: torch.Tensor) -> Rope:
@@ -369,19 +378,20 @@ class Llama(nn.Module):
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
         logps_of: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab); with ``targets`` (-100 = ignore) also the mean loss.
 
         ``documents``: see :meth:`hidden_states`. ``logps_of`` (batch, seq) targets: instead
-        of the logits, each one's log-probability (:meth:`head_logps`), what a preference
-        objective scores — through ``forward``, so the wrappers that call it (DDP, FSDP,
-        compile: ``llamatrain.parallel``) serve it as they serve the logits.
+        of the logits, each one's log-probability (:meth:`head_logps`, at ``temperature``),
+        what a preference or GRPO objective scores — through ``forward``, so the wrappers that
+        call it (DDP, FSDP, compile: ``llamatrain.parallel``) serve it as they serve the logits.
         """
         if logps_of is not None and targets is not None:
             raise ValueError("pass targets (for the loss) or logps_of (for log-probs), not both")
         hidden = self.hidden_states(tokens, cache, documents)
         if logps_of is not None:
-            return self.head_logps(hidden, logps_of)
+            return self.head_logps(hidden, logps_of, temperature)
         logits = self.head_logits(hidden)
         if targets is None:
             return logits

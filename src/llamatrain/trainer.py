@@ -19,6 +19,12 @@ and each step also reports the reward margin and accuracy and the chosen and rej
 means over every rank's pairs. DPO/IPO over a full finetune read their reference from a
 :class:`~llamatrain.preference.ReferenceTable` (the initial model's log-probs of every row),
 looked up by the rows the sampler draws and cut among the ranks as the rows are.
+
+GRPO (``train.objective = "grpo"``, ``llamatrain.grpo_rollout``) trains on prompt rows: each
+step asks the objective for a rollout (completions sampled from the model being trained,
+scored, their advantages), then for each micro-batch's loss on the policy's log-probs of the
+completions; the step's metrics carry TRL's names, and the last steps' completions are kept in
+``completions.jsonl`` beside ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from tqdm.auto import tqdm
@@ -48,6 +54,7 @@ from llamatrain.errors import TrainingError
 from llamatrain.evaluate import validation_metrics
 from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.generate import generate
+from llamatrain.grpo_rollout import GRPOObjective, Rollout
 from llamatrain.interrupt import StopRequest
 from llamatrain.lora import lora_modules
 from llamatrain.memory import plan_memory
@@ -58,12 +65,31 @@ from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
 from llamatrain.preference import PreferenceObjective, ReferenceTable, reference_table
 from llamatrain.report import RunPlan, RunReport, measure
+from llamatrain.rewards import RewardFunction
+from llamatrain.rewards import load as load_rewards
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
 from llamatrain.trackers import Trackers, open_trackers
 
 METRICS_KIND = "metrics log"
 """How a refused ``metrics.jsonl`` is named (see :mod:`llamatrain.files`)."""
+
+COMPLETIONS_FILE, COMPLETIONS_KIND = "completions.jsonl", "completions table"
+"""GRPO's table of the last steps' completions in the run folder, and how a refusal names it."""
+
+COMPLETION_STEPS = 5
+"""Steps whose completions ``completions.jsonl`` keeps (the last ones)."""
+
+
+class _Done(NamedTuple):
+    """One step done: its loss, the rows it trained on, the tokens it scored, the tokens it
+    processed (its throughput's) and its seconds."""
+
+    loss: float
+    rows: int
+    scored: int
+    processed: int
+    seconds: float
 
 
 @dataclass
@@ -90,7 +116,8 @@ class Trainer:
     ``reference``: the initial model's log-probs of ``data``'s rows, for DPO/IPO over a full
     finetune (``llamatrain.build.reference_of`` reads or computes the cached one); without it
     they are computed here from ``model`` as given, which must then be the initial one (a
-    later :meth:`load_state` is refused).
+    later :meth:`load_state` is refused). ``rewards``: GRPO's reward functions as Python
+    callables (or specs), in place of ``train.rewards``; a spec is imported, so run, here.
 
     Under torchrun (``train.parallel``) every rank builds its own Trainer over the same global
     batches; ``llamatrain.parallel`` wraps the model and gives each rank its share of every
@@ -108,6 +135,7 @@ class Trainer:
         inherited: Mapping[str, Any] | None = None,
         lora_base: LoraBase | None = None,
         reference: ReferenceTable | None = None,
+        rewards: Sequence[str | RewardFunction] | None = None,
     ) -> None:
         built = model.model.ops if isinstance(model, PreparedModel) else model.ops
         # validate fills the derived defaults a hand-built Config leaves unset; auto choices
@@ -121,7 +149,10 @@ class Trainer:
         self.loss_fn, self.logits_fn = prepared.loss_fn, prepared.logits_fn
         t = cfg.train
         self.objective = None  # the next-token loss (sft), or a preference objective
-        if t.objective != "sft":
+        self.grpo = None  # or GRPO's rollouts and loss
+        if t.objective == "grpo":
+            self.grpo = self._grpo_objective(rewards)
+        elif t.objective != "sft":
             self.objective = PreferenceObjective(
                 t.objective, t.beta, t.label_smoothing, t.simpo_gamma
             )
@@ -144,13 +175,30 @@ class Trainer:
         self.stop = StopRequest()  # set by SIGTERM/SIGINT during fit()
         self.grad_norm: float | None = None  # of the last step, before clipping, when known
         self.pair_metrics: dict[str, float] = {}  # of the last step, a preference objective's
+        self.grpo_metrics: dict[str, float] = {}  # of the last step, GRPO's
+        self.completions: list[dict] = []  # GRPO's last COMPLETION_STEPS steps' table
         self.history = History()
         self.micro_batch = cfg.seqs_per_ubatch
         self.checkpoints = CheckpointManager(
             checkpoint_dir(cfg.output.dir), cfg.train.keep_checkpoints
         )
         self.metrics_path = Path(cfg.output.dir) / METRICS_FILE
+        self.completions_path = Path(cfg.output.dir) / COMPLETIONS_FILE
         self.trackers = Trackers()  # output.loggers, opened by fit on rank 0
+
+    def _grpo_objective(self, rewards: Sequence[str | RewardFunction] | None) -> GRPOObjective:
+        """GRPO over this run's tokenizer and chat template, its reward functions loaded
+        (importing the modules ``train.rewards`` names: the config's code, run now)."""
+        t = self.cfg.train
+        if self.tokenizer is None:
+            raise TrainingError(
+                "train.objective = 'grpo' needs the tokenizer (Trainer's tokenizer=)"
+            )
+        loaded = load_rewards(
+            t.rewards if rewards is None else rewards, t.reward_weights, t.reward_args
+        )
+        template = None if self.data is None else self.data.chat_template
+        return GRPOObjective(self.cfg, self.tokenizer, template, loaded)
 
     def load_state(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint``: weights, optimizer state, RNG, counters, data cursor."""
@@ -184,6 +232,10 @@ class Trainer:
         kept = [r for r in read_records(self.metrics_path) if r["step"] <= self.state.step]
         text = "".join(json.dumps(r) + "\n" for r in kept)
         write_text_atomically(self.metrics_path, text, METRICS_KIND)
+        check_target(self.completions_path, COMPLETIONS_KIND)
+        if self.grpo is not None and self.completions_path.exists():
+            records = read_records(self.completions_path)
+            self.completions = [r for r in records if r["step"] <= self.state.step]
 
     def _needs_table(self) -> bool:
         """DPO/IPO without LoRA adapters to switch off: the reference is a table."""
@@ -284,6 +336,27 @@ class Trainer:
         self.pair_metrics = self._batch_metrics(targets, documents, counts)
         return parallel.average(total)
 
+    def _accumulate_grpo(self, rollout: Rollout) -> float:
+        """:meth:`_accumulate_gradients` for GRPO: the rollout's rows in micro-batches, each
+        loss the objective's share of the step's (its ``loss_type`` says how); the policy's
+        log-probs of the completions come through the wrapper at the rollout's temperature."""
+        self.optimizer.zero_grad()
+        self.grpo.start_step()
+        parts = (rollout.mask, rollout.advantages, rollout.old_logps, rollout.ref_logps)
+        total = 0.0
+        for last, (x, y, *rows) in self._micro_batches(rollout.inputs, rollout.targets, *parts):
+            with self.parallel.gradient_sync(last):
+                with self._autocast():
+                    logps = self.logits_fn(
+                        x.to(self.device),
+                        logps_of=y.to(self.device),
+                        temperature=self.cfg.train.temperature,
+                    )
+                loss = self.grpo.micro_batch_loss(logps.float(), *rows, rollout)
+                loss.backward()
+            total += loss.item()
+        return total
+
     def _batch_metrics(
         self, targets: torch.Tensor, documents: torch.Tensor, counts: tuple[int, int]
     ) -> dict[str, float]:
@@ -324,11 +397,17 @@ class Trainer:
         """One optimizer step on one batch; returns its loss (the mean over scored tokens).
         ``reference``: the rows' cached reference slots (``ReferenceTable.rows``), for DPO/IPO
         over a full finetune."""
+        return self._update(
+            lambda: self._accumulate_gradients(inputs, targets, documents, reference)
+        )
+
+    def _update(self, accumulate: Callable[[], float]) -> float:
+        """One optimizer step on the gradients ``accumulate`` leaves (it returns the loss)."""
         set_lr(self.optimizer, lr_at(self.state.step, self.cfg.optim))
         if isinstance(self.optimizer, torch.optim.LBFGS):
-            loss = self._lbfgs_step(inputs, targets, documents, reference)
+            loss = self._lbfgs_step(accumulate)
         else:
-            loss = self._accumulate_gradients(inputs, targets, documents, reference)
+            loss = accumulate()
             self._check_finite(loss)  # before the update: a NaN gradient never reaches weights
             self._clip()
             self.optimizer.step()
@@ -337,13 +416,7 @@ class Trainer:
         self.optimizer.zero_grad()
         return loss
 
-    def _lbfgs_step(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        documents: torch.Tensor | None,
-        reference: torch.Tensor | None = None,
-    ) -> float:
+    def _lbfgs_step(self, accumulate: Callable[[], float]) -> float:
         """One L-BFGS step: its line search evaluates the batch several times; the step's loss
         is the first evaluation's (``LBFGS.step`` returns it), the loss before the update."""
         # Each step minimises its own batch, as the 2023 trainer's L-BFGS calls did:
@@ -351,7 +424,7 @@ class Trainer:
         self.optimizer.state.clear()
 
         def closure() -> torch.Tensor:
-            loss = self._accumulate_gradients(inputs, targets, documents, reference)
+            loss = accumulate()
             self._clip()
             return torch.tensor(loss)
 
@@ -371,6 +444,12 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Validation loss, perplexity and next-token accuracy over the held-out windows."""
+        if self.grpo is not None:
+            prompts = list(self.data.val)
+            if self.cfg.train.eval_batches:
+                prompts = prompts[: self.cfg.train.eval_batches * self.data.n_seq]
+            metrics = self.grpo.evaluate(self.model, prompts, self.state.step, self._autocast())
+            return {"step": self.state.step, **{f"val_{k}": v for k, v in metrics.items()}}
         batches = self.data.val_batches(self.cfg.train.eval_batches)
         if self.objective is not None:
             references = None
@@ -417,7 +496,12 @@ class Trainer:
         if self.data.val is None:
             return None  # data.val_fraction = 0: nothing held out to evaluate on
         record = self.evaluate()
-        if self.objective is not None:
+        if self.grpo is not None:
+            lines = [
+                f"step {record['step']}: val_reward {record['val_reward']:.4f} completion "
+                f"length {record['val_completions/mean_length']:.1f}"
+            ]
+        elif self.objective is not None:
             lines = [
                 f"step {record['step']}: val_loss {record['val_loss']:.4f} "
                 f"reward margin {record['val_reward_margin']:.4f} "
@@ -435,6 +519,8 @@ class Trainer:
         self.history.eval.append(record)
         self._log(record)
         self._print(bar, "\n".join(lines))
+        if "val_loss" not in record:  # GRPO's: a reward, which no convergence test watches
+            return None
         return self.convergence.after_evaluation(self.state.step, record["val_loss"])
 
     def _print(self, bar: tqdm, text: str) -> None:
@@ -447,8 +533,40 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------
 
     def _step(self, bar: tqdm) -> float:
-        """One optimizer step on the next batch, counted, timed and logged; returns its loss."""
+        """One optimizer step on the next batch (GRPO: the next rollout), counted, timed and
+        logged; returns its loss."""
         t = self.cfg.train
+        done = self._grpo_step() if self.grpo is not None else self._batch_step()
+        self.step_seconds.append(done.seconds)
+        self.state.step += 1
+        self.state.samples += done.rows
+        self.state.tokens += done.scored
+        record = {
+            "step": self.state.step,
+            "loss": done.loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens_per_s": done.processed / done.seconds,
+        }
+        if self.grad_norm is not None:
+            record["grad_norm"] = self.grad_norm
+        if self.objective is not None:
+            record |= self.pair_metrics
+        record |= self.grpo_metrics
+        self.history.train.append(record)
+        if self._every(t.log_every) or self.state.step == t.steps:
+            self._log(record)
+        postfix = {"loss": f"{done.loss:.4f}", "lr": f"{record['lr']:.2e}"}
+        if self.objective is not None:
+            postfix["margin"] = f"{record['reward_margin']:.3f}"
+            postfix["acc"] = f"{record['reward_accuracy']:.2f}"
+        if self.grpo is not None:
+            postfix["reward"] = f"{record['reward']:.3f}"
+        bar.set_postfix(**postfix, tok_s=f"{done.processed / done.seconds:.0f}")
+        bar.update(1)
+        return done.loss
+
+    def _batch_step(self) -> _Done:
+        """A step on the sampler's next batch (its drawing not timed)."""
         cached = {}  # a full finetune's DPO/IPO: the drawn rows' reference log-probs
         if self.reference is None:
             batch = self.data.sampler.next_batch()
@@ -460,30 +578,40 @@ class Trainer:
         started = time.perf_counter()
         loss = self.train_step(batch.inputs, batch.targets, *packed, **cached)
         elapsed = time.perf_counter() - started
-        self.step_seconds.append(elapsed)
-        self.state.step += 1
-        self.state.samples += batch.inputs.shape[0]
-        self.state.tokens += scored_count(batch.targets)
-        record = {
-            "step": self.state.step,
-            "loss": loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "tokens_per_s": t.n_batch / elapsed,
-        }
-        if self.grad_norm is not None:
-            record["grad_norm"] = self.grad_norm
-        if self.objective is not None:
-            record |= self.pair_metrics
-        self.history.train.append(record)
-        if self._every(t.log_every) or self.state.step == t.steps:
-            self._log(record)
-        postfix = {"loss": f"{loss:.4f}", "lr": f"{record['lr']:.2e}"}
-        if self.objective is not None:
-            postfix["margin"] = f"{record['reward_margin']:.3f}"
-            postfix["acc"] = f"{record['reward_accuracy']:.2f}"
-        bar.set_postfix(**postfix, tok_s=f"{t.n_batch / elapsed:.0f}")
-        bar.update(1)
-        return loss
+        rows, scored = batch.inputs.shape[0], scored_count(batch.targets)
+        return _Done(loss, rows, scored, self.cfg.train.n_batch, elapsed)
+
+    def _grpo_step(self) -> _Done:
+        """A GRPO step: the rollout (new, or the last one again within ``num_iterations``),
+        then the update; its throughput counts the completions' tokens, and the rollout's
+        share of the time is logged as ``rollout_s``."""
+        started = time.perf_counter()
+        rollout = self.grpo.rollout_for(
+            self.state.step, self._draw_prompts, self.model, self._autocast(), self.progress
+        )
+        rolled = time.perf_counter()
+        loss = self._update(lambda: self._accumulate_grpo(rollout))
+        elapsed = time.perf_counter() - started
+        self.grpo_metrics = self.grpo.metrics(rollout) | {"rollout_s": rolled - started}
+        self._keep_completions(rollout)
+        completion_tokens = int((rollout.targets != IGNORE_INDEX).sum())
+        rows, scored = len(rollout.inputs), int(rollout.mask.sum())
+        return _Done(loss, rows, scored, completion_tokens, elapsed)
+
+    def _draw_prompts(self) -> list:
+        """The sampler's next prompts."""
+        return self.data.train.batch(self.data.sampler.next_indices())
+
+    def _keep_completions(self, rollout: Rollout) -> None:
+        """Rewrite ``completions.jsonl`` with the last :data:`COMPLETION_STEPS` steps' tables
+        (prompt, completion, each reward, the reward and the advantage), this one's last."""
+        if not self.main:
+            return
+        step = self.state.step + 1
+        kept = [r for r in self.completions if r["step"] > step - COMPLETION_STEPS]
+        self.completions = [*kept, *(r | {"step": step} for r in rollout.table)]
+        text = "".join(json.dumps(r, default=str) + "\n" for r in self.completions)
+        write_text_atomically(self.completions_path, text, COMPLETIONS_KIND)
 
     def _train_until_done(self, bar: tqdm) -> None:
         """Steps until ``train.steps`` or a convergence test fires; evaluations and saves on

@@ -48,6 +48,8 @@ def _describe(hint: Any) -> str:
             continue
         if typing.get_origin(arg) is list:
             parts.append(f"a list of {_describe(typing.get_args(arg)[0]).split(' ', 1)[1]}s")
+        elif typing.get_origin(arg) is dict:
+            parts.append("a table of tables")
         else:
             parts.append(names[arg])
     text = " or ".join(parts)
@@ -84,6 +86,11 @@ def convert(value: Any, hint: Any) -> Any:
                 items = [convert(v, item) for v in value]
                 if all(v is not NOT_CONVERTIBLE for v in items):
                     return items
+        elif typing.get_origin(arg) is dict:  # a table of tables, e.g. train.reward_args
+            if isinstance(value, dict) and all(
+                isinstance(k, str) and isinstance(v, dict) for k, v in value.items()
+            ):
+                return value  # what the tables hold is checked by the field's own rules
         else:  # pragma: no cover - a new hint kind needs a branch here
             raise TypeError(f"config field type {arg!r} is not supported")
     return NOT_CONVERTIBLE

@@ -256,15 +256,20 @@ class TrainSection:
         "log-probs computed once by model.init_from and cached in data.cache_dir); 'orpo' = "
         "ORPO (Hong et al. 2024): NLL of the chosen reply - beta x log-sigmoid of the log odds "
         "ratio, reference-free; 'simpo' = SimPO (Meng et al. 2024): -log-sigmoid(beta x "
-        "(mean log-prob chosen - rejected) - simpo_gamma), reference-free",
-        choices=("sft", "dpo", "ipo", "orpo", "simpo"),
+        "(mean log-prob chosen - rejected) - simpo_gamma), reference-free; 'grpo' = GRPO "
+        'as TRL 1.16 computes it on prompt rows {"prompt", ...} (text, or messages rendered '
+        "with the chat template and its generation prompt): train.num_generations completions "
+        "a prompt sampled from the model being trained, scored by train.rewards",
+        choices=("sft", "dpo", "ipo", "orpo", "simpo", "grpo"),
     )
-    beta: float = setting(
-        0.1,
-        "preference objectives: DPO/IPO's beta (how tightly the policy stays at the "
-        "reference; rewards are beta x log-ratio), ORPO's lambda (weight of the odds-ratio "
-        "term), SimPO's reward scale (the paper uses 2-2.5)",
-        gt=0,
+    beta: float | None = setting(
+        None,
+        "how tightly the policy stays at the reference: DPO/IPO's beta (rewards are beta x "
+        "log-ratio), ORPO's lambda (weight of the odds-ratio term), SimPO's reward scale (the "
+        "paper uses 2-2.5), GRPO's KL coefficient (k3 to the reference: a LoRA run's adapters "
+        "switched off); unset = 0.1 for the preference objectives, 0.0 for grpo (TRL's "
+        "defaults). Must be > 0 but for grpo",
+        ge=0,
     )
     simpo_gamma: float = setting(
         0.5,
@@ -278,6 +283,70 @@ class TrainSection:
         "Mitchell 2023); 0 = plain DPO / SimPO",
         ge=0,
         lt=0.5,
+    )
+    rewards: list[str] | None = setting(
+        None,
+        "grpo: the reward functions, f(prompts, completions, completion_ids, **columns) -> "
+        "list[float | None] as TRL's: 'package.module:function', 'path/to/file.py:function' "
+        "(relative to the working directory) or 'builtin:exact_answer|format|length'. A "
+        "config naming a module runs that module: name only code you trust",
+    )
+    reward_weights: list[float] | None = setting(
+        None, "grpo: one weight per train.rewards function (unset = all 1.0)"
+    )
+    reward_args: dict[str, dict] | None = setting(
+        None,
+        "grpo: the built-ins' settings, one table each: [train.reward_args.exact_answer] "
+        "pattern, column; [train.reward_args.format] pattern; [train.reward_args.length] "
+        "target, unit",
+    )
+    num_generations: int = setting(
+        8,
+        "grpo: completions sampled per prompt (G, a group); train.n_batch / data.n_ctx "
+        "completions make a step, so it must divide that",
+        ge=2,
+    )
+    max_completion_length: int = setting(
+        256,
+        "grpo: most tokens a completion may have; a prompt's tokens + this must fit "
+        "data.n_ctx + 1 (longer prompts are left out, counted)",
+        gt=0,
+    )
+    temperature: float = setting(
+        1.0,
+        "grpo: the rollouts' sampling temperature, and what the trained log-probs divide the "
+        "logits by (TRL's); top-k, top-p and min-p are off, so the sampled tokens' log-probs "
+        "are the training forward's",
+        gt=0,
+    )
+    loss_type: str = setting(
+        "dapo",
+        "grpo: how per-token losses are averaged (TRL's loss_type): 'dapo' = over the step's "
+        "tokens, 'grpo' = each completion's mean then their mean, 'bnpo' = over each "
+        "micro-batch's tokens, 'dr_grpo' = sum / (completions x max_completion_length)",
+        choices=("dapo", "grpo", "bnpo", "dr_grpo"),
+    )
+    epsilon: float = setting(
+        0.2, "grpo: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]", gt=0, lt=1
+    )
+    epsilon_high: float | None = setting(
+        None, "grpo: the upper clip (DAPO's clip-higher, e.g. 0.28); unset = epsilon", gt=0
+    )
+    num_iterations: int = setting(
+        1,
+        "grpo: optimizer steps on each rollout (TRL's mu); > 1 keeps the rollout's log-probs "
+        "as the old policy of the clipped ratio",
+        ge=1,
+    )
+    scale_rewards: str = setting(
+        "group",
+        "grpo: what an advantage (reward - its group's mean) is divided by: 'group' = its "
+        "group's reward std, 'batch' = the whole step's, 'none' = nothing (Dr. GRPO)",
+        choices=("group", "batch", "none"),
+    )
+    mask_truncated_completions: bool = setting(
+        False,
+        "grpo: leave completions cut at max_completion_length (no stop token) out of the loss",
     )
 
 

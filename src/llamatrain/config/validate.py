@@ -11,6 +11,7 @@ from llamatrain.config.sections import SECTIONS, Config
 from llamatrain.errors import ConfigError
 from llamatrain.gguf.adapter import lora_settings_problem
 from llamatrain.gguf.quantize import require_quantizer
+from llamatrain.rewards import check as check_rewards
 from llamatrain.settings import check_rules, divisors
 from llamatrain.trackers import TRACKERS
 
@@ -34,6 +35,16 @@ def _nearest_multiples(value: int, unit: int) -> str:
 
 
 _DERIVED = "the default (= train.n_batch)"
+_BETA_DERIVED = "the default (0.1; 0.0 for grpo)"
+
+
+def _default_beta(cfg: Config) -> None:
+    """``train.beta`` unset: TRL's default for the objective (DPOConfig's 0.1, GRPOConfig's
+    0.0), followed again when an earlier validate filled it and the objective changed."""
+    t = cfg.train
+    if t.beta is None or cfg.origins.get("train.beta") == _BETA_DERIVED:
+        t.beta = 0.0 if t.objective == "grpo" else 0.1
+        cfg.origins["train.beta"] = _BETA_DERIVED
 
 
 def _validate_model(cfg: Config) -> None:
@@ -89,9 +100,23 @@ def _validate_objective(cfg: Config) -> None:
     full finetune's model.init_from (its log-probs cached before training)."""
     t = cfg.train
     objective = t.objective
+    if objective == "grpo":
+        _validate_grpo(cfg)
+        return
+    if t.rewards is not None:
+        raise ConfigError(
+            f"train.rewards {_set_in(cfg, 'train.rewards', 'train.objective')} score GRPO's "
+            f"completions; train.objective = {objective!r} samples none: set train.objective = "
+            "'grpo' or remove train.rewards"
+        )
     if objective == "sft":
         return
     where = _set_in(cfg, "train.objective")
+    if t.beta == 0:
+        raise ConfigError(
+            f"train.beta = 0 {_set_in(cfg, 'train.beta')} leaves train.objective = "
+            f"{objective!r} nothing to scale; give a beta > 0 (unset = 0.1)"
+        )
     if cfg.data.format != "jsonl":
         raise ConfigError(
             f"train.objective = {objective!r} {where} trains on preference pairs; set "
@@ -117,6 +142,60 @@ def _validate_objective(cfg: Config) -> None:
         )
 
 
+def _validate_grpo(cfg: Config) -> None:
+    """GRPO samples prompt rows (JSONL, Parquet, HF) with the reward functions named
+    (checked here without importing them), G completions a prompt, whole groups a step; on
+    one process with AdamW. Its KL reference is a LoRA run's base with the adapters off: a
+    full finetune's would be a second resident copy of the model."""
+    t, where = cfg.train, _set_in(cfg, "train.objective")
+    if cfg.data.format == "text":
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} samples prompt rows; set data.format = 'jsonl' "
+            "(or 'parquet', 'hf') with a \"prompt\" (text or messages) in each row"
+        )
+    if t.rewards is None:
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} needs train.rewards, the functions that score "
+            'completions, e.g. ["builtin:exact_answer"] or ["rewards.py:correct"]'
+        )
+    check_rewards(t.rewards, t.reward_weights, t.reward_args)
+    if cfg.seqs_per_batch % t.num_generations:
+        raise ConfigError(
+            f"train.n_batch / data.n_ctx = {cfg.seqs_per_batch} completions a step are not whole "
+            f"groups of train.num_generations = {t.num_generations} "
+            f"{_set_in(cfg, 'train.n_batch', 'train.num_generations')}; make n_batch a multiple "
+            f"of {t.num_generations * cfg.data.n_ctx}"
+        )
+    if t.max_completion_length >= cfg.data.n_ctx:
+        raise ConfigError(
+            f"train.max_completion_length = {t.max_completion_length} leaves no room for a "
+            f"prompt in data.n_ctx = {cfg.data.n_ctx} "
+            f"{_set_in(cfg, 'train.max_completion_length', 'data.n_ctx')}; lower it or raise n_ctx"
+        )
+    if t.beta and not cfg.lora.rank:
+        raise ConfigError(
+            f"train.beta = {t.beta} {_set_in(cfg, 'train.beta')}: GRPO's KL reference over a "
+            "full finetune would be a second copy of the model; set lora.rank > 0 (the "
+            "reference is then the base, adapters off) or train.beta = 0"
+        )
+    if t.parallel != "none":
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} runs on one process for now; set "
+            "train.parallel = 'none'"
+        )
+    if cfg.optim.name != "adamw":
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} trains with AdamW (L-BFGS's line search would "
+            "score a new rollout each evaluation); set optim.name = 'adamw'"
+        )
+    if cfg.optim.opt_max_no_improvement and cfg.optim.opt_no_improvement_on == "val":
+        raise ConfigError(
+            f"optim.opt_no_improvement_on = 'val' {_set_in(cfg, 'optim.opt_no_improvement_on')} "
+            "watches a validation loss, which GRPO has not (it reports the held-out reward); "
+            "watch the 'train' loss or set optim.opt_max_no_improvement = 0"
+        )
+
+
 def _validate_data_format(cfg: Config) -> None:
     """Table data (Parquet, HF datasets) has no text files to train a tokenizer on; the
     trackers of output.loggers are ones llamatrain knows (installed or not: checked when a
@@ -139,9 +218,10 @@ def _validate_data_format(cfg: Config) -> None:
 def validate(cfg: Config) -> Config:
     """Check every value and the rules that tie fields together; fill derived defaults.
 
-    Filled here: ``train.n_ubatch`` (unset = ``train.n_batch``), so later code never meets
-    ``None`` there. Returns ``cfg``.
+    Filled here: ``train.n_ubatch`` (unset = ``train.n_batch``) and ``train.beta`` (unset =
+    the objective's default), so later code never meets ``None`` there. Returns ``cfg``.
     """
+    _default_beta(cfg)
     for sec_name in SECTIONS:
         if sec_name != "model":
             check_rules(getattr(cfg, sec_name), sec_name, lambda key: f" in {cfg.origin(key)}")

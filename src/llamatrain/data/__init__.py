@@ -14,8 +14,10 @@ Each step lives in its own module:
   (:mod:`~llamatrain.data.chat_template`) and lays the tokens into rows whose targets score
   only what is trained (:mod:`~llamatrain.data.examples`, encoded once into the cache of
   :mod:`~llamatrain.data.example_cache`); the same sampler draws them.
-- A preference objective (``train.objective`` other than ``"sft"``) reads JSONL pairs of a
+- A preference objective (``train.objective`` dpo, ipo, orpo, simpo) reads JSONL pairs of a
   chosen and a rejected reply (:mod:`~llamatrain.data.preferences`), laid whole into rows.
+- GRPO (``train.objective = "grpo"``) reads prompt rows (:mod:`~llamatrain.data.prompts`):
+  the prompts' tokens and the columns its reward functions read; the sampler draws prompts.
 
 :func:`build_train_data` wires them together the way ``cfg.data`` says.
 """
@@ -47,6 +49,7 @@ from llamatrain.data.examples import (
 )
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.preferences import PairEncoder, cut_pairs, pair_rows, read_pairs
+from llamatrain.data.prompts import PromptEncoder, PromptRows, read_prompts
 from llamatrain.data.sources import (
     SHAKESPEARE,
     SONNETS,
@@ -76,6 +79,7 @@ __all__ = [
     "BatchSampler",
     "ChatTemplate",
     "ExampleRows",
+    "PromptRows",
     "TokenWindows",
     "TrainData",
     "build_train_data",
@@ -100,11 +104,12 @@ class TrainData:
     paths: list[Path]
     tokens: np.ndarray | None
     """The token stream of text data; None for JSONL (the rows hold the tokens)."""
-    train: TokenWindows | ExampleRows
-    val: TokenWindows | ExampleRows | None
+    train: TokenWindows | ExampleRows | PromptRows
+    val: TokenWindows | ExampleRows | PromptRows | None
     sampler: BatchSampler
     n_seq: int
-    """Windows per batch: ``train.n_batch // data.n_ctx``."""
+    """Windows per batch: ``train.n_batch // data.n_ctx`` (GRPO: prompts, each sampled
+    ``train.num_generations`` times to fill them)."""
     chat_template: ChatTemplate | None = None
     """The template conversations were rendered with (JSONL data), for the run to keep."""
 
@@ -152,6 +157,8 @@ def build_train_data(
     if paths is None:
         paths = resolve_inputs(d.path, d.cache_dir, format=d.format)
     paths = list(paths)
+    if cfg.train.objective == "grpo":
+        return _prompt_data(cfg, tokenizer, paths, model_template)
     if cfg.train.objective != "sft":
         return _preference_data(cfg, tokenizer, paths, model_template)
     if d.format != "text":  # examples: JSONL lines, Parquet or HF datasets rows
@@ -232,6 +239,34 @@ def _preference_data(
     n_seq = cfg.seqs_per_batch
     sampler = BatchSampler(train, n_seq, cfg.train.seed)
     return TrainData(paths, None, train, val, sampler, n_seq, chat_template=template)
+
+
+def _prompt_data(
+    cfg: Config, tokenizer: Tokenizer, paths: list[Path], model_template: str | None
+) -> TrainData:
+    """GRPO's prompt rows read and encoded, split (the last ``data.val_fraction`` held out,
+    their greedy completions scored at each evaluation); each batch is ``n_batch / n_ctx /
+    num_generations`` prompts. Skipped rows and prompts too long are reported as one warning
+    each."""
+    d, t = cfg.data, cfg.train
+    template = resolve_chat_template(d.chat_template, model_template, tokenizer)
+    bad = BadLines(d.on_bad_line)
+    span, room = d.n_ctx + 1, t.max_completion_length
+    encoder = PromptEncoder(tokenizer, template)
+    rows, too_long = read_prompts(paths, encoder, bad, format=d.format, span=span, room=room)
+    notes = bad.summaries()
+    if too_long:
+        notes.append(
+            f"{too_long} prompts were longer than data.n_ctx + 1 - train.max_completion_length "
+            f"= {span - room} tokens (no room left for a completion) and were left out"
+        )
+    for note in notes:
+        warnings.warn(note, stacklevel=3)
+    train_rows, val_rows = split_examples(rows, d.val_fraction)
+    n_prompts = cfg.seqs_per_batch // t.num_generations
+    sampler = BatchSampler(PromptRows(train_rows), n_prompts, t.seed)
+    val = PromptRows(val_rows) if val_rows else None
+    return TrainData(paths, None, sampler.windows, val, sampler, n_prompts, template)
 
 
 def _cut_text_notes(encoder: LineEncoder) -> list[str]:

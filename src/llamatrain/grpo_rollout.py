@@ -1,0 +1,410 @@
+"""GRPO on a model being trained: rollouts, their rewards and advantages, and each micro-batch's
+loss, as the trainer asks for them (``train.objective = "grpo"``).
+
+A step (TRL's generation batch with its default ``steps_per_generation``) draws
+``n_batch / n_ctx / num_generations`` prompt rows (``llamatrain.data.prompts``) and samples
+G = ``num_generations`` completions of each from the model being trained — our own KV-cache
+decoder (``llamatrain.generate``) on the very weights, LoRA adapters on: no second copy, no
+weight sync. Sampling is temperature only (top-k, top-p and min-p off), so a sampled token's
+log-prob is the training forward's ``log_softmax(logits / temperature)`` (TRL's convention).
+A completion ends at its first stop token (EOS, or the chat template's end-of-turn token),
+included; one without is truncated at ``max_completion_length``.
+
+Rows of a prompt's token length decode in one batch, prompts and their groups together; prompts
+of different lengths decode one batch per length (the cached attention has no key mask for
+left padding yet). Each batch's sampler is seeded by ``(train.seed, step, batch)``, so a resumed
+run draws what the uninterrupted run drew, with no generator state to store.
+
+The rewards (``llamatrain.rewards.score``, TRL's signature) and the advantages
+(``llamatrain.grpo.score_rewards``) are the whole step's; the loss is ``llamatrain.grpo.GRPOLoss``
+on log-probs of the chunked head (``model(…, logps_of=, temperature=)``, no B×T×V logits).
+With ``num_iterations`` μ > 1 a rollout serves μ steps and its log-probs, taken once after
+sampling, are the old policy's; with β > 0 the reference is a LoRA run's base, its adapters
+switched off (``lora.adapters_disabled``), scored once per rollout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from llamatrain.config import Config
+from llamatrain.data import ChatTemplate
+from llamatrain.data.prompts import PromptRow
+from llamatrain.errors import DataError
+from llamatrain.generate import generate_stream
+from llamatrain.grpo import GRPOLoss, score_rewards
+from llamatrain.lora import adapters_disabled
+from llamatrain.model import Llama
+from llamatrain.ops.sets import IGNORE_INDEX
+from llamatrain.rewards import Reward, TrainerState, score, trl_completions
+from llamatrain.sampling import SamplingParams
+from llamatrain.tokenizer import Tokenizer
+
+__all__ = ["GRPOObjective", "Rollout", "sample_completions", "stop_ids"]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One step's completions laid into rows for the loss: ``inputs`` and ``targets`` (N, L)
+    (a row is prompt + completion, targets the completion's tokens, -100 elsewhere), ``mask``
+    (N, L) the targets that count, ``advantages`` (N,), the old policy's and the reference's
+    log-probs of the targets when used, ``batch_tokens`` (dapo's divisor), the rollout's
+    metrics (TRL's names) and its table (prompt, completion, rewards, advantage)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    batch_tokens: float
+    metrics: dict[str, float]
+    table: list[dict[str, Any]]
+
+
+def stop_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> frozenset[int]:
+    """What ends a completion: EOS, and the template's end-of-turn marker when it is one
+    token (``<|im_end|>``), as ``llamatrain chat`` stops."""
+    ids = {tokenizer.eos_id}
+    if template is not None:
+        with contextlib.suppress(DataError):  # a template ending turns with EOS alone
+            marker = tokenizer.encode(template.end_of_turn, special=True)
+            ids |= set(marker) if len(marker) == 1 else set()
+    return frozenset(ids)
+
+
+@contextlib.contextmanager
+def _evaluating(model: Llama) -> Iterator[None]:
+    """The model in eval mode (no adapter dropout) for sampling; its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def sample_completions(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    params: SamplingParams,
+    stops: frozenset[int],
+    seeds: Callable[[int], int],
+    *,
+    autocast: contextlib.AbstractContextManager | None = None,
+    progress: bool = False,
+) -> list[list[int]]:
+    """Each prompt's completion: its sampled tokens up to and including its first stop token
+    (all ``max_new_tokens`` when none came). Prompts of one length decode as one batch
+    (``seeds(i)`` seeds the i-th), a progress bar counting finished completions."""
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    out: list[list[int]] = [[] for _ in prompts]
+    bar = tqdm(total=len(prompts), desc="rollout", unit="completion", leave=False)
+    bar.disable = bar.disable or not progress
+    device = next(model.parameters()).device
+    stop_tensor = torch.tensor(sorted(stops), device=device)
+    with _evaluating(model), autocast or contextlib.nullcontext(), bar:
+        for k, rows in enumerate(by_length.values()):
+            tokens = torch.tensor([list(prompts[i]) for i in rows], device=device)
+            stream = generate_stream(model, tokens, max_new_tokens, params, seeds(k), stops)
+            done, new = 0, []
+            for token in stream:
+                new.append(token)
+                finished = int(torch.isin(token, stop_tensor).sum())  # stopped rows repeat it
+                bar.update(max(finished - done, 0))
+                done = max(done, finished)
+            bar.update(len(rows) - done)
+            sampled = torch.stack(new, dim=1).tolist() if new else [[] for _ in rows]
+            for i, ids in zip(rows, sampled, strict=True):
+                out[i] = _until_stop(ids, stops)
+    return out
+
+
+def _until_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
+    """``ids`` up to and including the first stop token (a stopped row repeats it after)."""
+    for n, token in enumerate(ids):
+        if token in stops:
+            return ids[: n + 1]
+    return ids
+
+
+def training_rows(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) (N, L), L the longest row less one: row i is prompt + completion
+    shifted by one, its targets the completion's tokens (-100 on the prompt and padding)."""
+    rows = [[*p, *c] for p, c in zip(prompts, completions, strict=True)]
+    width = max(len(r) for r in rows) - 1
+    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
+        inputs[i, : len(row) - 1] = torch.tensor(row[:-1])
+        targets[i, len(prompt) - 1 : len(row) - 1] = torch.tensor(row[len(prompt) :])
+    return inputs, targets
+
+
+@torch.no_grad()
+def scored_logps(
+    model: Llama,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    micro_batch: int,
+    autocast: contextlib.AbstractContextManager,
+) -> torch.Tensor:
+    """(N, L) the targets' log-probs at ``temperature``, ``micro_batch`` rows at a time,
+    without gradients (the old policy's, or with the adapters off the reference's)."""
+    device = next(model.parameters()).device
+    parts = []
+    for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True):
+        with autocast:
+            logps = model(x.to(device), logps_of=y.to(device), temperature=temperature)
+        parts.append(logps.float())
+    return torch.cat(parts)
+
+
+def completion_metrics(completions: Sequence[Sequence[int]], truncated: torch.Tensor) -> dict:
+    """TRL's completion-length metrics (lengths count the stop token)."""
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    ended = lengths[~truncated]
+    metrics = {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.double().mean()),
+    }
+    for name, reduce in (("mean", torch.mean), ("min", torch.min), ("max", torch.max)):
+        value = float(reduce(ended)) if len(ended) else 0.0
+        metrics[f"completions/{name}_terminated_length"] = value
+    return metrics
+
+
+class GRPOObjective:
+    """``train.objective = "grpo"`` over one model: each step's :class:`Rollout`, its
+    micro-batches' losses and the step's metrics, and the held-out greedy reward."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        rewards: Sequence[Reward],
+    ) -> None:
+        t = cfg.train
+        self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, list(rewards)
+        self.loss_fn = GRPOLoss(t.loss_type, t.beta, t.epsilon, t.epsilon_high)
+        self.stops = stop_ids(tokenizer, template)
+        self.micro_batch = cfg.seqs_per_ubatch
+        self.accumulation = cfg.seqs_per_batch // cfg.seqs_per_ubatch
+        self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
+        self.names = [r.name for r in self.rewards]
+        self._rollout: Rollout | None = None
+        self._metrics: dict[str, list[torch.Tensor]] = {}
+
+    # ---- rollouts ----------------------------------------------------------------------
+
+    def rollout_for(
+        self,
+        step: int,
+        draw: Callable[[], list[PromptRow]],
+        model: Llama,
+        autocast: contextlib.AbstractContextManager,
+        progress: bool,
+    ) -> Rollout:
+        """The rollout step ``step`` (0-based) trains on: a new one every ``num_iterations``
+        steps (``draw`` gives its prompts), else the last one again. A run resumed inside a
+        cycle no longer holds its rollout and starts a new one (with a warning)."""
+        mu = self.cfg.train.num_iterations
+        if self._rollout is None or step % mu == 0:
+            if step % mu:
+                warnings.warn(
+                    f"resumed at step {step}, inside a train.num_iterations = {mu} cycle whose "
+                    "rollout is not in the checkpoint; a new rollout starts here",
+                    stacklevel=2,
+                )
+            self._rollout = self.rollout(draw(), step, model, autocast, progress)
+        return self._rollout
+
+    def rollout(
+        self,
+        prompts: Sequence[PromptRow],
+        step: int,
+        model: Llama,
+        autocast: contextlib.AbstractContextManager,
+        progress: bool = False,
+    ) -> Rollout:
+        """G completions of each of ``prompts`` sampled, scored and laid into rows."""
+        t = self.cfg.train
+        rows = [p for p in prompts for _ in range(t.num_generations)]
+        params = SamplingParams(temperature=t.temperature, top_k=None, top_p=None, min_p=0.0)
+        completions = sample_completions(
+            model,
+            [r.ids for r in rows],
+            t.max_completion_length,
+            params,
+            self.stops,
+            lambda k: abs(hash((t.seed, step, k))) % 2**63,
+            autocast=autocast,
+            progress=progress,
+        )
+        truncated = torch.tensor([not c or c[-1] not in self.stops for c in completions])
+        texts = [self.tokenizer.decode(c) for c in completions]
+        table = self._score(rows, texts, completions, step)
+        scored = score_rewards(table, self.weights, self.names, t.num_generations, t.scale_rewards)
+        inputs, targets = training_rows([r.ids for r in rows], completions, self.tokenizer.eos_id)
+        mask = (targets != IGNORE_INDEX).float()
+        if t.mask_truncated_completions:
+            mask = mask * (~truncated).float().unsqueeze(1)
+        old = ref = None
+        if t.num_iterations > 1:
+            old = scored_logps(model, inputs, targets, t.temperature, self.micro_batch, autocast)
+        if t.beta > 0:
+            with adapters_disabled(model):
+                ref = scored_logps(
+                    model, inputs, targets, t.temperature, self.micro_batch, autocast
+                )
+        metrics = scored.metrics | completion_metrics(completions, truncated)
+        records = self._records(rows, texts, table, scored.rewards, scored.advantages, step)
+        return Rollout(
+            inputs,
+            targets,
+            mask,
+            scored.advantages.float(),
+            old,
+            ref,
+            float(mask.sum()),
+            metrics,
+            records,
+        )
+
+    def _score(
+        self, rows: Sequence[PromptRow], texts: list[str], completions: list[list[int]], step: int
+    ) -> torch.Tensor:
+        """(N, F) each function's reward of each completion (NaN: None), TRL's arguments:
+        the prompts as given, the completions (messages for a conversation), their ids, every
+        other column (None where a row has none) and the trainer's state."""
+        prompts = [r.prompt for r in rows]
+        names = dict.fromkeys(key for r in rows for key in r.columns)
+        columns = {name: [r.columns.get(name) for r in rows] for name in names}
+        state = TrainerState(global_step=step, max_steps=self.cfg.train.steps)
+        return score(
+            self.rewards,
+            prompts,
+            trl_completions(prompts, texts),
+            completions,
+            columns,
+            trainer_state=state,
+        )
+
+    def _records(
+        self,
+        rows: Sequence[PromptRow],
+        texts: list[str],
+        table: torch.Tensor,
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+        step: int,
+    ) -> list[dict[str, Any]]:
+        """The completions table's rows (TRL's: prompt, completion, each reward, advantage)."""
+        return [
+            {
+                "step": step + 1,
+                "prompt": row.prompt,
+                "completion": text,
+                "rewards": {
+                    n: _number(v) for n, v in zip(self.names, scores.tolist(), strict=True)
+                },
+                "reward": _number(float(reward)),
+                "advantage": float(advantage),
+            }
+            for row, text, scores, reward, advantage in zip(
+                rows, texts, table, rewards, advantages, strict=True
+            )
+        ]
+
+    # ---- the loss ----------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Forget the last step's loss metrics."""
+        self._metrics = {}
+
+    def micro_batch_loss(
+        self,
+        logps: torch.Tensor,
+        mask: torch.Tensor,
+        advantages: torch.Tensor,
+        old_logps: torch.Tensor | None,
+        ref_logps: torch.Tensor | None,
+        rollout: Rollout,
+    ) -> torch.Tensor:
+        """This micro-batch's share of the step's loss from the policy's log-probs ``logps``
+        of its targets (its rows of ``rollout``'s mask, advantages, old and reference
+        log-probs); its metrics kept for :meth:`metrics`."""
+        device = logps.device
+        terms = self.loss_fn(
+            logps,
+            mask.to(device),
+            advantages.to(device),
+            old_logps=None if old_logps is None else old_logps.to(device),
+            ref_logps=None if ref_logps is None else ref_logps.to(device),
+            batch_tokens=rollout.batch_tokens,
+            max_completion_length=self.cfg.train.max_completion_length,
+            accumulation_steps=self.accumulation,
+        )
+        for name, value in terms.metrics.items():
+            self._metrics.setdefault(name, []).append(value.detach())
+        return terms.loss
+
+    def metrics(self, rollout: Rollout) -> dict[str, float]:
+        """The step's metrics: the rollout's and the loss's (each TRL logs as the mean over
+        micro-batches, NaN ones skipped)."""
+        loss = {
+            name: float(torch.stack(values).double().nanmean())
+            for name, values in self._metrics.items()
+        }
+        return rollout.metrics | loss
+
+    # ---- evaluation --------------------------------------------------------------------
+
+    def evaluate(
+        self,
+        model: Llama,
+        prompts: Sequence[PromptRow],
+        step: int,
+        autocast: contextlib.AbstractContextManager,
+    ) -> dict[str, float]:
+        """The held-out prompts' greedy completions scored after ``step`` steps: ``reward``
+        (their weighted mean) and each function's mean and std, TRL's names."""
+        t = self.cfg.train
+        completions = sample_completions(
+            model,
+            [p.ids for p in prompts],
+            t.max_completion_length,
+            SamplingParams(temperature=0.0),
+            self.stops,
+            lambda k: t.seed,
+            autocast=autocast,
+        )
+        texts = [self.tokenizer.decode(c) for c in completions]
+        table = self._score(prompts, texts, completions, step)
+        scored = score_rewards(table, self.weights, self.names, 1, "none")
+        truncated = torch.tensor([not c or c[-1] not in self.stops for c in completions])
+        metrics = scored.metrics | completion_metrics(completions, truncated)
+        metrics.pop("frac_reward_zero_std")
+        return metrics
+
+
+def _number(value: float) -> float | None:
+    """A reward as JSON holds it: NaN (a None, or no function scored it) as null."""
+    return None if math.isnan(value) else value
