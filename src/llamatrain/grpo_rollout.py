@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from llamatrain.config import Config
+from llamatrain.config import Config, rollout_params
 from llamatrain.data import ChatTemplate
 from llamatrain.data.prompts import PromptRow
 from llamatrain.errors import DataError
@@ -247,7 +247,7 @@ class GRPOObjective:
         """G completions of each of ``prompts`` sampled, scored and laid into rows."""
         t = self.cfg.train
         rows = [p for p in prompts for _ in range(t.num_generations)]
-        params = SamplingParams(temperature=t.temperature, top_k=None, top_p=None, min_p=0.0)
+        params = rollout_params(t)
         completions = sample_completions(
             model,
             [r.ids for r in rows],

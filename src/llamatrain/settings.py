@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,10 @@ _BOUNDS: tuple[tuple[str, Callable[[Any, Any], bool], str], ...] = (
 
 
 def check_rules(section: Any, name: str, where: Callable[[str], str]) -> None:
-    """Raise ConfigError for the first field of ``section`` that breaks its rules.
+    """Raise ConfigError for the first field of ``section`` that breaks its rules: its
+    choices, its bounds, and for a real number being finite (no setting means infinity, and
+    NaN passes no bound), whatever the source — a config, ``--set``, a GGUF's keys or an HF
+    config all reach the same fields and so these same rules.
 
     ``name`` is the section's name in messages (``model`` gives ``model.dim``); ``where(key)``
     says where a key's value came from, with a leading space (" in configs/x.toml"), or "".
@@ -59,6 +63,10 @@ def check_rules(section: Any, name: str, where: Callable[[str], str]) -> None:
         if "choices" in meta and value not in meta["choices"]:
             allowed = ", ".join(repr(c) for c in meta["choices"])
             raise ConfigError(f"{key}{where(key)} must be one of {allowed}, got {show(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(
+                f"{key}{where(key)} must be a finite number, got {show(value)} ({meta['help']})"
+            )
         for rule, ok, sign in _BOUNDS:
             if rule in meta and not ok(value, meta[rule]):
                 raise ConfigError(

@@ -46,7 +46,7 @@ from llamatrain import parallel
 from llamatrain.activation_checkpointing import segment_of
 from llamatrain.build import PreparedModel, prepare
 from llamatrain.checkpoint import DIVERGED_FIX, Checkpoint, CheckpointManager, TrainingState
-from llamatrain.config import Config, config_to_dict, validate
+from llamatrain.config import Config, config_to_dict, sample_params, validate
 from llamatrain.convergence import ConvergenceTests
 from llamatrain.data import TrainData
 from llamatrain.device import resolve_run_settings
@@ -67,7 +67,6 @@ from llamatrain.preference import PreferenceObjective, ReferenceTable, reference
 from llamatrain.report import RunPlan, RunReport, measure
 from llamatrain.rewards import RewardFunction
 from llamatrain.rewards import load as load_rewards
-from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
 from llamatrain.trackers import Trackers, open_trackers
 
@@ -466,7 +465,7 @@ class Trainer:
         """A short continuation of the configured prompt, to see what the model learned."""
         t = self.cfg.train
         prompt = torch.tensor(self.tokenizer.encode(t.sample_prompt, bos=True), device=self.device)
-        params = SamplingParams(temperature=t.sample_temperature)
+        params = sample_params(t)
         allowed = self.state.seen_tokens if t.sample_seen_tokens_only else None
         out = generate(self.model, prompt, t.sample_tokens, params, seed=t.seed, allowed=allowed)
         return self.tokenizer.decode(out.tolist())

@@ -185,6 +185,42 @@ def test_impossible_values(overrides, fragments):
     assert "--set" in msg  # says where the bad value came from
 
 
+@pytest.mark.parametrize("value", ["inf", "-inf", "1e999"])
+@pytest.mark.parametrize(
+    "key",
+    ["model.norm_eps", "model.rope_theta", "model.rope_scaling_factor", "model.rope_theta_swa",
+     "model.final_logit_softcap", "optim.lr", "train.dist_timeout_s", "train.sample_temperature",
+     "lora.alpha"],
+)  # fmt: skip
+def test_no_setting_takes_an_infinity(key, value):
+    """Issue 37, items 1 and 5: an infinity passed every '> 0' bound (a gemma3 soft-cap of inf
+    ended in a traceback, a rope base of inf trained on NaN); the one rule of every field."""
+    arch = ["model.arch=gemma3"] if "swa" in key or "softcap" in key else []
+    msg = error_of(load_config, None, [*arch, f"{key}={value}"])
+    assert key in msg and "must be a finite number" in msg and "--set" in msg
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [("train.sample_temperature=2e6", "[0, 1e6]"), ("train.seed=-1", ">= 0"),
+     ("train.seed=4294967296", "<= 4294967295")],
+)  # fmt: skip
+def test_values_the_run_meets_late_are_refused_before_it_starts(item, fragment):
+    """Issue 37, item 1: a sample temperature of 2e6 trained until the first sample refused it;
+    a seed of -1 until sentencepiece's generator (uint32) raised TypeError."""
+    msg = error_of(load_config, None, [item])
+    assert item.split("=")[0] in msg and fragment in msg and "--set" in msg
+
+
+def test_grpos_rollout_sampler_is_checked_before_the_first_step():
+    """The rollouts' temperature (> 0 by its field) met SamplingParams' range at the first
+    rollout; every sampler a run builds is built by validation first."""
+    grpo = ['train.objective="grpo"', 'data.format="jsonl"', 'train.rewards=["builtin:format"]',
+            "train.num_generations=2", "train.max_completion_length=16", "train.temperature=2e6"]  # fmt: skip
+    msg = error_of(load_config, "tiny", grpo)
+    assert "train.temperature" in msg and "[0, 1e6]" in msg
+
+
 def test_validation_names_the_file(tmp_path):
     path = write(tmp_path, "[train]\nn_batch = 1000\n")
     msg = error_of(load_config, path)

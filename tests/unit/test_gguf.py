@@ -441,6 +441,47 @@ def test_error_keys_disagree_with_the_recorded_config(model_file: Path) -> None:
         read_model(model_file)
 
 
+def set_float_key(path: Path, key: str, value: float) -> None:
+    """Rewrite a FLOAT32 key's value in place (type 6 right after the name)."""
+    data = bytearray(path.read_bytes())
+    i = data.index(key.encode() + struct.pack("<I", 6)) + len(key) + 4
+    struct.pack_into("<f", data, i, value)
+    path.write_bytes(bytes(data))
+
+
+GEMMA3 = dict(arch="gemma3", n_heads=4, n_kv_heads=2, final_logit_softcap=30.0)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["ours", "foreign"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
+@pytest.mark.parametrize(
+    "key",
+    ["attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
+     "final_logit_softcapping", "rope.scale_linear"],
+)  # fmt: skip
+def test_hyper_parameter_keys_are_held_to_the_configs_rules(tok, tmp_path, patch, key, value,
+                                                           recorded) -> None:  # fmt: skip
+    """Issue 37, items 1 and 5: an infinite rms epsilon, rope base or soft-cap was taken as
+    is (a soft-cap of inf then a traceback), a NaN or negative soft-cap read as "none" — the
+    HF reader and --set refuse them all; now one rule, the config field's, for every source."""
+    model = make_model(tok, **GEMMA3)
+    extra = {"gemma3.rope.scale_linear": np.float32(1.0)}
+    path = write_model(tmp_path / "m.gguf", model.cfg, model.state_dict(), tok, extra_kv=extra)
+    if not recorded:
+        patch(path, b"llamatrain.model_config", b"llamatrain.model_cXnfig")
+    set_float_key(path, f"gemma3.{key}", value)
+    with pytest.raises(GGUFError, match=r"invalid gemma3 model: model\.\w+ .*must be"):
+        read_model(path)
+
+
+def test_a_zero_soft_cap_key_is_llama_cpps_none(tok, tmp_path, patch) -> None:
+    model = make_model(tok, **GEMMA3)
+    path = export(model, tok, tmp_path / "m.gguf")
+    patch(path, b"llamatrain.model_config", b"llamatrain.model_cXnfig")
+    set_float_key(path, "gemma3.final_logit_softcapping", 0.0)
+    assert read_model(path).config.final_logit_softcap is None
+
+
 def test_error_rope_scaling_and_experts(tok, tmp_path: Path) -> None:
     model = make_model(tok)
     for extra, message in (

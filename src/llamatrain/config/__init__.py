@@ -41,7 +41,7 @@ from llamatrain.config.sections import (
     TrainSection,
     config_reference,
 )
-from llamatrain.config.validate import validate
+from llamatrain.config.validate import rollout_params, sample_params, validate
 
 __all__ = [
     "BUILTIN_CONFIGS",
@@ -61,5 +61,7 @@ __all__ = [
     "config_to_dict",
     "config_to_toml",
     "load_config",
+    "rollout_params",
+    "sample_params",
     "validate",
 ]

@@ -194,7 +194,13 @@ class TrainSection:
         "tokens computed at once (gradient accumulation over n_batch / n_ubatch); unset = n_batch",
         gt=0,
     )
-    seed: int = setting(42, "seed for initialisation, shuffling and sampling")
+    seed: int = setting(
+        42,
+        "seed for initialisation, shuffling, sampling and the tokenizer trainer: 0 to "
+        "2^32 - 1 (sentencepiece's generator takes no other)",
+        ge=0,
+        le=2**32 - 1,
+    )
     save_every: int = setting(
         200, "save a checkpoint every this many steps (0 = only at the end)", ge=0
     )

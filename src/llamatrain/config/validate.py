@@ -7,15 +7,16 @@ of n_ctx, lr_min must not exceed lr, a quantized export needs block-sized rows â
 
 from __future__ import annotations
 
-from llamatrain.config.sections import SECTIONS, Config
+from llamatrain.config.sections import SECTIONS, Config, TrainSection
 from llamatrain.errors import ConfigError
 from llamatrain.gguf.adapter import lora_settings_problem
 from llamatrain.gguf.quantize import require_quantizer
 from llamatrain.rewards import check as check_rewards
+from llamatrain.sampling import SamplingError, SamplingParams
 from llamatrain.settings import check_rules, divisors
 from llamatrain.trackers import TRACKERS
 
-__all__ = ["validate"]
+__all__ = ["rollout_params", "sample_params", "validate"]
 
 
 def _set_in(cfg: Config, *keys: str) -> str:
@@ -215,6 +216,33 @@ def _validate_data_format(cfg: Config) -> None:
         )
 
 
+def sample_params(train: TrainSection) -> SamplingParams:
+    """The sampler of the evaluations' samples: one home, so that :func:`validate` checks the
+    very settings the trainer samples with, before the first step rather than at the first
+    sample (SamplingError naming the field)."""
+    return SamplingParams(temperature=train.sample_temperature)
+
+
+def rollout_params(train: TrainSection) -> SamplingParams:
+    """GRPO's rollout sampler (temperature only, so that a sampled token's log-prob is the
+    training forward's): one home, checked by :func:`validate` as :func:`sample_params` is."""
+    return SamplingParams(temperature=train.temperature, top_k=None, top_p=None, min_p=0.0)
+
+
+def _validate_sampling(cfg: Config) -> None:
+    """Every sampler the run will build, built now: a value SamplingParams refuses (a
+    temperature of 2e6) is refused before the first step, naming its key."""
+    samplers = [("train.sample_", sample_params)]
+    if cfg.train.objective == "grpo":
+        samplers.append(("train.", rollout_params))
+    for prefix, sampler in samplers:
+        try:
+            sampler(cfg.train)
+        except SamplingError as e:
+            key = prefix + e.field
+            raise ConfigError(f"{key} {_set_in(cfg, key)} must be {e.rule}, got {e.value!r}") from e
+
+
 def validate(cfg: Config) -> Config:
     """Check every value and the rules that tie fields together; fill derived defaults.
 
@@ -230,6 +258,7 @@ def validate(cfg: Config) -> Config:
     _validate_parallel(cfg)
     _validate_objective(cfg)
     _validate_data_format(cfg)
+    _validate_sampling(cfg)
     require_quantizer(cfg.output.export_type)
 
     d, o, t = cfg.data, cfg.optim, cfg.train

@@ -140,10 +140,9 @@ def model_config_from_metadata(contents: GGUFContents) -> ModelConfig:
     _check_dense(hp, arch, p)
     derived = _architecture_from_keys(contents, arch, hp)
     try:
+        cfg = ModelConfig(**derived)  # the keys held to the rules every source is held to
         if CONFIG_KEY in meta:
             cfg = _config_from_json(meta[CONFIG_KEY], derived, arch, p)
-        else:
-            cfg = ModelConfig(**derived)
         cfg.validate()
     except (ConfigError, TypeError, ValueError) as e:
         raise GGUFError(f"{p} describes an invalid {arch} model: {e}") from e
@@ -249,11 +248,11 @@ def _sliding_window_keys(hp: Mapping[str, Any], arch: str, p: Path) -> dict[str,
             f"{p}: {arch}.attention.sliding_window_pattern = {pattern!r}; llamatrain's {arch} "
             f"has full attention on every {step}th layer only"
         )
-    cap = float(hp.get("final_logit_softcapping", 0.0) or 0.0)
+    cap = hp.get("final_logit_softcapping")  # 0 is llama.cpp's "none"; NaN or < 0 is no cap
     return dict(
         sliding_window=window,
         rope_theta_swa=float(hp.get("rope.freq_base_swa", 10000.0)),
-        final_logit_softcap=cap if cap > 0.0 else None,
+        final_logit_softcap=None if cap is None or cap == 0 else float(cap),
     )
 
 
