@@ -93,6 +93,9 @@ def test_a_mistral_without_sliding_window_is_a_llama():
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' rope scaling"),
         ({"hidden_size": None}, "lacks hidden_size"),
         ({"num_attention_heads": 5}, "invalid llama model"),
+        # issue 37: linear scaling without its factor was a KeyError traceback
+        ({"rope_scaling": {"type": "linear"}}, "linear rope scaling without its factor"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": None}}, "without its factor"),
     ],
 )
 def test_what_is_not_a_llama_is_refused_in_one_line(change, message):

@@ -89,6 +89,11 @@ def rope_scaling_of(hf: Mapping[str, Any], source: str) -> dict[str, Any] | None
         )
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError(f"{source} rotates only part of each head; llama rotates all of it")
+    if kind == "linear" and params.get("factor") is None:  # llama3's keys have defaults
+        raise CheckpointError(
+            f"{source} sets linear rope scaling without its factor; add rope_scaling.factor "
+            "(what positions are divided by) or remove rope_scaling"
+        )
     return {**params, "rope_type": kind}
 
 
