@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import fields
 
-from llamatrain.errors import ConfigError, GGUFError, LlamatrainError
+from llamatrain.errors import ConfigError, GGUFError, LlamatrainError, shown
 from llamatrain.gguf.export_types import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
 from llamatrain.sampling import SamplingError, SamplingParams
 
@@ -49,7 +49,22 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_text(flag: str, value: str | None) -> None:
+    """Refuse (ConfigError) a text flag holding bytes that are not UTF-8 (Python gives them as
+    lone surrogates, which no tokenizer can encode), before any model is read."""
+    if value is not None and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(
+                f"{flag} holds bytes that are not UTF-8 ({shown(value[e.start : e.end])}); "
+                "give it as UTF-8 text"
+            ) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_text("--prompt", args.prompt)
+    check_text("--chat", args.chat)
     params = sampling_params(args)  # every flag checked before the model is read
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
@@ -88,6 +103,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Talk to a model over several turns: a user turn a line from standard input (a prompt
     shows on a terminal), the reply streamed, the conversation kept; ``/reset`` forgets it
     (the system prompt stays), ``/exit``, an empty line or the end of input ends it."""
+    check_text("--system", args.system)
     params = sampling_params(args)
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
@@ -117,11 +133,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _user_turn(interactive: bool) -> str | None:
-    """The next user line (None at the end of input)."""
+    """The next user line (None at the end of input); input that is not UTF-8 ends the chat
+    in one line (its bytes cannot be told apart from the next turn's)."""
     try:
         line = input("> " if interactive else "")
     except EOFError:
         return None
+    except UnicodeDecodeError:
+        raise ConfigError(
+            "standard input holds bytes that are not UTF-8; give the conversation as UTF-8 text"
+        ) from None
+    check_text("a turn", line)
     return line.strip()
 
 

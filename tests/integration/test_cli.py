@@ -7,6 +7,7 @@ the repository.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from user_errors import error_of
 
 from llamatrain import api
 from llamatrain.checkpoint import load_checkpoint
@@ -210,6 +212,30 @@ def test_a_prompt_longer_than_the_context_is_refused_up_front(export, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "longer than the model's context of 64" in err, err
     assert re.search(r"the prompt is [\d,]+ tokens", err) and "shorten the prompt" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["generate", "m.gguf", "--prompt", "caf\udce9"], ["generate", "m.gguf", "--chat", "\udcff"],
+     ["chat", "m.gguf", "--system", "x\udc80y"]],
+)  # fmt: skip
+def test_a_text_flag_that_is_not_utf8_is_one_line_before_any_model_is_read(args, capsys):
+    """Issue 37, item 1: a --prompt holding a byte that is not UTF-8 (a lone surrogate to
+    Python) ended in a UnicodeEncodeError traceback from the tokenizer."""
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bytes that are not UTF-8" in err and args[2] in err, err
+    assert "does not exist" not in err  # checked before the model is looked for
+
+
+def test_a_chat_turn_that_is_not_utf8_ends_the_chat_in_one_line(monkeypatch):
+    from llamatrain.cli import _user_turn
+
+    for raw in (b"\xff\xfe hello\n", "x\udcff\n".encode("utf-8", "surrogateescape")):
+        errors = "strict" if raw.startswith(b"\xff") else "surrogateescape"
+        stdin = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8", errors=errors)
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert "not UTF-8" in error_of(_user_turn, False)
 
 
 def test_generate_samples_reproducibly_with_llama_cpp_defaults(tiny_run, capsys):
