@@ -30,6 +30,7 @@ from llamatrain.gguf.export_types import (
     general_file_type,
 )
 from llamatrain.gguf.file import (
+    STATE_SHA256_KEY,
     TENSOR_SHA256_KEY,
     DeferredTensor,
     read_gguf,
@@ -552,6 +553,20 @@ def test_checksums_name_the_damaged_tensor(tmp_path: Path) -> None:
     assert torch.isfinite(read_gguf(path).tensors["b.weight"]).all()  # still reads fine...
     with pytest.raises(GGUFError, match=r"damaged: tensor b.weight does not match the sha256"):
         verify_gguf(path)  # ...but is not what was written
+
+
+@pytest.mark.parametrize("stripped", [TENSOR_SHA256_KEY, STATE_SHA256_KEY, "both"])
+def test_a_checkpoint_stripped_of_its_sha256_is_not_called_sound(tmp_path, patch, stripped):
+    """Issue 37, item 1: ``info --verify`` said "no sha256 recorded ... every value finite"
+    (exit 0) of a checkpoint whose tensor sha256 map had been removed (renamed here)."""
+    tensors = {"a.weight": (weights(4, 64), "f32")}
+    meta = {"training.iteration_count": 3}
+    path = write_gguf(tmp_path / "c.gguf", "test", meta, tensors, checksums=True)
+    for key in [TENSOR_SHA256_KEY, STATE_SHA256_KEY] if stripped == "both" else [stripped]:
+        patch(path, key.encode(), key.replace("training.", "stripped.").encode())
+    with pytest.raises(GGUFError, match="training state but not training.* stripped or damaged"):
+        verify_gguf(path)
+    assert main(["info", "--verify", str(path)]) == 1
 
 
 def test_files_without_checksums_verify_nothing(small_file: Path) -> None:

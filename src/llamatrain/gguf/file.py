@@ -595,15 +595,28 @@ _DAMAGED_FIX = "use an older checkpoint (checkpoints/step-*.gguf) or a good copy
 _HASH_CHUNK_BYTES = 1 << 24
 
 
+def _check_checksums_kept(p: Path, meta: Mapping[str, Any]) -> None:
+    """A checkpoint (a file with training state keys) is written with both sha256 keys: one
+    that lacks either was stripped or damaged, and is refused rather than called sound."""
+    missing = [key for key in (TENSOR_SHA256_KEY, STATE_SHA256_KEY) if key not in meta]
+    if missing and any(key.startswith(STATE_KEY_PREFIXES) for key in meta):
+        raise GGUFError(
+            f"{p} holds a checkpoint's training state but not {missing[0]}, the sha256 it is "
+            f"saved with: stripped or damaged, nothing in it can be checked; {_DAMAGED_FIX}"
+        )
+
+
 def verify_gguf(source: GGUFSource) -> int:
     """Check every tensor's stored bytes against the sha256 recorded when the file was written.
 
     Returns how many tensors were checked: 0 for a file without ``TENSOR_SHA256_KEY`` (models
     and vocabularies; only checkpoints carry it). Raises GGUFError naming the damaged tensors,
-    or the training state keys when ``STATE_SHA256_KEY`` is recorded and they differ.
+    or the training state keys when ``STATE_SHA256_KEY`` is recorded and they differ, or a
+    checkpoint's missing sha256 key.
     The bytes are hashed 16 MiB at a time, so checking costs no memory however large the file.
     """
     p, meta, located = _parsed(source)
+    _check_checksums_kept(p, meta)
     if STATE_SHA256_KEY in meta and meta[STATE_SHA256_KEY] != _state_sha256(meta):
         raise GGUFError(
             f"{p} is damaged: its training state keys (training.*, optimizer.*) do not match "
