@@ -188,6 +188,27 @@ def test_a_quantized_run_resumes_as_f32_over_the_same_file(
 # ---- the export at the end of a run ------------------------------------------------------
 
 
+class MergedWeights:
+    """Counts the merged weights alive while a model is written (through weakrefs): a
+    streamed merge has one at a time, and none once the write is done."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.live = self.peak = 0
+        merged_weight = LoraLinear.merged_weight
+
+        def counted(module: LoraLinear) -> torch.Tensor:
+            weight = merged_weight(module)
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(weight, self._dropped)
+            return weight
+
+        monkeypatch.setattr(LoraLinear, "merged_weight", counted)
+
+    def _dropped(self) -> None:
+        self.live -= 1
+
+
 MERGED_Q8_BOUND = 0.15
 """Max |llama.cpp's logit of the merged Q8_0 export - ours (Q4_0 base + adapter)|. Two roundings:
 Q8_0 stores every matrix (the embeddings too) at 1/127 of its block's largest value, and
@@ -204,17 +225,7 @@ def test_a_quantized_runs_merged_export_is_q8_0_written_a_tensor_at_a_time(
     exists only while it is written; llama.cpp runs the file as our adapted model computes."""
     import llama_cpp
 
-    live, peak = [0], [0]
-    merged_weight = LoraLinear.merged_weight
-
-    def counted(module: LoraLinear) -> torch.Tensor:
-        weight = merged_weight(module)
-        live[0] += 1
-        peak[0] = max(peak[0], live[0])
-        weakref.finalize(weight, lambda: live.__setitem__(0, live[0] - 1))
-        return weight
-
-    monkeypatch.setattr(LoraLinear, "merged_weight", counted)
+    merged = MergedWeights(monkeypatch)
     overrides = qlora_overrides(cache_dir, tmp_path / "run", quantized_bases["q4_0"], "quantized")
     overrides = [*(o for o in overrides if not o.startswith("output.export")), "train.steps=2"]
     run = api.fit("tiny", overrides=overrides, progress=False)
@@ -224,7 +235,7 @@ def test_a_quantized_runs_merged_export_is_q8_0_written_a_tensor_at_a_time(
     assert run.adapter_path.stat().st_mtime_ns <= run.export_path.stat().st_mtime_ns
     types = read_gguf(run.export_path, tensor_data=False).tensor_types
     assert {types[f"{name}.weight"] for name, _ in lora_modules(run.model)} == {"Q8_0"}
-    assert peak[0] == 1 and live[0] == 0  # one merged weight at a time, none kept
+    assert merged.peak == 1 and merged.live == 0  # one merged weight at a time, none kept
 
     ids = run.tokenizer.encode(SONNETS_PATH.read_text()[:400], bos=True)[:48]
     ours = our_logits(run.model, ids)
@@ -259,18 +270,9 @@ def test_exporting_a_lora_run_merges_over_the_base_as_its_file_stores_it(
     monkeypatch.setattr(
         build, "build_lora_base", lambda *a, **k: built.append(a[1]) or build_lora_base(*a, **k)
     )
-    merged_weight, live, peak = LoraLinear.merged_weight, [0], [0]
-
-    def counted(module: LoraLinear) -> torch.Tensor:
-        weight = merged_weight(module)
-        live[0] += 1
-        peak[0] = max(peak[0], live[0])
-        weakref.finalize(weight, lambda: live.__setitem__(0, live[0] - 1))
-        return weight
-
-    monkeypatch.setattr(LoraLinear, "merged_weight", counted)
+    merged = MergedWeights(monkeypatch)
     path = api.export(q4_0_run.run_dir, tmp_path / "merged.gguf")
-    assert built == ["quantized"] and peak[0] == 1 and live[0] == 0
+    assert built == ["quantized"] and merged.peak == 1 and merged.live == 0
     exported = read_gguf(path).tensors
     loaded, _ = api.load(q4_0_run.run_dir)
     for name, tensor in loaded.state_dict().items():
