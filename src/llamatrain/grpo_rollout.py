@@ -110,8 +110,9 @@ def sample_completions(
     for i, ids in enumerate(prompts):
         by_length.setdefault(len(ids), []).append(i)
     out: list[list[int]] = [[] for _ in prompts]
-    bar = tqdm(total=len(prompts), desc="rollout", unit="completion", leave=False)
-    bar.disable = bar.disable or not progress
+    bar = tqdm(
+        total=len(prompts), desc="rollout", unit="completion", leave=False, disable=not progress
+    )
     device = next(model.parameters()).device
     stop_tensor = torch.tensor(sorted(stops), device=device)
     with _evaluating(model), autocast or contextlib.nullcontext(), bar:
