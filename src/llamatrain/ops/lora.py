@@ -47,7 +47,15 @@ import torch.nn.functional as F
 from llamatrain.ops.dequantize import dequantize, row_bytes
 from llamatrain.ops.dtypes import autocast_dtype, autocast_like
 
-__all__ = ["CHUNK_BYTES", "dense_weight", "lora_linear", "torch_lora_linear"]
+__all__ = [
+    "CHUNK_BYTES",
+    "base_forward",
+    "dense_weight",
+    "lora_linear",
+    "row_chunks",
+    "rows_per_chunk",
+    "torch_lora_linear",
+]
 
 CHUNK_BYTES = 1 << 24
 """Float32 bytes of the base rows widened at a time (16 MiB). Large enough that each chunk's
@@ -84,16 +92,17 @@ def _check_shapes(
         )
 
 
-def _chunk_rows(n_in: int, chunk_rows: int | None) -> int:
-    """Rows of W widened at a time: ``chunk_rows``, or :data:`CHUNK_BYTES` of float32."""
-    return chunk_rows or max(1, CHUNK_BYTES // (4 * n_in))
+def rows_per_chunk(width: int, chunk_rows: int | None) -> int:
+    """Rows of ``width`` values widened at a time: ``chunk_rows``, or :data:`CHUNK_BYTES` of
+    float32 (read when called, so a test may shrink it)."""
+    return chunk_rows or max(1, CHUNK_BYTES // (4 * width))
 
 
-def _row_chunks(
+def row_chunks(
     weight: torch.Tensor, qtype: str | None, n_in: int, dtype: torch.dtype, chunk_rows: int | None
 ) -> Iterator[tuple[slice, torch.Tensor]]:
     """(rows, W[rows] as ``dtype``) a chunk at a time; see :data:`CHUNK_BYTES`."""
-    step = _chunk_rows(n_in, chunk_rows)
+    step = rows_per_chunk(n_in, chunk_rows)
     for start in range(0, weight.shape[0], step):
         rows = slice(start, start + step)
         yield rows, dense_weight(weight[rows], qtype, n_in, dtype)
@@ -107,17 +116,17 @@ def _whole(
     return qtype is None and weight.dtype == x.dtype and chunk_rows is None
 
 
-def _base_forward(
+def base_forward(
     rows: torch.Tensor, weight: torch.Tensor, qtype: str | None, n_in: int, chunk_rows: int | None
 ) -> torch.Tensor:
     """x·Wᵀ: whole for a W of x's dtype, else a chunk of W's rows (y's columns) at a time
     (one chunk when W fits in one: its product is y, not copied into y)."""
     if _whole(weight, qtype, rows, chunk_rows):
         return torch.mm(rows, weight.t())
-    if weight.shape[0] <= _chunk_rows(n_in, chunk_rows):
+    if weight.shape[0] <= rows_per_chunk(n_in, chunk_rows):
         return torch.mm(rows, dense_weight(weight, qtype, n_in, rows.dtype).t())
     y = None
-    for cols, chunk in _row_chunks(weight, qtype, n_in, rows.dtype, chunk_rows):
+    for cols, chunk in row_chunks(weight, qtype, n_in, rows.dtype, chunk_rows):
         part = torch.mm(rows, chunk.t())
         if y is None:  # the matmul's dtype (autocast's, if on) decides y's
             y = part.new_empty(rows.shape[0], weight.shape[0])
@@ -145,7 +154,7 @@ def _base_backward(
         return torch.mm(g, weight)
     total = torch.promote_types(g.dtype, torch.float32)
     dx = None
-    for rows, chunk in _row_chunks(weight, qtype, n_in, g.dtype, chunk_rows):
+    for rows, chunk in row_chunks(weight, qtype, n_in, g.dtype, chunk_rows):
         part = torch.mm(g[:, rows], chunk)
         dx = part.to(total) if dx is None else dx.add_(part)
     return dx
@@ -169,7 +178,7 @@ class _LoraLinear(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         adapter_rows = rows if shared else adapter_input.reshape(rows.shape)
         u = torch.mm(adapter_rows, lora_a.t())
-        base = _base_forward(rows, weight, qtype, x.shape[-1], chunk_rows)
+        base = base_forward(rows, weight, qtype, x.shape[-1], chunk_rows)
         y = _add_low_rank(base, u, lora_b.t(), scale)
         # x itself only for a trainable W's gradient: a frozen base needs just x' (which is
         # x unless dropout made a new tensor) and U.

@@ -1,0 +1,258 @@
+"""The lm head over a frozen table kept as its file stores it, a chunk of vocabulary rows at a time.
+
+Why: a QLoRA run keeps its adapted projections as the GGUF's blocks (``ops.lora``), and the
+token table and the lm head are as large: 128k × 2048 values for Llama-3.2-1B, 1 GB as float32
+where its whole Q4_0 file is 0.65 GB. Kept as stored (``qtype`` blocks, or a narrower float),
+the head decodes a chunk of the table's rows (vocabulary entries), uses it and drops it. The
+dense heads (``ops.fused``, ``ops.logps``) walk chunks of hidden rows over the whole float
+table instead; over blocks that would decode the table once per row chunk.
+
+``table_logps(h, table, targets)`` is each scored row's ``log softmax(Z)[target]``,
+``Z = h·Wᵀ`` (soft-capped, ``cap·tanh(Z/cap)``, with ``softcap``), in one autograd Function:
+
+    pass 1  per chunk W_c: Z_c = h·W_cᵀ; the running log-sum-exp (an online max and sum, as
+            flash attention keeps its softmax) and each row's target logit: logp = Z_t − lse
+    pass 2  (with grad) per chunk again: a += (onehot_c − softmax(Z_c))·W_c  (times 1 − t²,
+            t = tanh(Z/cap), under a cap), so that dlogp_r/dh_r = a_r
+
+and the backward scales ``a``'s rows by their incoming gradients (as ``ops.logps``). The table
+is frozen: no dW (blocks cannot take a gradient step). Pass 2 needs the final log-sum-exp, so
+it decodes the table a second time; a single pass rescaling ``a`` at every new maximum (as
+flash attention rescales its output) would save that decoding, at the cost of a subtler loop.
+
+``table_cross_entropy`` is minus the mean of those log-probs over the scored rows: the fused
+loss's value (``ops.fused``; ignored rows skipped), so a QLoRA step and a preference or GRPO
+objective's log-probs share one head. ``table_logits`` gives the logits a chunk of the table
+at a time (generation, evaluation), through ``ops.lora.base_forward``.
+
+Scores are in base 2, as ``ops.fused``'s (h pre-scaled by log2(e), ``exp2``). Precision:
+float32 for float32 / float16 / bfloat16 inputs (autocast off inside), float64 for float64,
+the table decoded to that dtype. Against the dense head over the decoded table the products
+are the same; the log-sum-exp is summed per chunk and combined, another order than one sum
+over the whole vocabulary, so values and dH agree to float32 rounding (~1e-7 relative), not
+bit for bit. Double backward is not supported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from llamatrain.ops.dequantize import row_bytes
+from llamatrain.ops.dtypes import compute_dtype
+from llamatrain.ops.lora import base_forward, row_chunks, rows_per_chunk
+
+__all__ = ["table_cross_entropy", "table_logits", "table_logps"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@dataclass
+class _Scored:
+    """The scored rows as every chunk reads them: hidden rows (pre-scaled by log2(e)) in the
+    computation dtype, their indices among all rows, their targets, the cap in base 2; and
+    the table to decode. Ignored rows (a prompt's, padding) have no log-prob to compute."""
+
+    h2: torch.Tensor
+    rows: torch.Tensor
+    targets: torch.Tensor
+    cap2: float | None
+    table: torch.Tensor
+    qtype: str | None
+    chunk_rows: int
+
+    @classmethod
+    def of(
+        cls,
+        h: torch.Tensor,
+        table: torch.Tensor,
+        qtype: str | None,
+        targets: torch.Tensor,
+        ignore_index: int,
+        softcap: float | None,
+        chunk_rows: int | None,
+    ) -> _Scored:
+        flat = targets.reshape(-1)
+        rows = (flat != ignore_index).nonzero().squeeze(-1)
+        h2 = h.reshape(-1, h.shape[-1])[rows].to(compute_dtype(h.dtype)) * _LOG2E
+        cap2 = None if softcap is None else softcap * _LOG2E
+        # vocabulary rows a chunk: CHUNK_BYTES of decoded rows and of logits, at most
+        step = rows_per_chunk(max(h.shape[-1], h2.shape[0]), chunk_rows)
+        return cls(h2, rows, flat[rows].long(), cap2, table, qtype, step)
+
+    def chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per chunk of the table: each row's local target index and whether the target is in
+        the chunk (index clamped into it where not), the scores Z_c (base 2, capped), and
+        tanh(Z/cap) under a cap (else None)."""
+        if not len(self.rows):
+            return
+        dim = self.h2.shape[1]
+        for cols, w in row_chunks(self.table, self.qtype, dim, self.h2.dtype, self.chunk_rows):
+            local = self.targets - cols.start
+            inside = (local >= 0) & (local < w.shape[0])
+            z = torch.mm(self.h2, w.t())
+            t = None
+            if self.cap2 is not None:  # softcap forward: Z' = cap·tanh(Z/cap)
+                t = z.div_(self.cap2).tanh_()
+                z = t * self.cap2
+            yield _Chunk(w, local.clamp(0, w.shape[0] - 1).unsqueeze(-1), inside, z, t)
+
+
+@dataclass
+class _Chunk:
+    w: torch.Tensor
+    """(chunk, dim) the decoded rows."""
+    local: torch.Tensor
+    """(rows, 1) each target's index in the chunk, clamped into it."""
+    inside: torch.Tensor
+    """(rows,) whether the target is in the chunk."""
+    z: torch.Tensor
+    """(rows, chunk) the scores, base 2, capped."""
+    t: torch.Tensor | None
+    """(rows, chunk) tanh(Z/cap) under a cap."""
+
+
+def _log_normaliser(scored: _Scored) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1: each row's log2 Σ 2^Z and its target's Z (base 2), chunk by chunk."""
+    n = scored.h2.shape[0]
+    high = scored.h2.new_full((n,), -math.inf)
+    total, picked = scored.h2.new_zeros(n), scored.h2.new_zeros(n)
+    for chunk in scored.chunks():
+        picked = torch.where(chunk.inside, chunk.z.gather(1, chunk.local).squeeze(1), picked)
+        top = torch.maximum(high, chunk.z.amax(dim=1))
+        total.mul_(torch.exp2(high - top)).add_(chunk.z.sub_(top.unsqueeze(1)).exp2_().sum(1))
+        high = top
+    return total.log2_().add_(high), picked
+
+
+def _along(scored: _Scored, lse2: torch.Tensor) -> torch.Tensor:
+    """Pass 2: a = Σ_chunks (onehot − softmax(Z))·(1 − t²)·W, each row's dlogp/dh."""
+    along = torch.zeros_like(scored.h2)
+    for chunk in scored.chunks():
+        dz = chunk.z.sub_(lse2.unsqueeze(1)).exp2_().neg_()  # −softmax
+        dz.scatter_add_(1, chunk.local, chunk.inside.to(dz.dtype).unsqueeze(1))  # + onehot
+        if chunk.t is not None:  # softcap backward: dZ = dZ'·(1 − t²)
+            dz.mul_(chunk.t.square_().neg_().add_(1.0))
+        along.addmm_(dz, chunk.w)
+    return along
+
+
+class _TableLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        h: torch.Tensor,
+        table: torch.Tensor,
+        qtype: str | None,
+        targets: torch.Tensor,
+        ignore_index: int,
+        chunk_rows: int | None,
+        softcap: float | None,
+        with_grad: bool,
+    ) -> torch.Tensor:
+        with torch.autocast(h.device.type, enabled=False):
+            scored = _Scored.of(h, table, qtype, targets, ignore_index, softcap, chunk_rows)
+            lse2, picked = _log_normaliser(scored)
+            along = _along(scored, lse2) if with_grad else None
+            logps = scored.h2.new_zeros(targets.numel())
+            logps.index_copy_(0, scored.rows, picked.sub_(lse2).mul_(_LN2))  # base 2 to nats
+        ctx.save_for_backward(along, scored.rows)
+        ctx.h_meta = (h.shape, h.dtype)
+        return logps.reshape(targets.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # dH_r = g_r·a_r: a is the row's dlogp/dh for an incoming gradient of 1.
+        along, rows = ctx.saved_tensors
+        h_shape, h_dtype = ctx.h_meta
+        if not ctx.needs_input_grad[0]:  # a float table that requires grad: frozen here
+            return (None,) * 8
+        if along is None:
+            raise RuntimeError(
+                "table_logps: the forward ran without grad mode, so no gradient was computed"
+            )
+        g = grad.reshape(-1)[rows].to(along.dtype).unsqueeze(-1)
+        d_h = along.new_zeros(math.prod(h_shape[:-1]), h_shape[-1]).index_copy_(0, rows, along * g)
+        return d_h.reshape(h_shape).to(h_dtype), *(None,) * 7
+
+
+def _check(op: str, h: torch.Tensor, table: torch.Tensor, qtype: str | None) -> None:
+    dim = h.shape[-1]
+    width = dim if qtype is None else row_bytes(qtype, dim)
+    if table.dim() != 2 or table.shape[1] != width:
+        stored = "(vocab, dim)" if qtype is None else f"{qtype} blocks (vocab, {width})"
+        raise ValueError(
+            f"{op}: h (..., {dim}) needs a table of {stored}, got {tuple(table.shape)}"
+        )
+
+
+def table_logps(
+    h: torch.Tensor,
+    table: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    qtype: str | None = None,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Log-probability of each target under ``h @ W.T``, W the (vocab, dim) ``table`` decoded a
+    chunk of rows at a time: floats, or with ``qtype`` (``ops.DEQUANTIZABLE``) uint8 blocks
+    (vocab, row_bytes).
+
+    ``targets``: integer ids shaped like ``h`` without its last dim; a row whose target is
+    ``ignore_index`` gives 0 and no gradient. ``chunk_rows``: table rows decoded at a time
+    (default: ``ops.lora.CHUNK_BYTES`` of decoded rows and of logits); only memory and speed
+    depend on it, never the result beyond rounding. ``softcap``: cap the logits first
+    (Gemma's ``final_logit_softcapping``). Returns float32 (float64 for float64 ``h``); the
+    gradient reaches ``h`` only.
+    """
+    _check("table_logps", h, table, qtype)
+    if targets.shape != h.shape[:-1]:
+        raise ValueError(
+            f"table_logps: targets {tuple(targets.shape)} must be h {tuple(h.shape)} without "
+            "its last dim"
+        )
+    with_grad = torch.is_grad_enabled() and h.requires_grad
+    return _TableLogps.apply(
+        h, table, qtype, targets, int(ignore_index), chunk_rows, softcap, with_grad
+    )
+
+
+def table_cross_entropy(
+    h: torch.Tensor,
+    table: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    qtype: str | None = None,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``h @ W.T`` against ``targets`` over the rows not ``ignore_index``
+    (0 with none): minus the mean of :func:`table_logps`, arguments as there."""
+    logps = table_logps(
+        h, table, targets, qtype=qtype, ignore_index=ignore_index, chunk_rows=chunk_rows,
+        softcap=softcap,
+    )  # fmt: skip
+    n_valid = (targets != ignore_index).sum().clamp(min=1)
+    return logps.sum().neg() / n_valid
+
+
+def table_logits(
+    h: torch.Tensor, table: torch.Tensor, *, qtype: str | None = None, chunk_rows: int | None = None
+) -> torch.Tensor:
+    """The logits ``h @ W.T`` (..., vocab), W the ``table`` (as :func:`table_logps` takes it)
+    decoded a chunk of rows at a time, in ``h``'s dtype. Differentiable through autograd,
+    which then keeps every decoded chunk: for generation and evaluation, under no_grad."""
+    _check("table_logits", h, table, qtype)
+    rows = h.reshape(-1, h.shape[-1])
+    logits = base_forward(rows, table, qtype, h.shape[-1], chunk_rows)
+    return logits.reshape(*h.shape[:-1], table.shape[0])

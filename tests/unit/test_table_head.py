@@ -1,0 +1,124 @@
+"""The lm head over a table kept as stored (``llamatrain.ops.table_head``).
+
+It must be the dense head over the decoded table, which ``ops.logps`` and ``ops.fused``
+compute (themselves checked against the full logits):
+
+* float64 ``gradcheck`` w.r.t. the hidden states (the table is frozen), over a float table and
+  Q4_0 blocks, with and without a soft cap, ignored rows, and vocabulary chunks that do and do
+  not divide the vocabulary;
+* float32 log-probs, loss and dH against ``linear_logps`` / ``linear_cross_entropy`` over the
+  decoded table (Q4_0, Q8_0, Q5_1 blocks and an F16 table), chunked and in one chunk;
+* logits equal to the decoded table's product; all rows ignored: loss 0, gradient 0.
+
+float32 tolerance ``TOL`` (relative to the largest |value| of each compared tensor): the
+products are the same, but the log-sum-exp is summed a vocabulary chunk at a time and the
+chunks combined, another order than the dense head's one sum per row, and dH is accumulated
+over the chunks. Measured at these sizes: log-probs and losses <= 1.7e-7, dH <= 5.2e-7
+relative; a formula error (a wrong row, a missing cap factor) moves them by > 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+from torch.autograd import gradcheck
+
+from llamatrain.ops.dequantize import dequantize
+from llamatrain.ops.fused import linear_cross_entropy
+from llamatrain.ops.logps import linear_logps
+from llamatrain.ops.table_head import table_cross_entropy, table_logits, table_logps
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # small tensors (conftest)
+
+F64 = torch.float64
+TOL = 2e-6
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def stored(vocab: int, dim: int, qtype: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random (vocab, dim) table as ``qtype`` blocks (None: float16), and it decoded."""
+    w = torch.randn(vocab, dim, generator=gen(0)) * 0.5
+    if qtype is None:
+        table = w.half()
+        return table, table.float()
+    blocks = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[qtype])
+    table = torch.from_numpy(blocks)
+    return table, dequantize(table, qtype, dim)
+
+
+def hidden(*shape: int, vocab: int, dtype: torch.dtype = torch.float32, ignore_every: int = 4):
+    h = torch.randn(*shape, generator=gen(1), dtype=dtype).requires_grad_(True)
+    t = torch.randint(0, vocab, shape[:-1], generator=gen(2))
+    t.view(-1)[::ignore_every] = -100
+    return h, t
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("chunk", [1, 7, 64])  # vocab 20: one row, a remainder, one chunk
+def test_gradcheck_float64(chunk, softcap) -> None:
+    h, t = hidden(2, 5, 8, vocab=20, dtype=F64)
+    w = torch.randn(20, 8, generator=gen(3), dtype=F64)
+    assert gradcheck(lambda h: table_logps(h, w, t, chunk_rows=chunk, softcap=softcap), (h,))
+    loss = table_cross_entropy
+    assert gradcheck(lambda h: loss(h, w, t, chunk_rows=chunk, softcap=softcap), (h,))
+
+
+def test_gradcheck_float64_over_blocks() -> None:
+    """Q4_0 blocks decoded to float64 (exactly their float32 values)."""
+    table, _ = stored(20, 32, "Q4_0")
+    h, t = hidden(3, 4, 32, vocab=20, dtype=F64)
+    fn = table_logps
+    assert gradcheck(lambda h: fn(h, table, t, qtype="Q4_0", chunk_rows=6, softcap=3.0), (h,))
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize(("qtype", "dim"), [("Q4_0", 64), ("Q8_0", 64), ("Q5_1", 96), (None, 48)])
+def test_float32_equals_the_dense_head_over_the_decoded_table(qtype, dim, chunk, softcap) -> None:
+    table, w = stored(50, dim, qtype)
+    h, t = hidden(3, 9, dim, vocab=50)
+    up = torch.randn(t.shape, generator=gen(4))
+    got = table_logps(h, table, t, qtype=qtype, chunk_rows=chunk, softcap=softcap)
+    (got_dh,) = torch.autograd.grad(got, h, up)
+    want = linear_logps(h, w, t, softcap=softcap)
+    (want_dh,) = torch.autograd.grad(want, h, up)
+    assert relative(got, want) <= TOL and relative(got_dh, want_dh) <= TOL
+
+    loss = table_cross_entropy(h, table, t, qtype=qtype, chunk_rows=chunk, softcap=softcap)
+    (loss_dh,) = torch.autograd.grad(loss, h)
+    want_loss = linear_cross_entropy(h, w, t, softcap=softcap)
+    (want_loss_dh,) = torch.autograd.grad(want_loss, h)
+    assert relative(loss, want_loss) <= TOL and relative(loss_dh, want_loss_dh) <= TOL
+
+
+def test_logits_are_the_decoded_tables_product() -> None:
+    table, w = stored(50, 64, "Q4_0")
+    h, _ = hidden(2, 3, 64, vocab=50)
+    with torch.no_grad():
+        got = table_logits(h, table, qtype="Q4_0", chunk_rows=7)
+        torch.testing.assert_close(got, h @ w.t(), rtol=1e-6, atol=1e-6)
+
+
+def test_all_rows_ignored_is_zero_with_zero_gradient() -> None:
+    table, _ = stored(50, 64, "Q4_0")
+    h, t = hidden(2, 3, 64, vocab=50)
+    loss = table_cross_entropy(h, table, torch.full_like(t, -100), qtype="Q4_0")
+    (dh,) = torch.autograd.grad(loss, h)
+    assert loss.item() == 0.0 and not dh.any()
+
+
+def test_a_table_of_another_shape_is_refused() -> None:
+    table, _ = stored(50, 64, "Q4_0")
+    h, t = hidden(2, 3, 32, vocab=50)
+    with pytest.raises(ValueError, match=r"Q4_0 blocks \(vocab, 18\), got \(50, 36\)"):
+        table_logps(h, table, t, qtype="Q4_0")
