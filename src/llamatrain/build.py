@@ -24,7 +24,7 @@ import functools
 import hashlib
 import json
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from llamatrain.lora import (
 )
 from llamatrain.memory import check_fits, plan_memory
 from llamatrain.model import Llama, ModelConfig
+from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.model_source import (
     BASE_ROLE,
     REFERENCE_ROLE,
@@ -244,7 +245,8 @@ def build_lora_base(
     source: LlamaFile, base_dtype: str, targets: Sequence[str], **changes: object
 ) -> Llama:
     """:func:`build_model` for a LoRA run whose frozen ``targets`` are kept as ``base_dtype``
-    (``[lora] base_dtype``): bf16/f16, or ``quantized`` (each as the GGUF stores it).
+    (``[lora] base_dtype``): bf16/f16, or ``quantized`` (each as the GGUF stores it; then the
+    vocabulary tables too, :func:`_kept_tables`).
 
     The model is laid out on the meta device, the targets are given their narrow storage, and
     only then is memory allocated and the file read into it (stored bytes as they are, or
@@ -263,6 +265,7 @@ def build_lora_base(
     file_types = source.contents.tensor_types if from_gguf else {}
     names = [f"blk.{i}.{target}.weight" for i in range(cfg.n_layers) for target in targets]
     types = {name: stored_type(base_dtype, file_types.get(name, "F32"), name) for name in names}
+    types |= _kept_tables(base_dtype, file_types)
     with torch.device("meta"):
         model = Llama(cfg)
         store_frozen_targets(model, types)
@@ -272,13 +275,25 @@ def build_lora_base(
         return model
     state, header = model.state_dict(), source.contents
     read_tensors_into(header, {name: t for name, t in state.items() if name not in types})
-    as_stored = [name for name in names if types[name] == file_types.get(name)]
+    as_stored = [name for name in types if types[name] == file_types.get(name)]
     read_stored_into(header, {name: state[name] for name in as_stored})
-    for name in set(names) - set(as_stored):  # cast: a tensor's float32 copy at a time
+    for name in set(types) - set(as_stored):  # cast: a tensor's float32 copy at a time
         wide = torch.empty(state[name].shape, dtype=torch.float32)
         read_tensors_into(header, {name: wide})
         state[name].copy_(wide)
     return model
+
+
+def _kept_tables(base_dtype: str, file_types: Mapping[str, str]) -> dict[str, str]:
+    """The vocabulary tables a QLoRA run keeps as its file stores them (``lora.FrozenTable``):
+    those of a type ``ops.dequantize`` reads, but F32, which is the float32 table already."""
+    if base_dtype != "quantized":
+        return {}
+    return {
+        name: file_types[name]
+        for name in VOCAB_TABLES
+        if file_types.get(name, "F32") in DEQUANTIZABLE - {"F32"}
+    }
 
 
 def _header_only(source: LlamaFile) -> bool:

@@ -68,8 +68,7 @@ def _head_scores(
     head :data:`CHUNK_LOGITS` bytes of logits at a time: a whole batch's (tokens x vocab)
     logits and the log-softmax beside them would be the largest tensors of the run, and
     validation would set a peak memory no training step reaches."""
-    head = model.lm_head_weight
-    rows = max(1, CHUNK_LOGITS // (head.shape[0] * 4))
+    rows = max(1, CHUNK_LOGITS // (model.cfg.vocab_size * 4))
     loss_sum, correct, count = 0.0, 0, 0
     pairs = zip(hidden.flatten(0, -2).split(rows), targets.flatten().split(rows), strict=True)
     for h, t in pairs:

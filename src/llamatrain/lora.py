@@ -19,7 +19,9 @@ The frozen base may be kept narrower than float32 (``[lora] base_dtype``):
 :func:`store_frozen_targets` puts a :class:`FrozenLinear` — bf16/f16 floats, or the GGUF
 file's own blocks (QLoRA) — in place of each target before the weights are read, and
 :class:`LoraLinear` adapts it as it adapts a ``Linear``; the matmul widens it a chunk of rows
-at a time (``ops.lora``). Adapters stay float32.
+at a time (``ops.lora``). Adapters stay float32. A QLoRA run keeps the token table and an
+untied lm head as stored too (:class:`FrozenTable`: rows decoded on lookup, the head a chunk
+of vocabulary rows at a time, ``ops.table_head``), so it holds about its file's size.
 
 :func:`merged_tensors` gives the plain model's tensors with each merged weight (W + s·B·A,
 what llama.cpp's ``llama-export-lora`` writes) computed only when a writer reads it;
@@ -41,14 +43,17 @@ from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.adapter import ALL_TARGETS, LORA_SUFFIXES, lora_settings_problem
 from llamatrain.gguf.file import DeferredTensor
 from llamatrain.model import Linear, Llama
+from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
 from llamatrain.ops.lora import dense_weight
-from llamatrain.ops.sets import OpSet
+from llamatrain.ops.sets import IGNORE_INDEX, OpSet
+from llamatrain.ops.table_head import table_cross_entropy, table_logits, table_logps
 
 __all__ = [
     "ALL_TARGETS",
     "BASE_DTYPES",
     "FrozenLinear",
+    "FrozenTable",
     "LoraLinear",
     "adapters_disabled",
     "apply_lora",
@@ -88,38 +93,86 @@ def stored_type(base_dtype: str, file_type: str, name: str) -> str:
     return file_type
 
 
+def _empty_stored(like: torch.Tensor, stored: str) -> tuple[torch.Tensor, str | None]:
+    """An uninitialised weight of ``like``'s (rows, cols) kept as ``stored`` (a ggml type
+    name), and its qtype: a float tensor for F32, BF16 and F16 (qtype None), uint8 blocks
+    (rows, row_bytes) for a quantized type."""
+    rows, cols = like.shape
+    if stored in _FLOAT_TYPES:
+        return torch.empty(rows, cols, dtype=_FLOAT_TYPES[stored], device=like.device), None
+    shape = (rows, row_bytes(stored, cols))
+    return torch.empty(shape, dtype=torch.uint8, device=like.device), stored
+
+
 class FrozenLinear(nn.Module):
-    """A frozen projection kept as ``stored`` (a ggml type name): a float buffer for F32,
-    BF16 and F16, uint8 blocks (out, row_bytes) for a quantized type. Buffers, since no
+    """A frozen projection kept as ``stored`` (:func:`_empty_stored`). Buffers, since no
     optimizer may touch them and a quantized one cannot hold a gradient; an uninitialised
-    shell meant to be filled from a file (``checkpoint.build_lora_base``)."""
+    shell meant to be filled from a file (``build.build_lora_base``)."""
 
     def __init__(self, base: Linear, stored: str) -> None:
         super().__init__()
-        n_out, n_in = base.weight.shape
-        self.qtype = None if stored in _FLOAT_TYPES else stored
-        like = {"device": base.weight.device}
-        if self.qtype is None:
-            weight = torch.empty(n_out, n_in, dtype=_FLOAT_TYPES[stored], **like)
-        else:
-            shape = (n_out, row_bytes(self.qtype, n_in))
-            weight = torch.empty(shape, dtype=torch.uint8, **like)
+        weight, self.qtype = _empty_stored(base.weight, stored)
         self.register_buffer("weight", weight)
         self.bias = None if base.bias is None else base.bias.requires_grad_(False)
-        self.in_features = n_in
+        self.in_features = base.weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = dense_weight(self.weight, self.qtype, self.in_features, x.dtype)
         return F.linear(x, weight, self.bias)
 
 
+class FrozenTable(nn.Module):
+    """A frozen vocabulary table (vocab, dim) — the token table, an untied lm head, or both
+    when tied — kept as ``stored`` (:func:`_empty_stored`): its rows decoded when looked up,
+    the lm head's calls (``model.LmHead``) decoding a chunk of its rows at a time
+    (``ops.table_head``). Why: as float32 Llama-3.2-1B's 128k x 2048 table is 1 GB, its Q4_0
+    0.14 GB. A buffer, like :class:`FrozenLinear`'s, and an uninitialised shell meant to be
+    filled from a file (``build.build_lora_base``)."""
+
+    def __init__(self, base: nn.Embedding | Linear, stored: str) -> None:
+        super().__init__()
+        self.dim = base.weight.shape[1]
+        weight, self.qtype = _empty_stored(base.weight, stored)
+        self.register_buffer("weight", weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` name as float32: the decoded table's rows, bit for bit."""
+        rows = dense_weight(self.weight[ids.reshape(-1)], self.qtype, self.dim)
+        return rows.reshape(*ids.shape, self.dim)
+
+    def decoded(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of the table (all by default) as float32: for an export."""
+        return dense_weight(self.weight[start:stop], self.qtype, self.dim)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return table_logits(hidden, self.weight, qtype=self.qtype)
+
+    def logps(
+        self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
+    ) -> torch.Tensor:
+        return table_logps(
+            hidden, self.weight, targets, qtype=self.qtype, ignore_index=IGNORE_INDEX,
+            softcap=softcap,
+        )  # fmt: skip
+
+    def loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
+    ) -> torch.Tensor:
+        return table_cross_entropy(
+            hidden, self.weight, targets, qtype=self.qtype, ignore_index=IGNORE_INDEX,
+            softcap=softcap,
+        )  # fmt: skip
+
+
 def store_frozen_targets(model: Llama, types: Mapping[str, str]) -> None:
-    """Replace each projection named in ``types`` (``{"blk.0.attn_q.weight": "Q4_K", …}``)
-    with an empty :class:`FrozenLinear` of that type, to read the base's weights into."""
+    """Replace each weight named in ``types`` (``{"blk.0.attn_q.weight": "Q4_K", …}``) with an
+    empty :class:`FrozenLinear` of that type, or a :class:`FrozenTable` for one of
+    ``VOCAB_TABLES``, to read the base's weights into."""
     for name, stored in types.items():
-        parent_name, target = name.removesuffix(".weight").rsplit(".", 1)
+        parent_name, _, target = name.removesuffix(".weight").rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, target, FrozenLinear(getattr(parent, target), stored))
+        kind = FrozenTable if name in VOCAB_TABLES else FrozenLinear
+        setattr(parent, target, kind(getattr(parent, target), stored))
 
 
 class LoraLinear(nn.Module):
@@ -297,18 +350,29 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor | DeferredTensor]
     Why deferred: merged weights are float32 over any base, so merging a 7B model at once
     would hold 27 GB beside the base; a streaming writer (``llamatrain.gguf.file.write_gguf``)
     reads one at a time, as llama.cpp's ``llama-export-lora`` merges one tensor at a time.
+    A :class:`FrozenTable` is deferred too, decoded when read, or a chunk of rows at a time by
+    a writer that reads it so (the 1 GB float32 table of a 128k vocabulary never whole).
     """
     adapted = {f"{name}.weight": module for name, module in lora_modules(model)}
+    tables = {
+        f"{name}.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, FrozenTable)
+    }
     tensors: dict[str, torch.Tensor | DeferredTensor] = {}
     for name, tensor in model.state_dict().items():
         if name.endswith(LORA_SUFFIXES):
             continue
-        module = adapted.get(name)
-        if module is None:
-            tensors[name] = tensor.detach()
-        else:
+        if name in adapted:
+            module = adapted[name]
             shape = (module.lora_b.shape[0], module.lora_a.shape[1])
             tensors[name] = DeferredTensor(shape, module.lora_a.dtype, module.merged_weight)
+        elif name in tables:
+            table = tables[name]
+            shape = (table.weight.shape[0], table.dim)
+            tensors[name] = DeferredTensor(shape, torch.float32, table.decoded, table.decoded)
+        else:
+            tensors[name] = tensor.detach()
     return tensors
 
 

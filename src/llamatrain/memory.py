@@ -4,7 +4,8 @@ A run that trains for an hour and then cannot write its result is a lost run; on
 even hold its weights should be refused in one line before its first byte is read.
 :func:`plan_memory` is a pure function of the config and the base file's header (its tensor
 types): the weights as the run holds them (a LoRA run's frozen targets as ``lora.base_dtype``
-keeps them, everything else float32), what training adds (trained parameters, their gradients
+keeps them, and a quantized run's vocabulary tables as stored; everything else float32), what
+training adds (trained parameters, their gradients
 and the optimizer's moments), one micro-batch's activations, and what the export adds on top
 of the weights (it streams: one merged tensor at a time). :func:`available_memory` is what the
 process may still take: the machine's available memory, a cgroup's limit and an address-space
@@ -31,7 +32,7 @@ from llamatrain.errors import MemoryBudgetError
 from llamatrain.gguf.adapter import ALL_TARGETS
 from llamatrain.gguf.export_types import QUANTIZER_TYPES
 from llamatrain.gguf.file import CHUNK_VALUES
-from llamatrain.model_config import ModelConfig, tensor_shapes
+from llamatrain.model_config import VOCAB_TABLES, ModelConfig, tensor_shapes
 from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
 from llamatrain.ops.fused import CHUNK_BYTES as HEAD_CHUNK_BYTES
 
@@ -52,7 +53,8 @@ class MemoryPlan:
     """Bytes a run will hold, by what a user can change."""
 
     weights: int
-    """The model as held: frozen targets as stored, everything else float32."""
+    """The model as held: frozen targets (and a QLoRA run's tables) as stored, the rest
+    float32."""
     training: int
     """Trained parameters, their gradients and the optimizer's state."""
     activations: int
@@ -98,9 +100,10 @@ def plan_memory(
     name -> ggml type, decide what a quantized LoRA base holds; None: none known)."""
     shapes = tensor_shapes(model)
     targets = _adapted(cfg, shapes)
+    stored = targets | _kept_tables(cfg, shapes)
     weights = sum(
         _held_bytes(cfg, name, shape, (stored_types or {}).get(name))
-        if name in targets
+        if name in stored
         else 4 * _count(shape)
         for name, shape in shapes.items()
     )
@@ -125,8 +128,16 @@ def _adapted(cfg: Config, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
     return {name for name in shapes if name.endswith(tuple(f".{t}.weight" for t in targets))}
 
 
+def _kept_tables(cfg: Config, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+    """The vocabulary tables a QLoRA run keeps as its file stores them (``lora.FrozenTable``;
+    an F32 one stays float32, which :func:`_held_bytes` counts alike)."""
+    if not cfg.lora.rank or cfg.lora.base_dtype != "quantized":
+        return set()
+    return {name for name in VOCAB_TABLES if name in shapes}
+
+
 def _held_bytes(cfg: Config, name: str, shape: tuple[int, ...], stored: str | None) -> int:
-    """A frozen target's bytes as ``lora.base_dtype`` keeps it."""
+    """A frozen target's (or kept table's) bytes as ``lora.base_dtype`` keeps it."""
     if cfg.lora.base_dtype in _FLOAT_BYTES:
         return _FLOAT_BYTES[cfg.lora.base_dtype] * _count(shape)
     if stored in ("F32", "F16", "BF16"):

@@ -108,9 +108,47 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.eps) * self.weight
 
 
-class Linear(nn.Module):
+class LmHead:
+    """What the lm head computes from final-normed hidden states over its (vocab, dim)
+    ``weight``: logits, each target's log-prob (a chunk of rows at a time, ``ops.logps``) and
+    the mean loss (the op set's ``head_loss``). Mixed into the two modules that serve as the
+    head (``output``; ``token_embd`` when tied), so that a module keeping its table otherwise
+    (a frozen one in a GGUF's blocks: ``lora.FrozenTable``) replaces either by offering the
+    same three calls, and the model does not know how its head is stored."""
+
+    weight: torch.Tensor
+    ops: OpSet
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(hidden, self.weight)
+
+    def logps(
+        self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
+    ) -> torch.Tensor:
+        return linear_logps(hidden, self.weight, targets, IGNORE_INDEX, softcap=softcap)
+
+    def loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
+    ) -> torch.Tensor:
+        return self.ops.head_loss(hidden, self.weight, targets, softcap=softcap)
+
+
+class Embedding(nn.Embedding, LmHead):
+    """The token table: ``forward(ids)`` gives their rows through the op set's lookup (ggml's
+    ``get_rows`` and its backward, or ``F.embedding``); tied, it is the lm head too."""
+
+    def __init__(self, vocab_size: int, dim: int, ops: OpSet) -> None:
+        super().__init__(vocab_size, dim)
+        self.ops = ops
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.embedding(self.weight, ids)
+
+
+class Linear(nn.Module, LmHead):
     """A projection whose matmul comes from the selected op set; llama's have no bias, some
-    derived models (``attention_bias`` / ``mlp_bias``) add one after the matmul, as ggml does."""
+    derived models (``attention_bias`` / ``mlp_bias``) add one after the matmul, as ggml does.
+    The model's ``output`` is one, hence the head's calls (:class:`LmHead`)."""
 
     def __init__(self, in_features: int, out_features: int, ops: OpSet, bias: bool = False) -> None:
         super().__init__()
@@ -269,7 +307,7 @@ class Llama(nn.Module):
                 raise ConfigError(f"ModelConfig.{name} must be set to build a Llama")
         self.cfg = cfg
         ops = op_set(cfg.ops, cfg.attention)
-        self.token_embd = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.token_embd = Embedding(cfg.vocab_size, cfg.dim, ops)
         self.rope_freqs = RopeFrequencyFactors(cfg.head_dim // 2) if cfg.rope_freq_factors else None
         self.blk = Blocks(Block(cfg, i, ops) for i in range(cfg.n_layers))
         self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
@@ -301,8 +339,9 @@ class Llama(nn.Module):
         return n - self.token_embd.weight.numel() if non_embedding else n
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.token_embd.weight if self.output is None else self.output.weight
+    def lm_head(self) -> LmHead:
+        """The module the head's calls go to: ``output``, or the token table when tied."""
+        return self.token_embd if self.output is None else self.output
 
     @property
     def embed_scale(self) -> float:
@@ -312,7 +351,7 @@ class Llama(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm head on final-normed hidden states, soft-capped when the config says so."""
-        logits = self.ops.linear(hidden, self.lm_head_weight)
+        logits = self.lm_head.logits(hidden)
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else self.ops.softcap(logits, cap)
 
@@ -331,7 +370,7 @@ class Llama(nn.Module):
         if temperature != 1.0:
             hidden = hidden / temperature
             cap = None if cap is None else cap / temperature
-        return linear_logps(hidden, self.lm_head_weight, targets, IGNORE_INDEX, softcap=cap)
+        return self.lm_head.logps(hidden, targets, cap)
 
     def rope_for(self, pos: torch.Tensor) -> Rope:
         """The rope settings for tokens at ``pos``, as every block receives them."""
@@ -362,7 +401,7 @@ class Llama(nn.Module):
             pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         else:
             pos = document_positions(documents)
-        x = self.ops.embedding(self.token_embd.weight, tokens)
+        x = self.token_embd(tokens)
         if self.cfg.family.embed_scale:  # llama.cpp: ggml_scale by sqrtf(n_embd)
             x = x * self.embed_scale
         x = self.blk(x, self.rope_for(pos), cache, documents)
@@ -408,7 +447,4 @@ class Llama(nn.Module):
         ``documents``: see :meth:`hidden_states`.
         """
         hidden = self.hidden_states(tokens, documents=documents)
-        cap = self.cfg.final_logit_softcap
-        if cap is None:
-            return self.ops.head_loss(hidden, self.lm_head_weight, targets)
-        return self.ops.head_loss(hidden, self.lm_head_weight, targets, softcap=cap)
+        return self.lm_head.loss(hidden, targets, self.cfg.final_logit_softcap)

@@ -23,6 +23,9 @@ from llamatrain.settings import check_rules, divisors, setting
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 """A block's linear layers, by their llama.cpp names (``blk.N.<name>.weight``): the one list
 the name map, LoRA's targets and the adapter format use."""
+VOCAB_TABLES = ("token_embd.weight", "output.weight")
+"""The tensors whose rows are the vocabulary: the token table and an untied lm head (a QLoRA
+run keeps them as its file stores them, ``lora.FrozenTable``)."""
 UINT32_MAX = 2**32 - 1
 """The largest count or width a GGUF holds (llama.cpp's hyper-parameter keys are uint32): a
 larger one is refused here, not at export, where it would not fit the key."""

@@ -9,7 +9,8 @@ it must show:
 * the adapter it writes runs in llama.cpp over the quantized file and computes what our
   quantized-base model computes (``LOGIT_BOUND``);
 * the adapted projections are held at the file's size: their buffers' bytes are the file's
-  bytes of those tensors, a quarter (Q8) to an eighth (Q4) of float32;
+  bytes of those tensors, a quarter (Q8) to an eighth (Q4) of float32; so are the token
+  table and the lm head (``lora.FrozenTable``);
 * a run may resume with another ``base_dtype`` (the adapter does not depend on how the base
   is stored): a quantized run resumed as f32 over the same file continues with its losses.
 """
@@ -32,17 +33,20 @@ from llamatrain.config import load_config
 from llamatrain.data import SONNETS_PATH, resolve_inputs
 from llamatrain.gguf.export_types import merged_export_type
 from llamatrain.gguf.file import read_gguf
-from llamatrain.lora import LoraLinear, lora_modules
+from llamatrain.lora import FrozenTable, LoraLinear, lora_modules
 from llamatrain.model import Llama
+from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.ops import lora as ops_lora
 
 STEPS = 4
 LOSS_RTOL = 1e-5
 """The two runs multiply by the same float32 weights; the quantized one widens W a chunk of
-rows at a time (the Q4_0 run in chunks of 32-64 rows) and sums dx over the chunks, so only
-summation order differs. Measured: 1.5e-7 relative over 4 steps (one float32 ulp of the
-loss); 1e-5 leaves room for that to grow through the updates, while a wrong block (an error
-of the quantization's size, ~7%) moves the loss by far more."""
+rows at a time (the Q4_0 run in chunks of 32-64 rows) and sums dx over the chunks, and its
+head sums the log-sum-exp a chunk of 64 vocabulary rows at a time (``ops.table_head``), so
+only summation order differs. Measured: 8.7e-8 relative over 4 steps (1.5e-7 when the tables
+were float32: one float32 ulp of the loss either way); 1e-5 leaves room for that to grow
+through the updates, while a wrong block (an error of the quantization's size, ~7%) moves
+the loss by far more."""
 LOGIT_BOUND = {"q4_0": 0.04, "q4_k_m": 0.045}
 """Max |llama.cpp's logit (quantized file + our adapter) - ours (quantized base + adapter)|.
 Not zero: llama.cpp rounds the activations to 8 bits for its quantized matmuls (Q8_0 for
@@ -109,7 +113,8 @@ def quantized_bases(f32_base: Path) -> dict[str, Path]:
 def q4_0_run(tmp_path_factory, cache_dir, quantized_bases) -> api.FitResult:
     run_dir = tmp_path_factory.mktemp("q4_0") / "run"
     overrides = qlora_overrides(cache_dir, run_dir, quantized_bases["q4_0"], "quantized")
-    with pytest.MonkeyPatch.context() as patch:  # 32-64 rows a chunk: W widened in 4-16 parts
+    # 32-64 rows a chunk: W widened in 4-16 parts, the 384-row vocabulary tables in 6
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ops_lora, "CHUNK_BYTES", 1 << 16)
         return api.fit("tiny", overrides=overrides, progress=False)
 
@@ -142,6 +147,18 @@ def test_the_adapted_projections_are_held_at_the_files_size(q4_0_run, quantized_
         file_bytes += contents.tensor_nbytes[f"{name}.weight"]
         f32_bytes += 4 * module.lora_b.shape[0] * module.lora_a.shape[1]
     assert held == file_bytes and held * 7 < f32_bytes  # Q4_0: 18 bytes per 32 values
+
+
+def test_the_vocabulary_tables_are_held_as_the_files_blocks(q4_0_run, quantized_bases) -> None:
+    """The token table and the lm head as their Q4_0 blocks, not widened to float32."""
+    contents = read_gguf(quantized_bases["q4_0"], tensor_data=False)
+    model = q4_0_run.model
+    for name in VOCAB_TABLES:
+        table = model.get_submodule(name.removesuffix(".weight"))
+        assert isinstance(table, FrozenTable) and table.qtype == contents.tensor_types[name]
+        assert table.weight.dtype == torch.uint8
+        assert table.weight.nbytes == contents.tensor_nbytes[name]
+    assert model.lm_head is model.output
 
 
 def our_logits(model: Llama, ids: list[int]) -> np.ndarray:

@@ -22,7 +22,7 @@ from llamatrain.config import load_config
 from llamatrain.lora import ALL_TARGETS, apply_lora, lora_state_dict, store_frozen_targets
 from llamatrain.memory import MemoryPlan, check_fits, plan_memory
 from llamatrain.model import Llama, ModelConfig
-from llamatrain.model_config import tensor_shapes
+from llamatrain.model_config import VOCAB_TABLES, tensor_shapes
 
 SEVEN_B = ModelConfig(
     dim=4096,
@@ -46,11 +46,16 @@ def lora_config(*extra: str):
 
 
 def test_a_qlora_plan_counts_the_blocks_it_holds_and_float32_for_the_rest() -> None:
-    """Exactly the bytes of the model a QLoRA run builds: every adapted projection as its
-    file's blocks, everything else float32; trained state: adapters, gradients, 2 moments."""
+    """Exactly the bytes of the model a QLoRA run builds: every adapted projection and the
+    vocabulary tables as its file's blocks, everything else float32; trained state: adapters,
+    gradients, 2 moments."""
     cfg = lora_config('lora.base_dtype="quantized"')
     types = dict.fromkeys(tensor_shapes(SMALL), "Q4_0")
-    targets = {name: "Q4_0" for name in types if name.rsplit(".", 2)[1] in ALL_TARGETS}
+    targets = {
+        name: "Q4_0"
+        for name in types
+        if name in VOCAB_TABLES or name.rsplit(".", 2)[1] in ALL_TARGETS
+    }
     with torch.device("meta"):
         model = Llama(SMALL)
         store_frozen_targets(model, targets)
@@ -80,13 +85,18 @@ def test_activations_grow_with_tokens_and_shrink_with_checkpointing() -> None:
     assert activations("train.n_batch=256", "train.checkpointing='full'") < base / 4
 
 
-def test_a_7b_qlora_plan_is_the_files_size_plus_float32_embeddings() -> None:
+def test_a_7b_qlora_plan_is_the_files_size() -> None:
     types = dict.fromkeys(tensor_shapes(SEVEN_B), "Q4_0")
     plan = plan_memory(lora_config('lora.base_dtype="quantized"'), SEVEN_B, types)
     blocks = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) // 32 * 18  # Q4_0: 18 bytes a block
-    embeddings = 2 * 4 * 32000 * 4096  # token_embd and output, float32 (1.05 GB)
+    embeddings = 2 * 32000 * 4096 // 32 * 18  # token_embd and output as blocks too (147 MB)
     norms = 4 * 4096 * (2 * 32 + 1)
-    assert plan.weights == blocks + embeddings + norms  # 4.69 GB
+    assert plan.weights == blocks + embeddings + norms  # 3.79 GB (4.69 GB with float32 tables)
+    f32_tables = plan_memory(
+        lora_config('lora.base_dtype="quantized"'), SEVEN_B,
+        {**types, "token_embd.weight": "F32", "output.weight": "F32"},
+    )  # fmt: skip
+    assert f32_tables.weights == blocks + 2 * 4 * 32000 * 4096 + norms
     assert plan.export == 2 * 4 * 11008 * 4096  # the largest merged weight and its base
     bf16 = plan_memory(lora_config('lora.base_dtype="bf16"'), SEVEN_B, types)
     assert bf16.weights > 1.5 * plan.weights

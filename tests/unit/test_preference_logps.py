@@ -255,4 +255,4 @@ def test_a_lora_models_dpo_gradients_equal_the_full_logits_and_spare_the_head(ar
     assert grads and all(name.endswith(("lora_a", "lora_b")) for name in grads)
     assert abs(loss - want_loss) <= TOL and abs(loss - np.log(2)) > 1e-4
     assert_same_gradients(grads, want_grads)
-    assert model.lm_head_weight.grad is None
+    assert model.lm_head.weight.grad is None

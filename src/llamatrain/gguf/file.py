@@ -143,6 +143,10 @@ class DeferredTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[], torch.Tensor]
+    rows: Callable[[int, int], torch.Tensor] | None = None
+    """A matrix's rows ``start:stop`` alone, where they can be produced a part at a time: the
+    writer then encodes it without producing it whole (a table kept in blocks is 1 GB decoded
+    to float32 at a 128k vocabulary)."""
 
     def is_floating_point(self) -> bool:
         """As ``torch.Tensor.is_floating_point``, so checks of a model's tensors take either."""
@@ -378,14 +382,25 @@ class _Encoding:
 
     def chunks(self) -> Iterator[np.ndarray]:
         """The stored bytes in order, ``CHUNK_VALUES`` values at a time."""
-        array = _values(self.data)
         if self.layout.integer:
+            array = _values(self.data)
             yield np.ascontiguousarray(array.astype(self.layout.dtype, copy=False))
             return
+        n_rows, n_cols, rows = self._rows()
+        step = max(1, CHUNK_VALUES // max(1, n_cols))
+        for start in range(0, n_rows, step):
+            yield self._encoded(rows(start, min(start + step, n_rows)))
+
+    def _rows(self) -> tuple[int, int, Callable[[int, int], np.ndarray]]:
+        """The values as 2-D rows: their count, their length and rows ``start:stop`` — from a
+        deferred tensor's ``rows`` where it has one (produced a part at a time), else sliced
+        from its values."""
+        data = self.data
+        if isinstance(data, DeferredTensor) and data.rows is not None:
+            return *data.shape, lambda start, stop: _values(data.rows(start, stop))
+        array = _values(data)
         rows = array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array.reshape(1, -1)
-        step = max(1, CHUNK_VALUES // max(1, rows.shape[1]))
-        for start in range(0, rows.shape[0], step):
-            yield self._encoded(rows[start : start + step])
+        return *rows.shape, lambda start, stop: rows[start:stop]
 
     def _encoded(self, rows: np.ndarray) -> np.ndarray:
         rows = rows.astype(np.float32, copy=False)
