@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from llamatrain.errors import ConfigError
+from llamatrain.errors import ConfigError, TrainingError, shown
 from llamatrain.model import Llama
 
 if TYPE_CHECKING:
@@ -83,14 +83,33 @@ def _joined() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _launch_number(name: str, low: int, high: int) -> int:
+    """torchrun's variable ``name`` as a whole number in [low, high]; anything else (set by
+    hand, or by another launcher) is refused in one line naming it, never int()'s traceback."""
+    text = os.environ.get(name, "")
+    digits = text.strip()
+    value = int(digits) if digits.isdecimal() and len(digits) < 10 else -1
+    if not low <= value <= high:
+        raise ConfigError(
+            f"environment variable {name} = {shown(repr(text))} must be a whole number from "
+            f"{low} to {high}; launch with `{LAUNCH_HINT}` (which sets it), or unset WORLD_SIZE, "
+            "RANK and LOCAL_RANK to train in one process"
+        )
+    return value
+
+
 def rank() -> int:
     """This process's rank (0 outside torchrun); the launcher's, before and after the group."""
-    return dist.get_rank() if _joined() else int(os.environ.get("RANK", 0))
+    if _joined():
+        return dist.get_rank()
+    return _launch_number("RANK", 0, world_size() - 1) if launched() else 0
 
 
 def world_size() -> int:
     """How many ranks train together (1 outside torchrun)."""
-    return dist.get_world_size() if _joined() else int(os.environ.get("WORLD_SIZE", 1))
+    if _joined():
+        return dist.get_world_size()
+    return _launch_number("WORLD_SIZE", 1, 1 << 20) if launched() else 1
 
 
 def is_main() -> bool:
@@ -129,15 +148,38 @@ def process_group(mode: str, device: torch.device, timeout_s: float) -> Iterator
     if not launched() or _joined():
         yield
         return
+    address = _rendezvous()
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(_launch_number("LOCAL_RANK", 0, torch.cuda.device_count() - 1))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    except dist.DistError as e:  # a peer that never came, or an address nobody listens at
+        raise TrainingError(
+            f"rank {rank()} of {world_size()} could not meet the others at {address} within "
+            f"train.dist_timeout_s = {timeout_s:g} s ({shown(str(e))}); start every rank with "
+            f"`{LAUNCH_HINT}`, or check MASTER_ADDR and MASTER_PORT"
+        ) from e
     try:
         yield
         leave_together()
     finally:
         dist.destroy_process_group()
+
+
+def _rendezvous() -> str:
+    """``MASTER_ADDR:MASTER_PORT``, where the ranks meet (torchrun sets both), checked with
+    the rank and world size before a group is joined."""
+    rank()
+    port = _launch_number("MASTER_PORT", 1, 65535)
+    address = os.environ.get("MASTER_ADDR", "")
+    if not address.strip():
+        raise ConfigError(
+            f"environment variable MASTER_ADDR is not set: WORLD_SIZE = {world_size()} says "
+            f"this is rank {rank()} of a launch, but not where the ranks meet; launch with "
+            f"`{LAUNCH_HINT}`, or unset WORLD_SIZE to train in one process"
+        )
+    return f"{shown(address)}:{port}"
 
 
 def leave_together() -> None:

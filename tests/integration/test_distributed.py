@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from user_errors import error_of
 
 import llamatrain
 import llamatrain.parallel
@@ -215,6 +217,44 @@ def test_a_launch_and_train_parallel_must_agree(
             "tiny",
             overrides=tiny_overrides(**{"train.parallel": '"fsdp"', "optim.name": '"lbfgs"'}),
         )
+
+
+LAUNCH = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+
+
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [({"RANK": "abc"}, "RANK"), ({"RANK": "2"}, "RANK"), ({"RANK": "-1"}, "RANK"),
+     ({"WORLD_SIZE": "two"}, "WORLD_SIZE"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+     ({"WORLD_SIZE": "9" * 5000}, "WORLD_SIZE"), ({"MASTER_ADDR": None}, "MASTER_ADDR"),
+     ({"MASTER_PORT": None}, "MASTER_PORT"), ({"MASTER_PORT": "70000"}, "MASTER_PORT"),
+     ({"MASTER_PORT": "²"}, "MASTER_PORT")],
+)  # fmt: skip
+def test_torchrun_variables_set_by_hand_are_one_line(monkeypatch, tiny_overrides, changed, named):
+    """Issue 37, item 1: a launch's variables without torchrun (RANK=abc, no MASTER_ADDR) ended
+    in int()'s or torch's rendezvous traceback; each is refused naming it, before any wait."""
+    for name, value in {**LAUNCH, "MASTER_PORT": "29500", **changed}.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    overrides = tiny_overrides(**{"train.parallel": '"ddp"', "train.device": '"cpu"'})
+    message = error_of(llamatrain.fit, "tiny", overrides=overrides)
+    assert f"environment variable {named}" in message and "torchrun" in message, message
+    assert time.monotonic() - started < 30
+
+
+def test_a_peer_that_never_joins_ends_in_one_line_after_the_timeout(monkeypatch, tiny_overrides):
+    with socket.socket() as s:  # a free port: nobody else joins there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {**LAUNCH, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    values = {"train.parallel": '"ddp"', "train.device": '"cpu"', "train.dist_timeout_s": 2}
+    message = error_of(llamatrain.fit, "tiny", overrides=tiny_overrides(**values))
+    assert f"rank 0 of 2 could not meet the others at 127.0.0.1:{port}" in message
+    assert "train.dist_timeout_s = 2 s" in message and "torchrun" in message
 
 
 def wait_for(path: Path, launch: subprocess.Popen, seconds: float) -> None:
