@@ -404,10 +404,10 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
     except OSError as err:  # a path the user named cannot be read or written
         if args.debug:
             raise
-        where = f" {err.filename}" if err.filename else ""
+        where = f" {shown(str(err.filename), None)}" if err.filename else ""
         print(
-            f"llamatrain: error: cannot use{where}: {err.strerror or err}; check the path "
-            "and its permissions",
+            f"llamatrain: error: cannot use{where}: {shown(str(err.strerror or err), None)}; "
+            "check the path and its permissions",
             file=sys.stderr,
         )
         return 1
@@ -419,8 +419,9 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
 def _one_line_warning(
     message: Warning | str, category: type[Warning], filename: str, lineno: int, line=None
 ) -> str:
-    """Warnings as the CLI's other messages look: one line, no Python source."""
-    return f"llamatrain: warning: {message}\n"
+    """Warnings as the CLI's other messages look: one line, no Python source, and what they
+    quote of files and data escaped as errors' is (:func:`shown`)."""
+    return f"llamatrain: warning: {shown(str(message), None)}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,14 @@ def shown(text: str, limit: int | None = 80) -> str:
 
 
 class LlamatrainError(Exception):
-    """Base class: a problem the user can act on."""
+    """Base class: a problem the user can act on.
+
+    Its text is :func:`shown` whole: a message quotes files, data and what a model's chat
+    template says, and none of it may reach a terminal as escape sequences or break the one
+    line, wherever the message is printed (the CLI, a traceback, a notebook)."""
+
+    def __str__(self) -> str:
+        return shown(super().__str__(), None)
 
 
 class ConfigError(LlamatrainError, ValueError):

@@ -7,6 +7,7 @@ the repository.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -22,9 +23,10 @@ from user_errors import error_of
 
 from llamatrain import api
 from llamatrain.checkpoint import load_checkpoint
-from llamatrain.cli import main
+from llamatrain.cli import _one_line_warning, main, run
 from llamatrain.config import load_config
 from llamatrain.data import SONNETS_PATH
+from llamatrain.errors import DataError
 from llamatrain.generate import generate
 from llamatrain.optim import lr_at
 from llamatrain.sampling import SamplingParams
@@ -236,6 +238,27 @@ def test_a_chat_turn_that_is_not_utf8_ends_the_chat_in_one_line(monkeypatch):
         stdin = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8", errors=errors)
         monkeypatch.setattr(sys, "stdin", stdin)
         assert "not UTF-8" in error_of(_user_turn, False)
+
+
+HOSTILE = "\x1b[2J\x1b]0;owned\x07 and \udcff"
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [DataError(f"row 3 holds {HOSTILE}"), FileNotFoundError(2, "No such file", f"d/{HOSTILE}")],
+)
+def test_every_message_the_cli_prints_escapes_control_characters(raised, capsys):
+    """Issue 37, item 6: a message quotes files and data; whatever raised it, a control
+    character is printed escaped (shown), on one line, and a lone surrogate does not crash
+    the print; warnings too."""
+
+    def command(args):
+        raise raised
+
+    assert run(command, argparse.Namespace(debug=False)) == 1
+    warning = _one_line_warning(UserWarning(f"quoted {HOSTILE}"), UserWarning, "x.py", 1)
+    for line in [capsys.readouterr().err, warning]:
+        assert line.endswith("\n") and line[:-1].isprintable() and "\\x1b[2J" in line, line
 
 
 def test_generate_samples_reproducibly_with_llama_cpp_defaults(tiny_run, capsys):

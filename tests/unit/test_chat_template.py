@@ -213,6 +213,25 @@ def test_raise_exception_refuses_the_conversation():
     assert "refused the conversation: Conversation roles must alternate" in message
 
 
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\r\u009b31m\u202e"
+"""A title change, a screen clear, a carriage return, a C1 CSI and a bidi override."""
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["{{ raise_exception('" + ESCAPES + "') }}",  # the template's own words
+     "{{ raise_exception(messages[0].content) }}",  # the conversation's, through it
+     "{{ messages[0].content + 1 }}{{ '" + ESCAPES + "' }}",
+     "{% for m in messages %}{{ m.content | int(1/0) }}{% endfor %}"],
+)  # fmt: skip
+def test_what_a_template_or_conversation_says_reaches_no_terminal_raw(source, capsys):
+    """Issue 37, item 6: raise_exception's text and conversation text were quoted raw, so a
+    model's template could clear the terminal or forge lines through an error message."""
+    message = error_of(ChatTemplate(source).render, [msg("user", ESCAPES)])
+    assert message.isprintable(), message
+    assert "\\x1b" in message or "failed to render" in message
+
+
 def test_a_failing_template_is_a_data_error():
     message = error_of(ChatTemplate("{{ messages[0].content + 1 }}").render, [msg("user", "x")])
     assert "failed to render: TypeError" in message

@@ -45,7 +45,7 @@ from jinja2.utils import Namespace
 
 from llamatrain.data.template_budget import OverBudget, charge
 from llamatrain.data.template_sandbox import MeteredSandbox, render
-from llamatrain.errors import ConfigError, DataError
+from llamatrain.errors import ConfigError, DataError, shown
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -584,5 +584,6 @@ def _error_name(error: BaseException) -> str:
 
 
 def _one_line(error: object) -> str:
-    """An error's text on one line (messages from templates may span several)."""
-    return " ".join(str(error).split())
+    """An error's text on one line (messages from templates may span several), control
+    characters escaped (a template's raise_exception text is the template author's)."""
+    return shown(" ".join(str(error).split()), 300)
