@@ -403,8 +403,9 @@ class LoraSection:
         "f32",
         "how the frozen base's adapted projections are kept: f32, bf16 or f16 floats, or "
         "quantized = the base GGUF's own blocks (Q8_0, Q4_0, K-quants…; QLoRA), widened a "
-        "chunk of rows at a time inside the matmul (needs a GGUF base); the rest of the model "
-        "stays f32. The adapters do not depend on it: a run may resume with another",
+        "chunk of rows at a time inside the matmul (needs a GGUF base), and with it the token "
+        "table and lm head as stored too; the rest of the model stays f32. The adapters do not "
+        "depend on it: a run may resume with another",
         choices=("f32", "bf16", "f16", "quantized"),
     )
 
