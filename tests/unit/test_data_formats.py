@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from llama_cpp_files import vocab_dir as vocab_dir
+from user_errors import error_of
 
 from llamatrain.config import load_config
-from llamatrain.data import build_train_data, resolve_inputs
+from llamatrain.data import build_train_data, resolve_inputs, sources
 from llamatrain.data.chat_template import ChatTemplate, chat_template_for
 from llamatrain.data.example_cache import load_examples
 from llamatrain.data.examples import LineEncoder, read_examples
@@ -295,6 +296,26 @@ def test_a_bad_table_row_is_named_by_file_and_row(tmp_path, encoder):
     bad = BadLines("skip")
     assert len(read_examples([path], encoder, bad, format="parquet")) == 1
     assert "skipped 1 of 2 lines" in bad.summaries()[0]
+
+
+def test_a_parquet_cell_that_expands_past_a_lines_most_is_refused_before_it_is_read(
+    tmp_path, encoder, monkeypatch
+):
+    """Issue 37, item 4: a 92 KB Parquet file holding one zstd cell of 1 GB text peaked at
+    4.2 GB, cells read whole where JSONL lines are cut. The footer's uncompressed sizes are
+    checked first (the bound lowered here: a 4 MB cell against 1 MB)."""
+    pa = pytest.importorskip("pyarrow")
+    parquet = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.setattr(sources, "MAX_CHUNK_BYTES", 1 << 20)
+    path = tmp_path / "bomb.parquet"
+    rows = {"text": ["short", "x" * (4 << 20), "short"]}
+    parquet.write_table(pa.table(rows), path, compression="zstd", row_group_size=2)
+    assert path.stat().st_size < 4096
+    decompressed = []
+    monkeypatch.setattr(parquet.ParquetFile, "iter_batches", lambda *a, **k: decompressed.append(1))
+    message = error_of(examples, [path], encoder, format="parquet")
+    assert "bomb.parquet: rows 1-2 (row group 0) hold 4 MiB of column 'text'" in message
+    assert "row_group_size" in message and not decompressed
 
 
 def test_inputs_that_are_not_tables_are_refused(tmp_path):
