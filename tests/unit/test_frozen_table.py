@@ -11,7 +11,9 @@ those blocks decoded into float32 tables computes:
   values, <= 1.1e-6 on the adapters' gradients, through two blocks' backward);
 * the export: ``merged_tensors`` defers each table, which a writer encodes a chunk of rows at
   a time without ever decoding it whole, to the same bytes; ``merge_lora`` has the decoded
-  tables.
+  tables;
+* the build: ``base_dtype = "quantized"`` keeps a file's quantized or F16 tables as stored (its
+  bytes), an F32 one as it is; the other base types keep float32 tables.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from random_models import move_off_neutral
 
+from llamatrain.build import build_lora_base
 from llamatrain.gguf import file as gguf_file
 from llamatrain.gguf.file import DeferredTensor, read_gguf, write_gguf
+from llamatrain.gguf.llama import read_model, write_model
 from llamatrain.lora import (
+    ALL_TARGETS,
     FrozenTable,
     apply_lora,
     lora_state_dict,
@@ -37,6 +42,12 @@ from llamatrain.lora import (
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.ops.dequantize import dequantize
+from llamatrain.tokenizer import (
+    TOKEN_TYPE_BYTE,
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_UNKNOWN,
+    SpmTokenizer,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors (conftest)
 
@@ -147,3 +158,31 @@ def test_the_export_streams_each_table_to_the_bytes_of_the_whole(tmp_path, monke
         assert torch.equal(read_gguf(a).tensors[name], read_gguf(b).tensors[name])
     merged, want = merge_lora(kept).state_dict(), merge_lora(dense).state_dict()
     assert all(torch.equal(merged[name], want[name]) for name in VOCAB_TABLES)
+
+
+@pytest.mark.parametrize(
+    ("file_type", "base_dtype", "kept"),
+    [("q8_0", "quantized", "Q8_0"), ("f16", "quantized", "F16"), ("f32", "quantized", None),
+     ("q8_0", "bf16", None)],
+)  # fmt: skip
+def test_a_quantized_run_builds_its_tables_as_the_file_stores_them(
+    tmp_path, file_type: str, base_dtype: str, kept: str | None
+) -> None:
+    """``kept``: the stored type the tables are held in (None: float32, as before)."""
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [TOKEN_TYPE_UNKNOWN] + [TOKEN_TYPE_CONTROL] * 2 + [TOKEN_TYPE_BYTE] * 256
+    tokenizer = SpmTokenizer(pieces, [0.0] * len(pieces), types)
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=len(pieces),
+                      max_seq_len=32)  # fmt: skip
+    path = write_model(tmp_path / "m.gguf", cfg, Llama(cfg).state_dict(), tokenizer,
+                       type=file_type)  # fmt: skip
+    header = read_gguf(path, tensor_data=False)
+    model = build_lora_base(read_model(header, tensor_data=False), base_dtype, ALL_TARGETS)
+    for name in VOCAB_TABLES:
+        table = model.get_submodule(name.removesuffix(".weight"))
+        if kept is None:
+            assert not isinstance(table, FrozenTable) and table.weight.dtype == torch.float32
+        else:
+            assert isinstance(table, FrozenTable) and header.tensor_types[name] == kept
+            assert table.weight.nbytes == header.tensor_nbytes[name]
