@@ -54,6 +54,7 @@ from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
 from llamatrain.hf.peft import write_peft_adapter
 from llamatrain.lora import merged_tensors
+from llamatrain.memory import MemoryPlan, out_of_memory_in, plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_config import tensor_shapes
 from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file, stored_types
@@ -62,7 +63,7 @@ from llamatrain.runlock import run_lock, set_aside_previous_run
 from llamatrain.tokenizer import (
     Tokenizer,
 )
-from llamatrain.trainer import History, Trainer
+from llamatrain.trainer import History, Trainer, held_types
 
 __all__ = [
     "Conversation",
@@ -167,26 +168,38 @@ def _claim_run_folder(run_dir: Path, overwrite: bool) -> None:
         warnings.warn(f"moved the run that was in {run_dir} to {aside}", stacklevel=3)
 
 
+_EXPORT_LATER = (
+    "the run's checkpoints are written: export it later in a process of its own "
+    "(llamatrain export RUN_DIR -o model.gguf), or set output.export = false"
+)
+"""What lowers an export's memory: a process that holds no training state beside it."""
+
+
 def _fit_locked(
     cfg: Config, paths: Sequence[Path], resume: str | Path | None, progress: bool
 ) -> FitResult:
     """``fit``'s run, while it holds the run folder's lock."""
     configure_process(resolve_device(cfg.train.device), bf16=cfg.train.dtype == "bfloat16")
-    with parallel.main_first():  # tokenizer and token caches are written by rank 0 alone
-        run = resumed_run(cfg, resume, paths) if resume else fresh_run(cfg, paths)
-        data = build_train_data(
-            cfg,
-            run.tokenizer,
-            paths=paths,
-            progress=progress,
-            model_template=run.inherited.get(CHAT_TEMPLATE_KEY),
-        )
-    inherited = _with_chat_template(run.inherited, data.chat_template)
-    cfg = _with_export_type(cfg, run)
-    prepared = prepare(run.model, cfg)
-    with parallel.main_first():  # the reference cache of a full finetune's DPO/IPO, if any
-        initial = run.checkpoint is None
-        reference = reference_of(prepared.model, cfg, data, prepared.device, initial=initial)
+    with out_of_memory_in("while loading the model and data", cfg):
+        with parallel.main_first():  # tokenizer and token caches are written by rank 0 alone
+            run = resumed_run(cfg, resume, paths) if resume else fresh_run(cfg, paths)
+            data = build_train_data(
+                cfg,
+                run.tokenizer,
+                paths=paths,
+                progress=progress,
+                model_template=run.inherited.get(CHAT_TEMPLATE_KEY),
+            )
+        inherited = _with_chat_template(run.inherited, data.chat_template)
+        cfg = _with_export_type(cfg, run)
+        prepared = prepare(run.model, cfg)
+        with parallel.main_first():  # the reference cache of a full finetune's DPO/IPO, if any
+            initial = run.checkpoint is None
+            reference = reference_of(prepared.model, cfg, data, prepared.device, initial=initial)
+
+    def plan() -> MemoryPlan:  # for an out-of-memory message: what the run holds
+        return plan_memory(cfg, run.model.cfg, held_types(prepared.model))
+
     run_dir = Path(cfg.output.dir)
     if parallel.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -203,25 +216,27 @@ def _fit_locked(
     )
     if run.checkpoint is not None:
         trainer.load_state(run.checkpoint)
-    history = trainer.fit()
+    with out_of_memory_in("in a training step, an evaluation or a save", cfg, plan):
+        history = trainer.fit()
     model = parallel.whole_model(trainer.model)
     _release_training_state(trainer)
     if not parallel.is_main():
         return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path=None)
     adapter_path = None
-    if run.lora_base is not None:  # a LoRA run: its adapter, and the merged model
-        adapter_path = write_lora_adapter(
-            run_dir / "adapter-f32.gguf", model, alpha=cfg.lora.alpha, inherited=inherited
-        )
     export_path = None
-    if cfg.output.export:
-        export_path = export_gguf(
-            model,
-            run.tokenizer,
-            run_dir / f"model-{cfg.output.export_type}.gguf",
-            type=cfg.output.export_type,
-            inherited=inherited,
-        )
+    with out_of_memory_in("while exporting the trained model", cfg, plan, remedy=_EXPORT_LATER):
+        if run.lora_base is not None:  # a LoRA run: its adapter, and the merged model
+            adapter_path = write_lora_adapter(
+                run_dir / "adapter-f32.gguf", model, alpha=cfg.lora.alpha, inherited=inherited
+            )
+        if cfg.output.export:
+            export_path = export_gguf(
+                model,
+                run.tokenizer,
+                run_dir / f"model-{cfg.output.export_type}.gguf",
+                type=cfg.output.export_type,
+                inherited=inherited,
+            )
     curves = _write_curves(run_dir)
     return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path, curves, adapter_path)
 

@@ -21,14 +21,17 @@ estimates within ~20%: the refusal is for runs that cannot fit, not a tight budg
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from llamatrain.config import Config
-from llamatrain.errors import MemoryBudgetError
+from llamatrain.errors import MemoryBudgetError, shown
 from llamatrain.gguf.adapter import ALL_TARGETS
 from llamatrain.gguf.export_types import QUANTIZER_TYPES
 from llamatrain.gguf.file import CHUNK_VALUES
@@ -36,7 +39,14 @@ from llamatrain.model_config import VOCAB_TABLES, ModelConfig, tensor_shapes
 from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
 from llamatrain.ops.fused import CHUNK_BYTES as HEAD_CHUNK_BYTES
 
-__all__ = ["MemoryPlan", "available_memory", "check_fits", "plan_memory", "resident_bytes"]
+__all__ = [
+    "MemoryPlan",
+    "available_memory",
+    "check_fits",
+    "out_of_memory_in",
+    "plan_memory",
+    "resident_bytes",
+]
 
 GB = 1 << 30
 FRAMEWORK_BYTES = 350 << 20
@@ -260,6 +270,37 @@ def check_fits(plan: MemoryPlan, cfg: Config) -> None:
         f"this run needs about {_size(plan.peak)} ({plan.parts()}) but about "
         f"{_size(available + held)} is available; {plan.remedy(cfg)}"
     )
+
+
+@contextlib.contextmanager
+def out_of_memory_in(
+    phase: str,
+    cfg: Config,
+    plan: Callable[[], MemoryPlan | None] = lambda: None,
+    remedy: str | None = None,
+) -> Iterator[None]:
+    """Running out of memory in the ``with`` block (PyTorch's OutOfMemoryError on a device,
+    Python's MemoryError on the CPU) as one MemoryBudgetError naming ``phase``, what the run
+    needs by its ``plan`` and the setting that lowers it (``remedy``, else the plan's): an
+    allocation's traceback says none of that. Files already written are left as they are
+    (every one is written atomically)."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        raise MemoryBudgetError(_out_of_memory(phase, cfg, plan(), remedy, e)) from None
+
+
+def _out_of_memory(
+    phase: str, cfg: Config, plan: MemoryPlan | None, remedy: str | None, error: BaseException
+) -> str:
+    said = str(error).strip().split("\n")[0] or type(error).__name__
+    if plan is None:
+        needs = f"about {_size(resident_bytes())} was held"
+        remedy = remedy or "use a smaller or more quantized base, or a machine with more memory"
+    else:
+        needs = f"the run needs about {_size(plan.peak)} ({plan.parts()})"
+        remedy = remedy or plan.remedy(cfg)
+    return f"out of memory {phase} ({shown(said, 120)}): {needs}; {remedy}"
 
 
 def _size(n: int) -> str:

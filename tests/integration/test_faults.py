@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGUFReader
+from user_errors import error_of
 
 from llamatrain import api
 from llamatrain.checkpoint import load_checkpoint
@@ -123,6 +125,41 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_latest(
     assert checkpoint_files(run) == ["latest.gguf", "step-0000002.gguf"]  # no temp files
     assert (run / "checkpoints" / "latest.gguf").read_bytes() == before
     assert load_checkpoint(run / "checkpoints" / "latest.gguf").state.step == 2
+
+
+@pytest.mark.parametrize(
+    ("where", "error", "phase", "remedy"),
+    [("prepare", MemoryError(), "while loading the model and data", "smaller or more quantized"),
+     ("train_step", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB"),
+      "in a training step", "train.n_ubatch"),
+     ("export_gguf", MemoryError(), "while exporting the trained model", "llamatrain export")],
+)  # fmt: skip
+def test_out_of_memory_in_any_phase_is_one_line_and_keeps_what_was_written(
+    tmp_path, tiny_overrides, monkeypatch, where, error, phase, remedy
+):
+    """Issue 37, item 7: running out of memory while loading, in a step or in the export was a
+    long traceback; now one line naming the phase, what the run needs (its memory plan) and
+    what lowers it, the checkpoints already written intact."""
+    from llamatrain.trainer import Trainer
+
+    calls = []
+
+    def out_of_memory(*args, **kwargs):
+        calls.append(1)
+        if where != "train_step" or len(calls) > 2:  # a step after the step-2 save
+            raise error
+        return original(*args, **kwargs)
+
+    owner = Trainer if where == "train_step" else api
+    original = getattr(owner, where)
+    monkeypatch.setattr(owner, where, out_of_memory)
+    sets = tiny_overrides(**{"train.save_every": 2, "train.eval_every": 0, "train.steps": 4})
+    message = error_of(api.fit, "tiny", overrides=sets, progress=False)
+    assert message.startswith(f"out of memory {phase}") and remedy in message, message
+    if where != "prepare":
+        assert "the run needs about" in message and "weights" in message
+        latest = load_checkpoint(tmp_path / "run" / "checkpoints" / "latest.gguf")
+        assert latest.state.step == (2 if where == "train_step" else 4)
 
 
 def test_a_second_fit_into_the_same_folder_is_refused_until_the_first_dies(
