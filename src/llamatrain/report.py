@@ -46,9 +46,20 @@ class RunPlan:
     run_dir: str
     memory: str = ""  # what the run will hold at peak (llamatrain.memory.MemoryPlan.line)
 
+    @property
+    def epochs(self) -> float:
+        """How many times the run reads its training data, as people count it: rows of
+        examples read over the rows there are; for a text stream, tokens read over the
+        stream's training tokens (its windows overlap — one may start at every line — so
+        counting them would say 0.01 of a run that reads most of its text once)."""
+        rows = (self.steps - self.done) * self.seqs_per_step
+        if self.stream_tokens is None:
+            return rows / max(self.train_rows, 1)
+        return rows * self.n_ctx / max(self.stream_tokens - self.val_rows * self.n_ctx, 1)
+
     def lines(self) -> list[str]:
         trained = "" if self.trained == self.params else f", {self.trained:,} of them trained"
-        epochs = (self.steps - self.done) * self.seqs_per_step / max(self.train_rows, 1)
+        epochs = self.epochs
         resumed = f" from step {self.done}" if self.done else ""
         return [
             f"model: {self.model}, {self.params:,} parameters{trained}; {self.device}, "

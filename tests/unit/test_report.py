@@ -7,7 +7,7 @@ import torch
 from llamatrain.config import OptimSection
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.optim import build_optimizer
-from llamatrain.report import measure, peak_memory
+from llamatrain.report import RunPlan, measure, peak_memory
 
 
 def test_memory_split_adds_up_to_the_peak_and_counts_the_tensors():
@@ -50,3 +50,18 @@ def test_report_lines_say_time_rate_memory_and_checkpointing():
     assert "activation checkpointing: every 2 block(s)" in text
     off = dataclasses.replace(report, checkpoint_segment=0)
     assert off.lines()[-1] == "activation checkpointing: off"
+
+
+def test_the_opening_summarys_epochs_count_what_people_count():
+    """Issue 37, item 8: a stream's training windows may start at every line, so they overlap
+    (here ~12 tokens apart); 'epochs' over windows said 0.01 of a run reading 0.6 of its text
+    once. Epochs are tokens read over the training tokens; for examples, rows over rows."""
+    stream = RunPlan(
+        model="llama", params=1, trained=1, device="cpu", dtype="float32",
+        stream_tokens=110_000, train_rows=8_000, val_rows=156, n_ctx=64, seqs_per_step=16,
+        micro_batches=1, steps=62, done=2, run_dir="run",
+    )  # fmt: skip
+    assert abs(stream.epochs - 0.614) < 1e-3  # 60 x 16 x 64 = 61,440 of 100,016 tokens
+    assert "about 0.61 epochs" in stream.lines()[2]
+    rows = dataclasses.replace(stream, stream_tokens=None, train_rows=480)
+    assert rows.epochs == 2.0
