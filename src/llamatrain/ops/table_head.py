@@ -1,7 +1,7 @@
 """The lm head over a frozen table kept as its file stores it, a chunk of vocabulary rows at a time.
 
-Why: a QLoRA run keeps its adapted projections as the GGUF's blocks (``ops.lora``), and the
-token table and the lm head are as large: 128k × 2048 values for Llama-3.2-1B, 1 GB as float32
+Why: a QLoRA run keeps its adapted projections as the GGUF's blocks (``ops.lora``), and its
+vocabulary tables are as large: Llama-3.2-1B's 128k × 2048 token table is 1 GB as float32,
 where its whole Q4_0 file is 0.65 GB. Kept as stored (``qtype`` blocks, or a narrower float),
 the head decodes a chunk of the table's rows (vocabulary entries), uses it and drops it. The
 dense heads (``ops.fused``, ``ops.logps``) walk chunks of hidden rows over the whole float
