@@ -393,3 +393,24 @@ def test_a_run_whose_examples_all_lose_their_trained_tokens_is_refused_in_one_li
     refused = pytest.raises(DataError, match=r"^no example keeps a trained token .* data\.n_ctx")
     with refused, pytest.warns(UserWarning, match="8 examples had no trained token"):
         build_train_data(cfg, read_tokenizer(vocab), model_template=None)
+
+
+def test_degenerate_preference_pairs_are_counted_in_one_warning(tmp_path, vocab_dir):
+    """Issue 37, item 8: pairs with identical or empty replies trained at loss ln 2 without a
+    word; now one warning counts them and names the first."""
+    good = {"prompt": "Q", "chosen": " yes", "rejected": " no"}
+    chat = {"prompt": [{"role": "user", "content": "Q"}], "chosen": " a", "rejected": " a"}
+    rows = [good, {**good, "rejected": " yes"}, {**good, "chosen": "  "}, good, chat]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows * 4)
+    vocab = vocab_dir / "ggml-vocab-qwen2.gguf"
+    overrides = [f'tokenizer.path="{vocab}"', f'data.path="{path}"', 'data.format="jsonl"',
+                 'train.objective="orpo"', 'data.chat_template="chatml"', "train.n_batch=128",
+                 "data.val_fraction=0"]  # fmt: skip
+    cfg = load_config("tiny", overrides)
+    with pytest.warns(UserWarning) as caught:
+        build_train_data(cfg, read_tokenizer(vocab), model_template=None)
+    notes = [str(w.message) for w in caught if "preference pairs" in str(w.message)]
+    assert notes == [
+        f"8 preference pairs have identical replies and 4 an empty one (first: {path}:2); they "
+        "teach nothing (the loss stays at ln 2): fix or remove them"
+    ]

@@ -48,7 +48,13 @@ from llamatrain.data.examples import (
     truncate,
 )
 from llamatrain.data.jsonl import BadLines
-from llamatrain.data.preferences import PairEncoder, cut_pairs, pair_rows, read_pairs
+from llamatrain.data.preferences import (
+    DegeneratePairs,
+    PairEncoder,
+    cut_pairs,
+    pair_rows,
+    read_pairs,
+)
 from llamatrain.data.prompts import PromptEncoder, PromptRows, read_prompts
 from llamatrain.data.sources import (
     SHAKESPEARE,
@@ -222,8 +228,9 @@ def _preference_data(
     bad = BadLines(d.on_bad_line)
     span = d.n_ctx + 1
     lines = LineEncoder(tokenizer, template, train_on="completion", max_chars=cut_chars(span))
-    pairs, cut, dropped = cut_pairs(read_pairs(paths, PairEncoder(lines), bad), span)
-    notes = bad.summaries() + _cut_text_notes(lines)
+    degenerate = DegeneratePairs()
+    pairs, cut, dropped = cut_pairs(read_pairs(paths, PairEncoder(lines), bad, degenerate), span)
+    notes = bad.summaries() + _cut_text_notes(lines) + [n for n in [degenerate.note()] if n]
     if cut:
         lost = f"; {dropped} of them lost a whole reply and were left out" if dropped else ""
         notes.append(

@@ -46,6 +46,7 @@ __all__ = [
     "CHOSEN",
     "REJECTED",
     "TRUNK",
+    "DegeneratePairs",
     "Pair",
     "PairEncoder",
     "PairLine",
@@ -207,16 +208,63 @@ def _after(segments: Sequence[Segment], cut: int) -> list[Segment]:
     return out
 
 
-def read_pairs(paths: Sequence[Path], encoder: PairEncoder, bad: BadLines) -> list[Pair]:
-    """Every usable line of ``paths`` as a pair, in order; ``bad`` decides about the others."""
+@dataclass
+class DegeneratePairs:
+    """Pairs that can teach nothing, counted for one warning: identical replies (their
+    log-ratios cancel, so the loss stays at ln 2 with no gradient) or an empty one."""
+
+    identical: int = 0
+    empty: int = 0
+    first: str = ""
+
+    def check(self, line: PairLine, where: str) -> None:
+        """Count ``line`` (read at ``where``, ``file:line``) if it is degenerate."""
+        if line.chosen == line.rejected:
+            self.identical += 1
+        elif not (_said(line.chosen) and _said(line.rejected)):
+            self.empty += 1
+        else:
+            return
+        self.first = self.first or where
+
+    def note(self) -> str | None:
+        """The warning, or None when every pair has two different, non-empty replies."""
+        if not self.identical + self.empty:
+            return None
+        return (
+            f"{self.identical} preference pairs have identical replies and {self.empty} an "
+            f"empty one (first: {self.first}); they teach nothing (the loss stays at ln 2): "
+            "fix or remove them"
+        )
+
+
+def _said(reply: str | Messages) -> bool:
+    """Whether a reply holds any text (a string, or its messages' contents)."""
+    if isinstance(reply, str):
+        return bool(reply.strip())
+    return any(str(m.get("content") or "").strip() for m in reply)
+
+
+def read_pairs(
+    paths: Sequence[Path],
+    encoder: PairEncoder,
+    bad: BadLines,
+    degenerate: DegeneratePairs | None = None,
+) -> list[Pair]:
+    """Every usable line of ``paths`` as a pair, in order; ``bad`` decides about the others,
+    ``degenerate`` counts the pairs that teach nothing."""
     pairs = []
     for path in paths:
         for number, line in numbered_lines(path, bad):
             bad.line_read(path)
             try:
-                pairs.append(encoder.encode(parse_pair(line)))
+                parsed = parse_pair(line)
+                pairs.append(encoder.encode(parsed))
             except DataError as problem:
                 bad.bad(path, number, problem)
+                continue
+            if degenerate is not None:
+                degenerate.check(parsed, f"{path}:{number}")
     if not pairs:
         names = ", ".join(str(p) for p in paths)
         raise DataError(f"no usable preference pair in {names}; see the lines skipped above")
