@@ -40,7 +40,13 @@ import torch
 
 from llamatrain.errors import CheckpointError
 from llamatrain.gguf.adapter import LoraAdapter, read_lora_adapter, write_lora_adapter
-from llamatrain.gguf.file import GGUFContents, GGUFSource, read_gguf, verify_gguf
+from llamatrain.gguf.file import (
+    PICKLED_STATE_KEYS,
+    GGUFContents,
+    GGUFSource,
+    read_gguf,
+    verify_gguf,
+)
 from llamatrain.gguf.llama import read_model, write_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY
 from llamatrain.lora import load_lora_state_dict, lora_modules, lora_state_dict
@@ -66,8 +72,6 @@ RNG_LAYOUT_KEY, RNG_TENSORS = "training.rng.layout", "training.rng"
 LBFGS_LAYOUT_KEY, LBFGS_TENSORS = "optimizer.lbfgs.layout", "optimizer.lbfgs"
 ADAM_TENSORS = ("optimizer.adam.first_moments", "optimizer.adam.second_moments")
 """AdamW's two moments, each one flat vector of every trained parameter in the model's order."""
-PICKLED_KEYS = ("training.rng_state", "optimizer.lbfgs.state")
-"""Where version-1 checkpoints kept pickles."""
 DIVERGED_FIX = "Lower optim.lr, keep optim.grad_clip on, or check the data"
 """The advice for a run whose loss or weights stopped being finite."""
 CHAT_TEMPLATE_RUN_KEY = "training.lora.chat_template"
@@ -322,7 +326,7 @@ class Checkpoint:
 
     def restore_rng(self) -> None:
         """Put the random generators where they were (files without the state: left as is)."""
-        if RNG_LAYOUT_KEY in self.metadata or any(k in self.metadata for k in PICKLED_KEYS):
+        if RNG_LAYOUT_KEY in self.metadata or any(k in self.metadata for k in PICKLED_STATE_KEYS):
             try:
                 _restore_rng_states(self._decoded(RNG_LAYOUT_KEY, "RNG state"))
             except StateFormatError as err:
@@ -331,7 +335,7 @@ class Checkpoint:
     def _decoded(self, key: str, what: str) -> object:
         """The state stored under ``key`` (JSON layout + tensors), never a pickle: a file from an
         older llamatrain that holds one is refused with the way to keep its weights."""
-        if any(k in self.metadata for k in PICKLED_KEYS):
+        if any(k in self.metadata for k in PICKLED_STATE_KEYS):
             raise CheckpointError(
                 f"{self.path} stores its training state as a Python pickle (llamatrain before "
                 "checkpoint version 2), which can run code when read, so it is not read; "

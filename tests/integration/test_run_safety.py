@@ -17,9 +17,16 @@ import pytest
 import torch
 
 from llamatrain import api
-from llamatrain.checkpoint import PICKLED_KEYS, CheckpointManager, load_checkpoint
+from llamatrain.checkpoint import CheckpointManager, load_checkpoint
 from llamatrain.errors import CheckpointError, LlamatrainError, OutputError
-from llamatrain.gguf.file import STATE_SHA256_KEY, read_gguf, typed_value, write_gguf
+from llamatrain.gguf.file import (
+    PICKLED_STATE_KEYS,
+    STATE_SHA256_KEY,
+    TENSOR_SHA256_KEY,
+    read_gguf,
+    typed_value,
+    write_gguf,
+)
 
 SRC = Path(api.__file__).parent
 QUICK = {"train.steps": 2, "train.save_every": 2, "train.eval_every": 0, "output.export": "false"}
@@ -57,21 +64,24 @@ class _WritesMarker:
         return (open, (str(self.marker), "w"))
 
 
-def with_keys(path: Path, extra: dict[str, object], keep_state_digest: bool = False) -> None:
-    """Rewrite the GGUF at ``path`` with ``extra`` keys added (the rest as stored), without the
-    state keys' sha256 unless ``keep_state_digest`` (a checkpoint from before it existed)."""
+def with_keys(path: Path, extra: dict[str, object], digests: str = "drop") -> None:
+    """Rewrite the GGUF at ``path`` with ``extra`` keys added (the rest as stored). Its sha256
+    keys: ``drop`` both (a version-1 checkpoint, from before they existed), ``keep`` the old
+    ones (an edit then shows as damage), or ``renew`` them (as a writer that knows the format
+    would: the edit reaches the reader's own checks)."""
     contents = read_gguf(path)
     metadata = {k: typed_value(contents, k) for k in contents.metadata}
     arch = metadata.pop("general.architecture")
-    if not keep_state_digest:
+    if digests != "keep":
         metadata.pop(STATE_SHA256_KEY)
+        metadata.pop(TENSOR_SHA256_KEY)
     metadata.update(extra)
     tensors = {name: (t, "f32") for name, t in contents.tensors.items()}
     path.unlink()
-    write_gguf(path, arch, metadata, tensors)
+    write_gguf(path, arch, metadata, tensors, checksums=digests == "renew")
 
 
-@pytest.mark.parametrize("key", PICKLED_KEYS)
+@pytest.mark.parametrize("key", PICKLED_STATE_KEYS)
 def test_a_pickled_checkpoint_is_refused_without_running_it(quick_run, tiny_overrides, key):
     """A version-1 checkpoint's pickled state (here a payload that would create a file) is
     never unpickled: the resume is refused in one line that says how to keep the weights, and
@@ -141,7 +151,7 @@ def test_lbfgs_state_resumes_bit_identically_without_pickle(tiny_overrides, tmp_
         progress=False,
     )  # fmt: skip
     ckpt = load_checkpoint(resumed.run_dir / "checkpoints" / "latest.gguf")
-    assert not any(k in ckpt.metadata for k in PICKLED_KEYS)
+    assert not any(k in ckpt.metadata for k in PICKLED_STATE_KEYS)
     assert "optimizer.lbfgs.layout" in ckpt.metadata
     theirs = straight.model.state_dict()
     for name, weight in resumed.model.state_dict().items():
@@ -150,7 +160,8 @@ def test_lbfgs_state_resumes_bit_identically_without_pickle(tiny_overrides, tmp_
 
 def test_damaged_rng_layout_is_one_checkpoint_error(quick_run, tiny_overrides):
     latest = (quick_run.run_dir / "checkpoints" / "latest.gguf").resolve()
-    with_keys(latest, {"training.rng.layout": '{"dict": [[{"value": "torch"}, {"tensor": 7}]]}'})
+    damaged = {"training.rng.layout": '{"dict": [[{"value": "torch"}, {"tensor": 7}]]}'}
+    with_keys(latest, damaged, digests="renew")
     with pytest.raises(CheckpointError, match="RNG state is damaged"):
         api.fit("tiny", overrides=tiny_overrides(**{**QUICK, "train.steps": 4}),
                 resume="latest", progress=False)  # fmt: skip
@@ -165,7 +176,7 @@ def test_an_edited_training_key_is_damage_named_in_one_line(quick_run, tiny_over
     """The checksum covers the training.*/optimizer.* keys: an edit (or a flipped byte) in the
     state is refused on resume and by ``info --verify``, never believed."""
     latest = (quick_run.run_dir / "checkpoints" / "latest.gguf").resolve()
-    with_keys(latest, edit, keep_state_digest=True)
+    with_keys(latest, edit, digests="keep")
     with pytest.raises(LlamatrainError, match="training state keys .* do not match the sha256"):
         api.fit("tiny", overrides=tiny_overrides(**{**QUICK, "train.steps": 4}),
                 resume="latest", progress=False)  # fmt: skip

@@ -56,6 +56,7 @@ __all__ = [
     "CHUNK_VALUES",
     "GGUF_KIND",
     "INTEGER_TYPES",
+    "PICKLED_STATE_KEYS",
     "QUANT_BLOCK",
     "STATE_SHA256_KEY",
     "TENSOR_SHA256_KEY",
@@ -94,6 +95,8 @@ STATE_SHA256_KEY = "training.state_sha256"
 config, RNG and optimizer layouts), written with ``TENSOR_SHA256_KEY``: a flipped byte in the
 state is refused as damage like one in a tensor, never believed or met as a traceback."""
 STATE_KEY_PREFIXES = ("training.", "optimizer.")
+PICKLED_STATE_KEYS = ("training.rng_state", "optimizer.lbfgs.state")
+"""Where version-1 checkpoints kept pickles (before either sha256 key existed)."""
 TENSOR_SHA256_KEY = "training.tensor_sha256"
 """Key of the JSON map tensor name -> sha256 (hex) of its stored bytes. A ``training.*`` key
 because only checkpoints carry it: an exported model keeps exactly the keys it had."""
@@ -612,9 +615,12 @@ _HASH_CHUNK_BYTES = 1 << 24
 
 def _check_checksums_kept(p: Path, meta: Mapping[str, Any]) -> None:
     """A checkpoint (a file with training state keys) is written with both sha256 keys: one
-    that lacks either was stripped or damaged, and is refused rather than called sound."""
+    that lacks either was stripped or damaged, and is refused rather than called sound.
+    A version-1 checkpoint (``PICKLED_STATE_KEYS``) predates them: its state is never read
+    (``llamatrain.checkpoint`` refuses pickles), and its weights load as any model's do."""
     missing = [key for key in (TENSOR_SHA256_KEY, STATE_SHA256_KEY) if key not in meta]
-    if missing and any(key.startswith(STATE_KEY_PREFIXES) for key in meta):
+    legacy = any(key in meta for key in PICKLED_STATE_KEYS)
+    if missing and not legacy and any(key.startswith(STATE_KEY_PREFIXES) for key in meta):
         raise GGUFError(
             f"{p} holds a checkpoint's training state but not {missing[0]}, the sha256 it is "
             f"saved with: stripped or damaged, nothing in it can be checked; {_DAMAGED_FIX}"
