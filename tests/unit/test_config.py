@@ -216,7 +216,8 @@ def test_grpos_rollout_sampler_is_checked_before_the_first_step():
     """The rollouts' temperature (> 0 by its field) met SamplingParams' range at the first
     rollout; every sampler a run builds is built by validation first."""
     grpo = ['train.objective="grpo"', 'data.format="jsonl"', 'train.rewards=["builtin:format"]',
-            "train.num_generations=2", "train.max_completion_length=16", "train.temperature=2e6"]  # fmt: skip
+            "train.num_generations=2", "train.max_completion_length=16",
+            "train.temperature=2e6"]  # fmt: skip
     msg = error_of(load_config, "tiny", grpo)
     assert "train.temperature" in msg and "[0, 1e6]" in msg
 
