@@ -151,9 +151,20 @@ def written_atomically(
     try:
         yield tmp
         replace_durably(tmp, path, kind, is_ours)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise _named(err, path) from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _named(err: OSError, path: Path) -> OSError:
+    """``err`` with the file it was writing named: a write that fails (a full disk: ENOSPC,
+    EFBIG, EDQUOT) carries no file name, so the message would name no path."""
+    if err.filename is not None or not err.errno:  # numpy's short writes: errno 0, the text
+        return err
+    return OSError(err.errno, err.strerror, str(path))
 
 
 def write_text_atomically(path: str | os.PathLike[str], text: str, kind: str) -> Path:
@@ -184,8 +195,11 @@ def open_owned(path: str | os.PathLike[str], flags: int, kind: str) -> int:
 def append_text(path: str | os.PathLike[str], text: str, kind: str) -> None:
     """Append to a regular file (created if missing), never through a link."""
     fd = open_owned(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, kind)
-    with os.fdopen(fd, "a", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as err:
+        raise _named(err, Path(path)) from err
 
 
 @contextlib.contextmanager

@@ -436,7 +436,18 @@ class Trainer:
             return
         raise TrainingError(
             f"loss became {loss} at step {self.state.step + 1}; {self.checkpoints.kept()}. "
-            + DIVERGED_FIX
+            + self._diverged_fix()
+        )
+
+    def _diverged_fix(self) -> str:
+        """DIVERGED_FIX, with a preference objective's beta named beside the learning rate:
+        the loss scales with it, so a huge one overflows whatever the rate."""
+        t = self.cfg.train
+        if t.objective in ("sft", "grpo") or not t.beta:
+            return DIVERGED_FIX
+        return (
+            f"{DIVERGED_FIX}; or lower train.beta (= {t.beta:g}): the {t.objective} loss scales "
+            "with it, so a huge one overflows whatever the learning rate"
         )
 
     # ---- evaluation and samples ---------------------------------------------------------

@@ -162,6 +162,23 @@ def test_out_of_memory_in_any_phase_is_one_line_and_keeps_what_was_written(
         assert latest.state.step == (2 if where == "train_step" else 4)
 
 
+def test_a_full_disk_at_the_start_names_the_file_it_could_not_write(
+    tmp_path, tiny_overrides, file_size_limit, capsys
+):
+    """Issue 37: the first writes of a run (its token cache, config.toml) failing for a full
+    disk said "cannot use: File too large" — no path to free space at."""
+    argv = ["fit", "--config", "tiny", "--set", f'data.cache_dir="{tmp_path / "cache"}"']
+    for item in tiny_overrides():
+        if not item.startswith("data.cache_dir"):
+            argv += ["--set", item]
+    with file_size_limit(2048):
+        assert main(argv) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(rf"llamatrain: error: cannot use {re.escape(str(tmp_path))}/\S+: ", error), (
+        error
+    )
+
+
 def test_a_second_fit_into_the_same_folder_is_refused_until_the_first_dies(
     tmp_path, cache_dir, tiny_overrides, capsys, process_reaper
 ):

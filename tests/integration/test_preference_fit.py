@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from user_errors import error_of
 
 from llamatrain import api, build
 from llamatrain.build import build_tokenizer
@@ -151,6 +152,15 @@ def test_orpo_trains_a_whole_model_without_a_reference(files, tmp_path):
     first, last = result.history.train[0], result.history.train[-1]
     assert last["nll"] < first["nll"] and last["loss"] < first["loss"]
     assert first["reward_chosen"] == pytest.approx(0.1 * first["logp_chosen"])
+
+
+def test_a_huge_beta_that_overflows_the_loss_is_named_not_only_the_learning_rate(files, tmp_path):
+    """Issue 37: SimPO with beta = 1e300 overflows its loss at the first step; the message
+    blamed optim.lr alone."""
+    items = overrides(files, tmp_path / "run", 'train.objective="simpo"', "train.beta=1e300")
+    message = error_of(api.fit, "tiny", overrides=[*items, "train.steps=2"], progress=False)
+    assert message.startswith("loss became") and "lower train.beta (= 1e+300)" in message
+    assert "simpo loss scales with it" in message and "optim.lr" in message
 
 
 def test_a_bad_pair_stops_the_cli_naming_file_and_line(files, tmp_path, capsys):

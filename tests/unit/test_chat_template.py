@@ -232,6 +232,15 @@ def test_what_a_template_or_conversation_says_reaches_no_terminal_raw(source, ca
     assert "\\x1b" in message or "failed to render" in message
 
 
+def test_a_conversation_too_large_to_render_is_its_fault_not_the_templates():
+    """Issue 37: a 54 MB chat line went past the render budget of the built-in template, and
+    the message called that template "broken or hostile" and suggested it again."""
+    chat = [msg("user", "x" * 40_000_000), msg("assistant", "y")]
+    message = error_of(template("chatml").render, chat)
+    assert message.startswith("this conversation holds 40,000,0")
+    assert "shorten or split it" in message and "hostile" not in message
+
+
 def test_a_failing_template_is_a_data_error():
     message = error_of(ChatTemplate("{{ messages[0].content + 1 }}").render, [msg("user", "x")])
     assert "failed to render: TypeError" in message

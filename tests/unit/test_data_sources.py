@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,9 @@ def test_sonnets_resolve_to_the_packaged_file_from_any_directory(tmp_path, monke
         (lambda p: write(p / "l.txt", b"caf\xe9 au lait"), ["0xe9 at offset 3"]),
         (lambda p: write(p / "t.txt", "ok \u00e9".encode()[:-1]), ["ends inside", "offset 4"]),
         (lambda p: [], ["empty list"]),
+        # issue 37: a FIFO (or a socket, a device) "did not exist"
+        (lambda p: os.mkfifo(p / "fifo") or p / "fifo", ["fifo", "not a regular file", "pipe"]),
+        (lambda p: Path("/dev/null"), ["/dev/null", "not a regular file"]),
     ],
 )
 def test_resolve_errors(tmp_path, make, fragments):

@@ -371,6 +371,16 @@ def test_check_tensors_accepts_exactly_the_models_state_dict(tok) -> None:
         check_tensors(tied, model.state_dict(), "m.gguf")
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_tensor_mismatch_names_the_models_family(tok, arch) -> None:
+    """Issue 37: a qwen or gemma file's mismatch spoke of "the llama its config describes"."""
+    model = make_model(tok, arch=arch)
+    tensors = {k: v for k, v in model.state_dict().items() if k != "blk.0.attn_q_norm.weight"}
+    with pytest.raises(GGUFError, match=f"not those of the {arch} its config") as info:
+        check_tensors(model.cfg, tensors, "m.gguf")
+    assert "llama" not in str(info.value).replace("Llama(config)", "")
+
+
 # ------------------------------------------------------------------------------- reading errors
 
 

@@ -43,7 +43,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.utils import Namespace
 
-from llamatrain.data.template_budget import OverBudget, charge
+from llamatrain.data.template_budget import BUDGET, OverBudget, charge
 from llamatrain.data.template_sandbox import MeteredSandbox, render
 from llamatrain.errors import ConfigError, DataError, shown
 
@@ -292,7 +292,7 @@ class ChatTemplate:
         try:
             return self._render_unchecked(chat, add_generation_prompt, context, shapes)
         except Exception as e:  # the template is user code: any failure of it is the user's
-            raise self._fault(e) from None
+            raise self._fault(e, _chars(chat) + _chars(context)) from None
 
     def _render_unchecked(
         self,
@@ -310,11 +310,18 @@ class ChatTemplate:
         }
         return render(self._template, variables, shapes)
 
-    def _fault(self, error: Exception) -> DataError | TemplateFault:
+    def _fault(self, error: Exception, given: int) -> DataError | TemplateFault:
         """The one-line error for a failed render, blaming the template when it is at fault
-        whatever the conversation, else the conversation."""
+        whatever the conversation, else the conversation: ``given`` characters of it (and
+        its tools) past a quarter of the budget are the conversation's fault when it runs out
+        (a template writes its conversation a few times over)."""
         where = _template_line(error)
         at = f" (template line {where})" if where else ""
+        if isinstance(error, OverBudget) and given > BUDGET.chars // 4:
+            return DataError(
+                f"this conversation holds {given:,} characters, too many for one render of "
+                f"{self.name} ({error}); shorten or split it"
+            )
         if isinstance(error, OverBudget | RecursionError | MemoryError):
             what = (
                 f"went {error}"
@@ -581,6 +588,18 @@ def _template_line(error: BaseException) -> int | None:
 
 def _error_name(error: BaseException) -> str:
     return f"{type(error).__name__}: {_one_line(error)}" if str(error) else type(error).__name__
+
+
+def _chars(value: Any) -> int:
+    """The characters of a conversation's texts (its strings, in lists and mappings), keys
+    included: what a template has to write out."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_chars(k) + _chars(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(map(_chars, value))
+    return 0
 
 
 def _one_line(error: object) -> str:

@@ -184,6 +184,11 @@ def _files_of(spec: str, cache_dir: str | Path, suffix: str = "*.txt") -> list[P
         return _folder_files(spec, path, suffix)
     if path.is_file():
         return [path]
+    if path.exists():  # a pipe, a socket, a device: nothing to read twice or to hash
+        raise DataError(
+            f"data.path {spec!r} is not a regular file or a folder (a pipe, a socket or a "
+            "device); llamatrain reads its data more than once — save it to a file first"
+        )
     raise DataError(
         f"data.path {spec!r} does not exist (relative paths start at the working directory "
         f"{Path.cwd()}); use {SHAKESPEARE!r} or {SONNETS!r} for a built-in corpus"

@@ -84,7 +84,7 @@ _NOT_INHERITED = {
     "general.alignment",
 }
 """``general.*`` keys that describe the file, not the model: the writer sets them itself."""
-_TENSOR_FIX = "a llama GGUF holds exactly Llama(config).state_dict() — re-export the model"
+_TENSOR_FIX = "a model GGUF holds exactly Llama(config).state_dict() — re-export the model"
 _INTEGER_TYPE_NAMES = {dtype: qtype.name for qtype, dtype in INTEGER_TYPES.items()}
 
 
@@ -373,7 +373,7 @@ def check_tensors(
     unexpected = sorted(k for k in tensors if k not in expected)
     if missing or unexpected:
         raise GGUFError(
-            f"{path}: the tensors are not those of the llama its config describes (missing: "
+            f"{path}: the tensors are not those of the {cfg.arch} its config describes (missing: "
             f"{_first_few(missing)}; unexpected: {_first_few(unexpected)}); {_TENSOR_FIX}"
         )
     for name, shape in expected.items():
