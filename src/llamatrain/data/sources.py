@@ -55,8 +55,8 @@ TABLE_BATCH = 1024
 """Rows read from a table at a time, so a large one never sits in memory whole as dicts."""
 
 MAX_CHUNK_BYTES = 1 << 29
-"""The most bytes one column of one Parquet row group may hold uncompressed (512 MiB: what a
-JSONL line may, ``jsonl.MAX_LINE_CHARS`` characters of up to 4 bytes). Checked from the footer
+"""The most bytes one Parquet row group may hold uncompressed (512 MiB: what a JSONL line may,
+``jsonl.MAX_LINE_CHARS`` characters of up to 4 bytes). Checked from the footer
 before anything is read: a cell is decompressed whole, so a 92 KB file holding one zstd cell
 of 1 GB would otherwise take gigabytes."""
 
@@ -324,9 +324,8 @@ def table_rows(path: Path, format: str) -> Iterator[dict[str, Any]]:
             table = parquet.ParquetFile(path)
         except Exception as e:  # pyarrow's errors: ArrowInvalid, OSError …
             raise DataError(f"{path} cannot be read as Parquet: {e}") from None
-        _check_chunk_sizes(path, table.metadata)
-        for batch in table.iter_batches(batch_size=TABLE_BATCH):
-            yield from batch.to_pylist()
+        _check_row_groups(path, table.metadata)
+        yield from _parquet_rows(path, table)
         return
     datasets = optional_module("datasets", "datasets")
     hf_files(path)  # each inside the folder, before datasets opens any
@@ -337,24 +336,38 @@ def table_rows(path: Path, format: str) -> Iterator[dict[str, Any]]:
     yield from dataset  # rows as dicts (datasets reads them in batches from its Arrow files)
 
 
-def _check_chunk_sizes(path: Path, metadata: Any) -> None:
-    """DataError naming the first column chunk whose uncompressed size (the footer's) passes
-    :data:`MAX_CHUNK_BYTES`, before any is decompressed."""
+def _check_row_groups(path: Path, metadata: Any) -> None:
+    """DataError naming the first row group whose uncompressed size (the footer's) passes
+    :data:`MAX_CHUNK_BYTES`, before any is decompressed. The row group's total, not its column
+    chunks': pyarrow aborts the process on a damaged chunk's metadata, where the total is a
+    plain field."""
     first = 1
     for group in range(metadata.num_row_groups):
         rows = metadata.row_group(group)
-        for index in range(rows.num_columns):
-            chunk = rows.column(index)
-            if chunk.total_uncompressed_size > MAX_CHUNK_BYTES:
-                raise DataError(
-                    f"{path}: rows {first}-{first + rows.num_rows - 1} (row group {group}) hold "
-                    f"{chunk.total_uncompressed_size / 2**20:,.0f} MiB of column "
-                    f"{shown(chunk.path_in_schema)!r} uncompressed, more than the "
-                    f"{MAX_CHUNK_BYTES >> 20} MiB llamatrain reads at once (a JSONL line's "
-                    "most); leave the longest cells out, or write the file in smaller row groups "
-                    "(pyarrow.parquet.write_table(..., row_group_size=1000))"
-                )
+        if rows.total_byte_size > MAX_CHUNK_BYTES:
+            raise DataError(
+                f"{path}: rows {first}-{first + rows.num_rows - 1} (row group {group}) hold "
+                f"{rows.total_byte_size / 2**20:,.0f} MiB uncompressed, more than the "
+                f"{MAX_CHUNK_BYTES >> 20} MiB llamatrain reads at once (a JSONL line's most); "
+                "leave the longest cells out, or write the file in smaller row groups "
+                "(pyarrow.parquet.write_table(..., row_group_size=1000))"
+            )
         first += rows.num_rows
+
+
+def _parquet_rows(path: Path, table: Any) -> Iterator[dict[str, Any]]:
+    """The rows of an opened Parquet file, :data:`TABLE_BATCH` at a time; what pyarrow raises
+    on a damaged page is a DataError naming the file."""
+    batches = table.iter_batches(batch_size=TABLE_BATCH)
+    while True:
+        try:
+            batch = next(batches, None)
+            rows = [] if batch is None else batch.to_pylist()
+        except Exception as e:  # pyarrow's errors: ArrowInvalid, OSError …
+            raise DataError(f"{path} cannot be read as Parquet: {e}") from None
+        if batch is None:
+            return
+        yield from rows
 
 
 def _glob_files(spec: str, pattern: Path) -> list[Path]:
