@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from user_errors import error_of
 
 import llamatrain
 import llamatrain.parallel
@@ -240,7 +239,7 @@ def test_torchrun_variables_set_by_hand_are_one_line(monkeypatch, tiny_overrides
             monkeypatch.setenv(name, value)
     started = time.monotonic()
     overrides = tiny_overrides(**{"train.parallel": '"ddp"', "train.device": '"cpu"'})
-    message = error_of(llamatrain.fit, "tiny", overrides=overrides)
+    message = _error_of(llamatrain.fit, "tiny", overrides=overrides)
     assert f"environment variable {named}" in message and "torchrun" in message, message
     assert time.monotonic() - started < 30
 
@@ -252,7 +251,7 @@ def test_a_peer_that_never_joins_ends_in_one_line_after_the_timeout(monkeypatch,
     for name, value in {**LAUNCH, "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)
     values = {"train.parallel": '"ddp"', "train.device": '"cpu"', "train.dist_timeout_s": 2}
-    message = error_of(llamatrain.fit, "tiny", overrides=tiny_overrides(**values))
+    message = _error_of(llamatrain.fit, "tiny", overrides=tiny_overrides(**values))
     assert f"rank 0 of 2 could not meet the others at 127.0.0.1:{port}" in message
     assert "train.dist_timeout_s = 2 s" in message and "torchrun" in message
 
@@ -342,6 +341,14 @@ def main(runs: list[dict]) -> int:
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def _error_of(fn, *args, **kwargs) -> str:
+    """``user_errors.error_of``, imported when a test calls it: this file is also each rank's
+    program, run by torchrun where the tests' folder is not on ``sys.path``."""
+    from user_errors import error_of
+
+    return error_of(fn, *args, **kwargs)
 
 
 if __name__ == "__main__":
