@@ -1,4 +1,5 @@
-"""Random llamas whose every tensor matters, for tests that compare logits with a reference.
+"""Random llamas: the tiny config's (:func:`tiny_llama`), and ones whose every tensor matters,
+for tests that compare logits with a reference.
 
 Fresh init leaves norms at 1, biases at 0 and rope frequency factors at 1: a reader that
 dropped or misnamed one of them would still give the same logits. These helpers move them away
@@ -8,10 +9,29 @@ init makes B zero, so a fresh adapter changes nothing either).
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 
+from llamatrain.build import build_tokenizer
+from llamatrain.config import load_config
+from llamatrain.data import resolve_inputs
 from llamatrain.lora import apply_lora, lora_state_dict
 from llamatrain.model import Llama
+from llamatrain.tokenizer import Tokenizer
+
+
+def tiny_llama(cache_dir: Path, seed: int = 0, **changes: object) -> tuple[Llama, Tokenizer]:
+    """A random llama of the tiny config (``changes`` to its shape), seeded, with the tiny
+    config's vocabulary (trained once into ``cache_dir``): the base the fit tests train from."""
+    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
+    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
+    model_cfg = dataclasses.replace(
+        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx, **changes
+    )
+    torch.manual_seed(seed)
+    return Llama(model_cfg), tokenizer
 
 
 @torch.no_grad()

@@ -10,19 +10,15 @@ the step, so nothing of it needs storing).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from random_models import tiny_llama
 
 from llamatrain import api
-from llamatrain.build import build_tokenizer
-from llamatrain.config import load_config
-from llamatrain.data import resolve_inputs
 from llamatrain.gguf.adapter import read_lora_adapter
-from llamatrain.model import Llama
 from llamatrain.plot import read_records
 
 WORDS = ["love", "beauty", "time", "summer", "rose", "heart", "eye", "youth"]
@@ -37,13 +33,8 @@ def mentions_answer(prompts, completions, completion_ids, answer, **columns):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("grpo")
-    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
-    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
-    torch.manual_seed(0)
-    model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
-    )
-    base = api.export_gguf(Llama(model_cfg), tokenizer, folder / "base.gguf")
+    model, tokenizer = tiny_llama(cache_dir)
+    base = api.export_gguf(model, tokenizer, folder / "base.gguf")
     prompts = folder / "prompts.jsonl"
     rows = [{"prompt": f"Say {w}.", "answer": w} for w in WORDS * 2]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -27,18 +27,15 @@ unweighted).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from random_models import tiny_llama
 
 from llamatrain import api
-from llamatrain.build import build_tokenizer
-from llamatrain.config import load_config
-from llamatrain.data import resolve_inputs
 from llamatrain.model import Llama
 from llamatrain.plot import read_records
 from llamatrain.tokenizer import Tokenizer
@@ -108,13 +105,8 @@ def prompt_rows(seed: int = 0) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("grpo_learning")
-    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
-    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
-    torch.manual_seed(0)
-    model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
-    )
-    base = warm_started(Llama(model_cfg), tokenizer)
+    model, tokenizer = tiny_llama(cache_dir)
+    base = warm_started(model, tokenizer)
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     rewards = folder / "digit_rewards.py"

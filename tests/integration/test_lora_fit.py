@@ -10,7 +10,6 @@ llama.cpp what our model computes (the 1e-5 of tests/integration/test_lora_llama
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,11 @@ import numpy as np
 import pytest
 import torch
 from llama_cpp_runs import cpp_logits
+from random_models import tiny_llama
 
 from llamatrain import api
-from llamatrain.build import build_tokenizer
 from llamatrain.cli import main
-from llamatrain.config import load_config
-from llamatrain.data import SONNETS_PATH, resolve_inputs
+from llamatrain.data import SONNETS_PATH
 from llamatrain.errors import CheckpointError
 from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.gguf.file import read_gguf
@@ -57,13 +55,8 @@ def lora_overrides(cache_dir: Path, run_dir: Path, base: Path, steps: int) -> li
 
 def write_base(cache_dir: Path, path: Path, seed: int) -> Path:
     """A random tiny-config model with the tiny config's vocabulary, exported f32."""
-    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
-    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
-    torch.manual_seed(seed)
-    model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
-    )
-    return api.export_gguf(Llama(model_cfg), tokenizer, path)
+    model, tokenizer = tiny_llama(cache_dir, seed)
+    return api.export_gguf(model, tokenizer, path)
 
 
 @pytest.fixture(scope="module")

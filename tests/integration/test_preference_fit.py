@@ -14,7 +14,6 @@ from the base file before training: it equals a live forward of the base, a resu
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -24,18 +23,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from random_models import tiny_llama
 from user_errors import error_of
 
 from llamatrain import api, build
-from llamatrain.build import build_tokenizer
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.cli import main
-from llamatrain.config import load_config
-from llamatrain.data import build_train_data, resolve_inputs
+from llamatrain.data import build_train_data
 from llamatrain.errors import CheckpointError, TrainingError
 from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.lora import lora_state_dict
-from llamatrain.model import Llama
 from llamatrain.model_source import base_sha256
 from llamatrain.plot import read_records
 from llamatrain.preference import PreferenceObjective, pair_logps, token_logps
@@ -59,13 +56,8 @@ def pairs() -> list[dict]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("pref")
-    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
-    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
-    torch.manual_seed(0)
-    model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
-    )
-    base = api.export_gguf(Llama(model_cfg), tokenizer, folder / "base.gguf")
+    model, tokenizer = tiny_llama(cache_dir)
+    base = api.export_gguf(model, tokenizer, folder / "base.gguf")
     data = folder / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs()))
     return {"base": base, "pairs": data, "cache": cache_dir}

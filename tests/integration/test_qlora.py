@@ -17,7 +17,6 @@ it must show:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
 from pathlib import Path
@@ -26,11 +25,11 @@ import numpy as np
 import pytest
 import torch
 from llama_cpp_runs import cpp_logits
+from random_models import tiny_llama
 
 from llamatrain import api, build
-from llamatrain.build import build_lora_base, build_tokenizer
-from llamatrain.config import load_config
-from llamatrain.data import SONNETS_PATH, resolve_inputs
+from llamatrain.build import build_lora_base
+from llamatrain.data import SONNETS_PATH
 from llamatrain.gguf.export_types import merged_export_type
 from llamatrain.gguf.file import read_gguf
 from llamatrain.lora import FrozenTable, LoraLinear, lora_modules
@@ -80,14 +79,9 @@ def qlora_overrides(cache_dir: Path, run_dir: Path, base: Path, base_dtype: str)
 def f32_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     """A random llama with the tiny config's vocabulary, rows of 256 and 512 values, its
     matrices at the scale that keeps activations ~1 (so every block moves the logits)."""
-    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
-    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
-    model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx,
-        dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Llama(model_cfg)
+    model, tokenizer = tiny_llama(
+        cache_dir, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and name != "token_embd.weight":
