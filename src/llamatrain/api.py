@@ -25,13 +25,11 @@ from llamatrain.build import (
     build_model,
     fresh_run,
     load_tokenizer,
-    lora_targets,
     model_to_export,
     prepare,
     read_model_source,
     reference_of,
     resumed_run,
-    target_suffixes,
     with_base,
 )
 from llamatrain.checkpoint import load_checkpoint
@@ -45,7 +43,7 @@ from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.evaluate import PerplexityResult, perplexity
 from llamatrain.files import write_text_atomically
 from llamatrain.generate import Conversation, chat, generate_text
-from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
+from llamatrain.gguf.adapter import read_lora_adapter, target_suffixes, write_lora_adapter
 from llamatrain.gguf.describe import describe_gguf
 from llamatrain.gguf.export_types import AUTO_EXPORT_TYPE, QUANTIZER_TYPES, merged_export_type
 from llamatrain.gguf.file import verify_gguf
@@ -57,7 +55,7 @@ from llamatrain.lora import merged_tensors
 from llamatrain.memory import MemoryPlan, out_of_memory_in, plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_config import tensor_shapes
-from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file, stored_types
+from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
 from llamatrain.runlock import run_lock, set_aside_previous_run
 from llamatrain.tokenizer import (
@@ -249,10 +247,10 @@ def _with_export_type(cfg: Config, run: RunModel) -> Config:
         return cfg
     shapes = tensor_shapes(run.model.cfg).items()
     base_types = None
-    if run.lora_base is not None:
-        suffixes = target_suffixes(lora_targets(cfg))
-        adapted = [name for name, _ in shapes if name.endswith(suffixes)]
-        base_types = stored_types(run.lora_base.path, adapted)
+    if run.lora_base_types is not None:
+        suffixes = target_suffixes(cfg.lora.adapted)
+        adapted = (name for name, _ in shapes if name.endswith(suffixes))
+        base_types = [run.lora_base_types[name] for name in adapted if name in run.lora_base_types]
     rows = [shape[-1] for _, shape in shapes if len(shape) == 2]
     chosen = merged_export_type(base_types, rows)
     return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, export_type=chosen))

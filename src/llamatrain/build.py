@@ -43,11 +43,11 @@ from llamatrain.config import Config
 from llamatrain.data import TrainData
 from llamatrain.device import resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
+from llamatrain.gguf.adapter import target_suffixes
 from llamatrain.gguf.file import read_gguf, read_stored_into, read_tensors_into, verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_vocab
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, read_hf_folder
 from llamatrain.lora import (
-    ALL_TARGETS,
     apply_lora,
     merge_lora,
     store_frozen_targets,
@@ -92,7 +92,6 @@ __all__ = [
     "read_model_source",
     "reference_of",
     "resumed_run",
-    "target_suffixes",
     "with_base",
 ]
 
@@ -221,11 +220,6 @@ def lora_run_model(checkpoint: Checkpoint, base: LlamaFile) -> Llama:
     return model
 
 
-def target_suffixes(targets: Sequence[str]) -> tuple[str, ...]:
-    """The name endings of the weights LoRA ``targets`` adapt (``.attn_q.weight`` …)."""
-    return tuple(f".{target}.weight" for target in targets)
-
-
 def build_model(source: LlamaFile, **changes: object) -> Llama:
     """The model a file describes, with its weights; ``changes`` to its config (run choices).
 
@@ -314,14 +308,12 @@ class RunModel:
     """The base model's keys its checkpoints and exports keep (``inherited_metadata``)."""
     lora_base: LoraBase | None = None
     """Set for a LoRA run: the frozen base its checkpoints name."""
+    lora_base_types: Mapping[str, str] | None = None
+    """Set for a LoRA run: the ggml type of each tensor in its base's file (none for an HF
+    folder), from the header already read (what its merged export defaults to)."""
     checkpoint: Checkpoint | None = None
     """The checkpoint a resumed run continues from (its weights are not yet in ``model``:
     ``Trainer.load_state`` restores them onto the prepared model)."""
-
-
-def lora_targets(cfg: Config) -> tuple[str, ...]:
-    """The projections ``[lora]`` adapts in every block."""
-    return ALL_TARGETS if cfg.lora.targets is None else tuple(cfg.lora.targets)
 
 
 def fresh_run(cfg: Config, paths: Sequence[Path]) -> RunModel:
@@ -329,7 +321,9 @@ def fresh_run(cfg: Config, paths: Sequence[Path]) -> RunModel:
     if cfg.model.init_from:
         base = read_model_source(cfg.model.init_from)
         lora_base = describe_base(cfg.model.init_from) if cfg.lora.rank else None
-        return RunModel(_from_base(cfg, base), base.tokenizer, dict(base.inherited), lora_base)
+        types = _types(base) if cfg.lora.rank else None
+        model = _from_base(cfg, base)
+        return RunModel(model, base.tokenizer, dict(base.inherited), lora_base, types)
     tokenizer = build_tokenizer(cfg, paths)
     torch.manual_seed(cfg.train.seed)
     model_cfg = dataclasses.replace(
@@ -349,6 +343,11 @@ def _check_memory(cfg: Config, model: ModelConfig, base: LlamaFile | None = None
     check_fits(plan_memory(cfg, model, None if header is None else header.tensor_types), cfg)
 
 
+def _types(base: LlamaFile) -> dict[str, str]:
+    """The ggml types ``base``'s file stores its tensors as (none for an HF folder)."""
+    return {} if base.contents is None else dict(base.contents.tensor_types)
+
+
 def _from_base(cfg: Config, base: LlamaFile) -> Llama:
     """The model of ``base`` with the run's choices; its context stays the base's unless the
     run trains on longer windows."""
@@ -356,7 +355,7 @@ def _from_base(cfg: Config, base: LlamaFile) -> Llama:
     _check_memory(cfg, base.config, base)
     run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
     base_dtype = cfg.lora.base_dtype if cfg.lora.rank else "f32"
-    return build_lora_base(base, base_dtype, lora_targets(cfg), max_seq_len=context, **run_choices)
+    return build_lora_base(base, base_dtype, cfg.lora.adapted, max_seq_len=context, **run_choices)
 
 
 def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunModel:
@@ -372,8 +371,9 @@ def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunMo
     if checkpoint.adapter is not None:
         base = with_base(checkpoint, cfg.model.init_from or None)
         state = checkpoint.state
+        model = _from_base(cfg, base)
         return RunModel(
-            _from_base(cfg, base), base.tokenizer, state.inherited, state.lora_base, checkpoint
+            model, base.tokenizer, state.inherited, state.lora_base, _types(base), checkpoint
         )
     if cfg.model.init_from:  # a finetune keeps its base model's architecture and vocabulary
         expected, tokenizer = checkpoint.config, checkpoint.tokenizer
@@ -442,7 +442,7 @@ def prepare(model: Llama, cfg: Config) -> PreparedModel:
     """
     if cfg.lora.rank:
         torch.manual_seed(cfg.train.seed)
-        apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, lora_targets(cfg))
+        apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.adapted)
     bf16 = cfg.train.dtype == "bfloat16"
     segment = activation_checkpointing.apply(
         model,

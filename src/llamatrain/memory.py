@@ -32,7 +32,7 @@ import torch
 
 from llamatrain.config import Config
 from llamatrain.errors import MemoryBudgetError, shown
-from llamatrain.gguf.adapter import ALL_TARGETS
+from llamatrain.gguf.adapter import target_suffixes
 from llamatrain.gguf.export_types import QUANTIZER_TYPES
 from llamatrain.gguf.file import CHUNK_VALUES
 from llamatrain.model_config import VOCAB_TABLES, ModelConfig, tensor_shapes
@@ -134,8 +134,8 @@ def plan_memory(
 def _adapted(cfg: Config, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
     if not cfg.lora.rank:
         return set()
-    targets = ALL_TARGETS if cfg.lora.targets is None else tuple(cfg.lora.targets)
-    return {name for name in shapes if name.endswith(tuple(f".{t}.weight" for t in targets))}
+    suffixes = target_suffixes(cfg.lora.adapted)
+    return {name for name in shapes if name.endswith(suffixes)}
 
 
 def _kept_tables(cfg: Config, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:

@@ -11,13 +11,13 @@ which is what a LoRA run records to refuse being applied over any other base.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import CheckpointError
-from llamatrain.gguf.file import read_gguf, read_gguf_metadata
+from llamatrain.gguf.file import read_gguf_metadata
 from llamatrain.hf.weights import weight_files
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
     "is_lora_checkpoint",
     "model_file",
     "records_a_base",
-    "stored_types",
 ]
 
 LATEST = "latest.gguf"
@@ -132,12 +131,3 @@ def check_same_model(
             f"(sha256 {used.sha256[:12]}… vs {recorded.sha256[:12]}… recorded); point "
             f"model.init_from at that model, unchanged ({recorded.path})"
         )
-
-
-def stored_types(path: str | Path, names: Iterable[str]) -> list[str]:
-    """The ggml types (``"Q4_K"``, ``"F16"`` …) ``names`` are stored as in a GGUF model (a run
-    folder's latest checkpoint's); none for an HF folder, whose floats are read widened."""
-    if is_hf_folder(path):
-        return []
-    types = read_gguf(model_file(path), tensor_data=False).tensor_types
-    return [types[name] for name in names if name in types]

@@ -409,6 +409,11 @@ class LoraSection:
         choices=("f32", "bf16", "f16", "quantized"),
     )
 
+    @property
+    def adapted(self) -> tuple[str, ...]:
+        """The projections every block adapts: ``targets``, or all of them when unset."""
+        return ALL_TARGETS if self.targets is None else tuple(self.targets)
+
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ __all__ = [
     "check_alpha",
     "lora_settings_problem",
     "read_lora_adapter",
+    "target_suffixes",
     "write_lora_adapter",
 ]
 
@@ -98,6 +99,11 @@ class LoraAdapter:
 
 
 # ------------------------------------------------------------------------------------ writing
+
+
+def target_suffixes(targets: Sequence[str]) -> tuple[str, ...]:
+    """The name endings of the weights LoRA ``targets`` adapt (``.attn_q.weight`` …)."""
+    return tuple(f".{target}{_BASE_SUFFIX}" for target in targets)
 
 
 def write_lora_adapter(
