@@ -44,7 +44,7 @@ from llamatrain.data import TrainData
 from llamatrain.device import resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
 from llamatrain.gguf.adapter import target_suffixes
-from llamatrain.gguf.file import read_gguf, read_stored_into, read_tensors_into, verify_gguf
+from llamatrain.gguf.file import map_stored, read_gguf, read_tensors_into, verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_vocab
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, read_hf_folder
 from llamatrain.lora import (
@@ -243,9 +243,11 @@ def build_lora_base(
     vocabulary tables too, :func:`_kept_tables`).
 
     The model is laid out on the meta device, the targets are given their narrow storage, and
-    only then is memory allocated and the file read into it (stored bytes as they are, or
-    one float32 tensor at a time for a cast): a float32 copy of the targets never exists, so
-    loading peaks at the model's final size. Anything else stays float32.
+    only then is memory allocated and the file read into it (one float32 tensor at a time for
+    a cast): a float32 copy of the targets never exists, so loading peaks at the model's final
+    size. Those kept as the file stores them are not read at all but mapped
+    (``gguf.file.map_stored``): their pages are the file's, as llama.cpp holds a model. Anything
+    else stays float32.
     """
     if base_dtype == "f32":
         return build_model(source, **changes)
@@ -270,12 +272,19 @@ def build_lora_base(
     state, header = model.state_dict(), source.contents
     read_tensors_into(header, {name: t for name, t in state.items() if name not in types})
     as_stored = [name for name in types if types[name] == file_types.get(name)]
-    read_stored_into(header, {name: state[name] for name in as_stored})
+    for name, mapped in map_stored(header, {name: state[name] for name in as_stored}).items():
+        _replace_tensor(model, name, mapped)
     for name in set(types) - set(as_stored):  # cast: a tensor's float32 copy at a time
         wide = torch.empty(state[name].shape, dtype=torch.float32)
         read_tensors_into(header, {name: wide})
         state[name].copy_(wide)
     return model
+
+
+def _replace_tensor(model: Llama, name: str, tensor: torch.Tensor) -> None:
+    """Point the buffer ``name`` of ``model`` at ``tensor`` (the one it held is freed)."""
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, tensor)
 
 
 def _kept_tables(base_dtype: str, file_types: Mapping[str, str]) -> dict[str, str]:

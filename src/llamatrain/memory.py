@@ -64,7 +64,8 @@ class MemoryPlan:
 
     weights: int
     """The model as held: frozen targets (and a QLoRA run's tables) as stored, the rest
-    float32."""
+    float32. Those kept as the file stores them are mapped from it (page cache the kernel
+    can drop), counted all the same: every step reads every page."""
     training: int
     """Trained parameters, their gradients and the optimizer's state."""
     activations: int

@@ -155,6 +155,34 @@ def test_the_vocabulary_tables_are_held_as_the_files_blocks(q4_0_run, quantized_
     assert model.lm_head is model.output
 
 
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges this process maps from ``path`` (Linux's /proc/self/maps)."""
+    ranges, inode = [], path.stat().st_ino
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and int(fields[4]) == inode and fields[5] == str(path.resolve()):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def test_the_frozen_base_is_mapped_from_its_file_not_copied(q4_0_run, quantized_bases) -> None:
+    """Every weight kept as stored (adapted projections and vocabulary tables) lies in the
+    file's own pages, as llama.cpp maps a model, holding the file's bytes at its offset."""
+    path = quantized_bases["q4_0"]
+    contents, ranges = read_gguf(path, tensor_data=False), mapped_ranges(path)
+    data = path.read_bytes()
+    kept = {f"{name}.weight": m.weight for name, m in lora_modules(q4_0_run.model)}
+    kept |= {name: q4_0_run.model.get_submodule(name.removesuffix(".weight")).weight
+             for name in VOCAB_TABLES}  # fmt: skip
+    assert ranges and len(kept) == 2 * 7 + 2
+    for name, weight in kept.items():
+        start, end = weight.data_ptr(), weight.data_ptr() + weight.nbytes
+        assert any(lo <= start and end <= hi for lo, hi in ranges), name
+        info = contents.infos[name]
+        assert weight.numpy().tobytes() == data[info.offset : info.offset + info.n_bytes]
+
+
 def our_logits(model: Llama, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model.eval()(torch.tensor([ids]))[0].double().numpy()

@@ -66,10 +66,10 @@ __all__ = [
     "TensorData",
     "TensorToWrite",
     "load_tensor_data",
+    "map_stored",
     "nonfinite_tensors",
     "read_gguf",
     "read_gguf_metadata",
-    "read_stored_into",
     "read_tensors_into",
     "typed_value",
     "verify_gguf",
@@ -581,24 +581,36 @@ def read_tensors_into(source: GGUFSource, targets: Mapping[str, torch.Tensor]) -
     _read_all_into(p, [infos[name] for name in targets], targets)
 
 
-def read_stored_into(source: GGUFSource, targets: Mapping[str, torch.Tensor]) -> None:
-    """Copy the named tensors' stored bytes, as they are, into ``targets`` of the same byte
-    size (a quantized tensor's blocks as uint8 (rows, row_bytes), an F16 one as float16…):
-    a frozen base kept in the file's own type (QLoRA) is read without a float copy."""
+def map_stored(source: GGUFSource, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The named tensors' stored bytes, as they are, mapped from the file rather than read:
+    tensors of ``like``'s shapes and dtypes (a quantized tensor's blocks as uint8
+    (rows, row_bytes), an F16 one as float16…) whose pages are the file's.
+
+    Why: a frozen base kept in the file's own type (QLoRA) is then held as llama.cpp holds it
+    (``--mmap``, its default): nothing is copied at load, and the pages are clean file pages the
+    kernel can drop under pressure and read again, not anonymous memory that must be swapped
+    or counted against the run. The mapping is copy-on-write, so nothing written to these
+    tensors could reach the file. The file must not be truncated while it is mapped (a read
+    past its end is a SIGBUS, as for llama.cpp); a file replaced by a new one (renamed over)
+    leaves this mapping on the old one."""
     p, _, infos = _parsed(source)
-    with open(p, "rb") as f:
-        for name, target in targets.items():
-            info = infos.get(name)
-            if info is None or target.nbytes != info.n_bytes or not target.is_contiguous():
-                raise GGUFError(
-                    f"{p} has no tensor {shown(name)} of {target.nbytes} stored bytes; pass the "
-                    "model file these tensors belong to"
-                )
-            f.seek(info.offset)
-            if f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) != info.n_bytes:
-                raise GGUFError(
-                    f"{p} is truncated: tensor {shown(name)} ends past the end of the file"
-                )
+    file_bytes = p.stat().st_size
+    for name, t in like.items():
+        info = infos.get(name)
+        if info is None or t.nbytes != info.n_bytes:
+            raise GGUFError(
+                f"{p} has no tensor {shown(name)} of {t.nbytes} stored bytes; pass the model file "
+                "these tensors belong to"
+            )
+        if info.offset + info.n_bytes > file_bytes:
+            raise GGUFError(f"{p} is truncated: tensor {shown(name)} ends past the end of the file")
+    if not like:
+        return {}
+    mapped = np.memmap(p, mode="c", dtype=np.uint8)
+    return {
+        name: torch.from_numpy(mapped[infos[name].offset :][: t.nbytes]).view(t.dtype).view(t.shape)
+        for name, t in like.items()
+    }
 
 
 def _read_all_into(
