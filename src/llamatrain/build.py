@@ -53,7 +53,7 @@ from llamatrain.lora import (
     store_frozen_targets,
     stored_type,
 )
-from llamatrain.memory import check_fits, plan_memory
+from llamatrain.memory import check_fits
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.model_source import (
@@ -349,7 +349,7 @@ def _check_memory(cfg: Config, model: ModelConfig, base: LlamaFile | None = None
     if resolve_device(cfg.train.device).type != "cpu":
         return
     header = None if base is None else base.contents
-    check_fits(plan_memory(cfg, model, None if header is None else header.tensor_types), cfg)
+    check_fits(cfg, model, None if header is None else header.tensor_types)
 
 
 def _types(base: LlamaFile) -> dict[str, str]:

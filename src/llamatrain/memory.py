@@ -25,7 +25,7 @@ import contextlib
 import os
 import resource
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -260,17 +260,67 @@ def resident_bytes() -> int:
         return 0
 
 
-def check_fits(plan: MemoryPlan, cfg: Config) -> None:
-    """Refuse, in one line naming what to change, a run whose plan needs more than this
-    process can still take (what it holds now, PyTorch itself, counts as already had)."""
+def check_fits(cfg: Config, model: ModelConfig, stored_types: Mapping[str, str] | None) -> None:
+    """Refuse, in one line, a run whose plan (:func:`plan_memory`) needs more than this process
+    can still take (what it holds now, PyTorch itself, counts as already had), naming the least
+    change that would fit and its size (:func:`_what_fits`)."""
+    plan = plan_memory(cfg, model, stored_types)
     available = available_memory()
     held = resident_bytes()
     if available is None or plan.peak - held <= available:
         return
     raise MemoryBudgetError(
         f"this run needs about {_size(plan.peak)} ({plan.parts()}) but about "
-        f"{_size(available + held)} is available; {plan.remedy(cfg)}"
+        f"{_size(available + held)} is available; "
+        f"{_what_fits(cfg, model, stored_types, available + held) or plan.remedy(cfg)}"
     )
+
+
+_LORA_RANK = 16
+"""The rank an alternative LoRA run is planned (and suggested) with."""
+_VALUE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "quantized": 1}
+"""``lora.base_dtype`` -> about the bytes a frozen value takes, to order the alternatives."""
+
+
+def _what_fits(
+    cfg: Config, model: ModelConfig, stored_types: Mapping[str, str] | None, available: int
+) -> str | None:
+    """The least change of ``cfg`` whose plan fits in ``available`` bytes, with its size."""
+    for change, changed in _alternatives(cfg, stored_types):
+        peak = plan_memory(changed, model, stored_types).peak
+        if peak <= available:
+            return f"it would fit with {change} (about {_size(peak)})"
+    return None
+
+
+def _alternatives(
+    cfg: Config, stored_types: Mapping[str, str] | None
+) -> Iterator[tuple[str, Config]]:
+    """Changes of ``cfg`` that need less memory, the least change first: activation
+    checkpointing, then (over a base) LoRA adapters instead of the whole model, with their
+    frozen base ever narrower: float32, bf16, and as a quantized file stores it."""
+    train, lora = cfg.train, cfg.lora
+    if train.checkpointing != "full":
+        yield (
+            "train.checkpointing = 'full'",
+            replace(cfg, train=replace(train, checkpointing="full")),
+        )
+    if not cfg.model.init_from:
+        return
+    held = _VALUE_BYTES[lora.base_dtype] if lora.rank else 2 * _VALUE_BYTES["f32"]
+    for base_dtype in ("f32", "bf16", "quantized"):
+        if _VALUE_BYTES[base_dtype] >= held or (
+            base_dtype == "quantized" and not _quantized(stored_types)
+        ):
+            continue
+        rank = "" if lora.rank else f"lora.rank = {_LORA_RANK} and "
+        changed = replace(lora, rank=lora.rank or _LORA_RANK, base_dtype=base_dtype)
+        yield f"{rank}lora.base_dtype = '{base_dtype}'", replace(cfg, lora=changed)
+
+
+def _quantized(stored_types: Mapping[str, str] | None) -> bool:
+    """Whether a base file stores its matrices in a type QLoRA keeps as its blocks."""
+    return any(t in DEQUANTIZABLE - {"F32", "F16", "BF16"} for t in (stored_types or {}).values())
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from user_errors import error_of
 from llamatrain import memory
 from llamatrain.config import load_config
 from llamatrain.lora import ALL_TARGETS, apply_lora, lora_state_dict, store_frozen_targets
-from llamatrain.memory import MemoryPlan, check_fits, plan_memory
+from llamatrain.memory import check_fits, plan_memory
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.model_config import VOCAB_TABLES, tensor_shapes
 
@@ -102,17 +102,60 @@ def test_a_7b_qlora_plan_is_the_files_size() -> None:
     assert bf16.weights > 1.5 * plan.weights
 
 
-def test_a_run_that_cannot_fit_is_one_line_naming_what_to_change(monkeypatch) -> None:
-    monkeypatch.setattr(memory, "available_memory", lambda: 2 << 30)
-    monkeypatch.setattr(memory, "resident_bytes", lambda: 300 << 20)
-    plan = plan_memory(lora_config('lora.base_dtype="bf16"'), SEVEN_B)
-    message = error_of(check_fits, plan, lora_config('lora.base_dtype="bf16"'))
-    assert "needs about" in message and "about 2.3 GB is available" in message
-    assert "lora.base_dtype = 'quantized'" in message
-    full = load_config("tiny", ["data.n_ctx=64"])
-    assert "lora.rank" in error_of(check_fits, plan_memory(full, SEVEN_B), full)
-    fits = MemoryPlan(weights=1 << 20, training=0, activations=0, export=0)
-    check_fits(fits, full)  # 351 MB of 2.3 GB: no error
+ONE_B = ModelConfig(
+    dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+    max_seq_len=131072, tie_embeddings=True,
+)  # fmt: skip
+"""Llama-3.2-1B's shape."""
+
+
+def gb(plan) -> str:
+    return f"{plan.peak / (1 << 30):,.1f} GB"
+
+
+def refusal(monkeypatch, available_gb: float, cfg, model, types=None) -> str:
+    monkeypatch.setattr(memory, "available_memory", lambda: int(available_gb * (1 << 30)))
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
+    return error_of(check_fits, cfg, model, types)
+
+
+def test_a_run_that_cannot_fit_is_one_line_naming_the_least_change_that_fits(monkeypatch):
+    """The refusal plans the alternatives, least change first, and names the first that fits
+    with its size: a bf16 LoRA base of a 7B over 5 GB fits only as the file's Q4_0 blocks."""
+    types = dict.fromkeys(tensor_shapes(SEVEN_B), "Q4_0")
+    bf16 = lora_config('lora.base_dtype="bf16"', 'train.checkpointing="full"')
+    message = refusal(monkeypatch, 5, bf16, SEVEN_B, types)
+    quantized = plan_memory(
+        lora_config('lora.base_dtype="quantized"', 'train.checkpointing="full"'), SEVEN_B, types
+    )
+    assert message.startswith("this run needs about") and "about 5.0 GB is available" in message
+    assert message.endswith(
+        f"it would fit with lora.base_dtype = 'quantized' (about {gb(quantized)})"
+    )
+    # nothing planned fits (no file types known): the plan's remedy for what dominates
+    message = refusal(monkeypatch, 5, bf16, SEVEN_B)
+    assert "would fit" not in message and message.endswith("(lora.base_dtype = 'quantized')")
+
+
+def test_a_full_finetune_of_a_1b_shape_is_refused_naming_the_lora_run_that_fits(monkeypatch):
+    """Issue 39's check: a full finetune of Llama-3.2-1B (float32 master weights, their
+    gradients and AdamW's two moments: 4 x 4.9 GB) does not fit 16 GB; LoRA over the same
+    float32 base does, and the refusal says so with its size."""
+    full = load_config(
+        "tiny", ['model.init_from="base.gguf"', "data.n_ctx=64", 'train.checkpointing="full"']
+    )
+    plan = plan_memory(full, ONE_B)
+    assert plan.training == 3 * 4 * sum(
+        s[0] * (s[1] if len(s) > 1 else 1) for s in tensor_shapes(ONE_B).values()
+    )
+    assert plan.peak > 19 << 30  # 19.6 GB
+    message = refusal(monkeypatch, 16, full, ONE_B)
+    lora = plan_memory(lora_config("lora.rank=16", 'train.checkpointing="full"'), ONE_B)
+    assert message.endswith(
+        f"it would fit with lora.rank = 16 and lora.base_dtype = 'f32' (about {gb(lora)})"
+    ), message
+    monkeypatch.setattr(memory, "available_memory", lambda: 32 << 30)
+    check_fits(full, ONE_B, None)  # on a 32 GB machine it runs
 
 
 def test_fit_refuses_before_reading_the_model_under_an_address_space_limit(tmp_path) -> None:
