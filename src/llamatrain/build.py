@@ -41,6 +41,7 @@ from llamatrain.checkpoint import (
 )
 from llamatrain.config import Config
 from llamatrain.data import TrainData
+from llamatrain.data.cache import sha256_file
 from llamatrain.device import resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
 from llamatrain.gguf.adapter import target_suffixes
@@ -113,12 +114,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def _tokenizer_cache_key(cfg: Config, paths: Sequence[Path]) -> str:
-    """Tokenizer training is deterministic, so identical inputs+settings reuse the result."""
+    """Tokenizer training is deterministic, so identical inputs+settings reuse the result.
+    Each input counts by its sha256, as the token cache's do: a file rewritten with its old
+    size and mtime is another input, a copied or touched one the same."""
     settings = {**vars(cfg.tokenizer), "seed": cfg.train.seed}  # all that training depends on
     h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     for p in paths:
-        stat = p.stat()
-        h.update(f"{p.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        h.update(sha256_file(p).encode())
     return h.hexdigest()[:16]
 
 

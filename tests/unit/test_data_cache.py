@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -169,3 +170,24 @@ def test_a_damaged_or_edited_cache_entry_is_rebuilt(tmp_path, char_tokenizer, da
         again = np.array(load_tokens([a], tok, cache))
     np.testing.assert_array_equal(again, first)
     assert np.array_equal(load_tokens([a], tok, cache), first)  # rebuilt: no warning
+
+
+def test_the_tokenizer_cache_follows_contents_not_sizes_or_times(tmp_path):
+    """Issue 37: the trained tokenizer's cache was keyed by path, size and mtime, so a corpus
+    rewritten with its old size and mtime (os.utime, a restored backup, a coarse clock) got the
+    tokenizer trained on its old text."""
+    from llamatrain.build import build_tokenizer
+    from llamatrain.config import load_config
+    from llamatrain.tokenizer import train_byte_bpe
+
+    corpus = write(tmp_path / "corpus.txt", "the cat sat on the mat\n" * 40)
+    overrides = ["tokenizer.model_type=byte_bpe", "tokenizer.vocab_size=300"]
+    cfg = load_config(None, overrides=[*overrides, f"data.cache_dir={tmp_path / 'cache'}"])
+    before = build_tokenizer(cfg, [corpus])
+    times = corpus.stat()
+    write(corpus, ("dog ran up my log\n" * 40).ljust(times.st_size, "\n"))  # other words
+    assert corpus.stat().st_size == times.st_size
+    os.utime(corpus, ns=(times.st_atime_ns, times.st_mtime_ns))
+    after = build_tokenizer(cfg, [corpus])
+    assert after.tokens == train_byte_bpe([corpus], 300).tokens != before.tokens
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
