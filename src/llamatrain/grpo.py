@@ -38,8 +38,9 @@ and ``_compute_loss``), so a TRL user's settings and curves carry over:
   an EOS id or the pad id) is left out of the loss and of the dapo token count.
 - Metrics (TRL's names): reward, reward_std, rewards/<name>/mean and /std,
   frac_reward_zero_std (groups whose std ``isclose`` 0, counted per row); from the loss kl
-  (β > 0), entropy (when the caller has the per-token entropies: TRL computes them from the
-  logits, which the chunked head never holds), clip_ratio/low_mean, high_mean, region_mean
+  (β > 0), entropy (the token mean of each counted token's entropy of softmax(logits /
+  temperature), which the chunked head gives beside the log-probs:
+  ``model(…, logps_of=, with_entropy=True)``), clip_ratio/low_mean, high_mean, region_mean
   (token means over the micro-batch: r below 1 − ε with A < 0, above 1 + ε_high with A > 0,
   either), clip_ratio/low_min and high_max (extremes over rows of each row's share).
 

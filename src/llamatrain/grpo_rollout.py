@@ -343,6 +343,7 @@ class GRPOObjective:
     def micro_batch_loss(
         self,
         logps: torch.Tensor,
+        entropies: torch.Tensor,
         mask: torch.Tensor,
         advantages: torch.Tensor,
         old_logps: torch.Tensor | None,
@@ -350,8 +351,8 @@ class GRPOObjective:
         rollout: Rollout,
     ) -> torch.Tensor:
         """This micro-batch's share of the step's loss from the policy's log-probs ``logps``
-        of its targets (its rows of ``rollout``'s mask, advantages, old and reference
-        log-probs); its metrics kept for :meth:`metrics`."""
+        of its targets and their entropies (its rows of ``rollout``'s mask, advantages, old and
+        reference log-probs); its metrics kept for :meth:`metrics`."""
         device = logps.device
         terms = self.loss_fn(
             logps,
@@ -359,6 +360,7 @@ class GRPOObjective:
             advantages.to(device),
             old_logps=None if old_logps is None else old_logps.to(device),
             ref_logps=None if ref_logps is None else ref_logps.to(device),
+            entropies=entropies,
             batch_tokens=rollout.batch_tokens,
             max_completion_length=self.cfg.train.max_completion_length,
             accumulation_steps=self.accumulation,

@@ -47,7 +47,12 @@ from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
 from llamatrain.ops.lora import dense_weight
 from llamatrain.ops.sets import IGNORE_INDEX, OpSet
-from llamatrain.ops.table_head import table_cross_entropy, table_logits, table_logps
+from llamatrain.ops.table_head import (
+    table_cross_entropy,
+    table_logits,
+    table_logps,
+    table_logps_and_entropy,
+)
 
 __all__ = [
     "ALL_TARGETS",
@@ -151,6 +156,14 @@ class FrozenTable(nn.Module):
         self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
     ) -> torch.Tensor:
         return table_logps(
+            hidden, self.weight, targets, qtype=self.qtype, ignore_index=IGNORE_INDEX,
+            softcap=softcap,
+        )  # fmt: skip
+
+    def logps_and_entropy(
+        self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return table_logps_and_entropy(
             hidden, self.weight, targets, qtype=self.qtype, ignore_index=IGNORE_INDEX,
             softcap=softcap,
         )  # fmt: skip

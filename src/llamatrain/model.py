@@ -37,7 +37,7 @@ from torch import nn
 from llamatrain.errors import ConfigError
 from llamatrain.model_config import ModelConfig  # also offered here: public API
 from llamatrain.ops.layout import document_layout, layout_positions
-from llamatrain.ops.logps import linear_logps
+from llamatrain.ops.logps import linear_logps, linear_logps_and_entropy
 from llamatrain.ops.sets import IGNORE_INDEX, OpSet, op_set
 
 
@@ -110,11 +110,12 @@ class RMSNorm(nn.Module):
 
 class LmHead:
     """What the lm head computes from final-normed hidden states over its (vocab, dim)
-    ``weight``: logits, each target's log-prob (a chunk of rows at a time, ``ops.logps``) and
-    the mean loss (the op set's ``head_loss``). Mixed into the two modules that serve as the
-    head (``output``; ``token_embd`` when tied), so that a module keeping its table otherwise
-    (a frozen one in a GGUF's blocks: ``lora.FrozenTable``) replaces either by offering the
-    same three calls, and the model does not know how its head is stored."""
+    ``weight``: logits, each target's log-prob (a chunk of rows at a time, ``ops.logps``; also
+    with each row's entropy, what GRPO logs) and the mean loss (the op set's ``head_loss``).
+    Mixed into the two modules that serve as the head (``output``; ``token_embd`` when tied),
+    so that a module keeping its table otherwise (a frozen one in a GGUF's blocks:
+    ``lora.FrozenTable``) replaces either by offering the same four calls, and the model does
+    not know how its head is stored."""
 
     weight: torch.Tensor
     ops: OpSet
@@ -126,6 +127,11 @@ class LmHead:
         self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
     ) -> torch.Tensor:
         return linear_logps(hidden, self.weight, targets, IGNORE_INDEX, softcap=softcap)
+
+    def logps_and_entropy(
+        self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear_logps_and_entropy(hidden, self.weight, targets, IGNORE_INDEX, softcap=softcap)
 
     def loss(
         self, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None
@@ -356,8 +362,12 @@ class Llama(nn.Module):
         return logits if cap is None else self.ops.softcap(logits, cap)
 
     def head_logps(
-        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
-    ) -> torch.Tensor:
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Each target's log-probability (batch, seq) under :meth:`head_logits` on final-normed
         hidden states, 0 where it is not scored (-100), a chunk of rows at a time: the (batch,
         seq, vocab) logits never exist (``llamatrain.ops.logps``). Both op sets use it, as
@@ -365,11 +375,15 @@ class Llama(nn.Module):
 
         ``temperature``: of the logits divided by it (what GRPO's sampler drew from, TRL's
         ``logits / temperature``): ``softcap(h·Wᵀ, c) / T = softcap((h / T)·Wᵀ, c / T)``, so
-        the hidden states and the cap are scaled instead, and the chunked head is unchanged."""
+        the hidden states and the cap are scaled instead, and the chunked head is unchanged.
+        ``with_entropy``: also each scored position's entropy of that softmax (detached, 0 where
+        not scored), from the same chunks: TRL's ``entropy`` metric."""
         cap = self.cfg.final_logit_softcap
         if temperature != 1.0:
             hidden = hidden / temperature
             cap = None if cap is None else cap / temperature
+        if with_entropy:
+            return self.lm_head.logps_and_entropy(hidden, targets, cap)
         return self.lm_head.logps(hidden, targets, cap)
 
     def rope_for(self, pos: torch.Tensor) -> Rope:
@@ -418,19 +432,21 @@ class Llama(nn.Module):
         documents: torch.Tensor | None = None,
         logps_of: torch.Tensor | None = None,
         temperature: float = 1.0,
+        with_entropy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab); with ``targets`` (-100 = ignore) also the mean loss.
 
         ``documents``: see :meth:`hidden_states`. ``logps_of`` (batch, seq) targets: instead
-        of the logits, each one's log-probability (:meth:`head_logps`, at ``temperature``),
-        what a preference or GRPO objective scores — through ``forward``, so the wrappers that
-        call it (DDP, FSDP, compile: ``llamatrain.parallel``) serve it as they serve the logits.
+        of the logits, each one's log-probability (:meth:`head_logps`, at ``temperature``;
+        ``with_entropy``: and each position's entropy), what a preference or GRPO objective
+        scores — through ``forward``, so the wrappers that call it (DDP, FSDP, compile:
+        ``llamatrain.parallel``) serve it as they serve the logits.
         """
         if logps_of is not None and targets is not None:
             raise ValueError("pass targets (for the loss) or logps_of (for log-probs), not both")
         hidden = self.hidden_states(tokens, cache, documents)
         if logps_of is not None:
-            return self.head_logps(hidden, logps_of, temperature)
+            return self.head_logps(hidden, logps_of, temperature, with_entropy)
         logits = self.head_logits(hidden)
         if targets is None:
             return logits

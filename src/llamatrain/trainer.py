@@ -338,7 +338,8 @@ class Trainer:
     def _accumulate_grpo(self, rollout: Rollout) -> float:
         """:meth:`_accumulate_gradients` for GRPO: the rollout's rows in micro-batches, each
         loss the objective's share of the step's (its ``loss_type`` says how); the policy's
-        log-probs of the completions come through the wrapper at the rollout's temperature."""
+        log-probs of the completions (and their entropies, a metric) come through the wrapper
+        at the rollout's temperature."""
         self.optimizer.zero_grad()
         self.grpo.start_step()
         parts = (rollout.mask, rollout.advantages, rollout.old_logps, rollout.ref_logps)
@@ -346,12 +347,13 @@ class Trainer:
         for last, (x, y, *rows) in self._micro_batches(rollout.inputs, rollout.targets, *parts):
             with self.parallel.gradient_sync(last):
                 with self._autocast():
-                    logps = self.logits_fn(
+                    logps, entropies = self.logits_fn(
                         x.to(self.device),
                         logps_of=y.to(self.device),
                         temperature=self.cfg.train.temperature,
+                        with_entropy=True,
                     )
-                loss = self.grpo.micro_batch_loss(logps.float(), *rows, rollout)
+                loss = self.grpo.micro_batch_loss(logps.float(), entropies, *rows, rollout)
                 loss.backward()
             total += loss.item()
         return total

@@ -11,6 +11,7 @@ the step, so nothing of it needs storing).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -97,10 +98,12 @@ def test_a_grpo_run_logs_trl_metrics_and_ends_with_the_adapter_and_the_export(gr
         "clip_ratio/low_mean",
         "clip_ratio/high_mean",
         "clip_ratio/region_mean",
+        "entropy",
     }
     for record in records:
         assert names <= set(record), names - set(record)
         assert 1 <= record["completions/mean_length"] <= 8
+        assert 0 < record["entropy"] < math.log(grpo_run.model.cfg.vocab_size)  # nats
     # mu = 2: the second step of a rollout trains on the first's rewards again
     assert records[0]["reward"] == records[1]["reward"]
     assert records[0]["kl"] == 0.0  # the first step's policy is the base

@@ -14,9 +14,10 @@ with ``cls.__new__``, holding only what the methods read: :func:`grpo_trainer`):
 - ``_compute_loss`` on what that returned, with the policy being trained: the loss, its
   gradient and the loss metrics.
 
-Our side lays each completion after its prompt in one right-padded row, takes the log-probs from
-the chunked head (``model(…, logps_of=targets)``), the reference with the adapters off, and
-calls :mod:`llamatrain.grpo`. With μ = 2 the trained policy is the rollout's moved by a random
+Our side lays each completion after its prompt in one right-padded row, takes the log-probs and
+the entropies from the chunked head (``model(…, logps_of=targets, with_entropy=True)``, what the
+trainer logs; TRL's from the full logits), the reference with the adapters off, and calls
+:mod:`llamatrain.grpo`. With μ = 2 the trained policy is the rollout's moved by a random
 step, so ratios leave the clip range on both sides (checked).
 
 Tolerances: 1e-12 relative for the advantages, loss, gradients (relative to the largest
@@ -278,14 +279,6 @@ def our_rows() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], targets[:, 1:]
 
 
-def entropies_of(model: Llama, inputs: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of the next-token distribution (the test's tiny vocabulary allows
-    the full logits; the trainer would take it from the head's chunks)."""
-    with torch.no_grad():
-        logp = model(inputs).log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def ours(policy: Llama, rollout_model: Llama, case: dict):
     """Our advantages, loss and metrics for ``case``; the reference: ``policy``'s base."""
     scored = score_rewards(
@@ -311,13 +304,14 @@ def ours(policy: Llama, rollout_model: Llama, case: dict):
         case["delta"],
         case["use_bias_correction_kl"],
     )
+    logps, entropies = policy(inputs, logps_of=targets, with_entropy=True)
     terms = objective(
-        policy(inputs, logps_of=targets),
+        logps,
         mask,
         scored.advantages,
         old_logps=old,
         ref_logps=ref,
-        entropies=entropies_of(policy, inputs),
+        entropies=entropies,
         batch_tokens=mask.sum(),
         max_completion_length=MAX_COMPLETION,
     )

@@ -1,5 +1,6 @@
 """GRPO's setup before a step: config validation in one line, the temperature of the chunked
-log-prob head, prompt rows, and completions cut at their stop token."""
+log-prob head (its log-probs and entropies), prompt rows, and completions cut at their stop
+token."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def test_rewards_without_grpo_and_a_zero_beta_for_dpo_are_refused():
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
 def test_the_chunked_head_gives_the_log_softmax_of_logits_over_temperature(softcap, temperature):
+    """Log-probs and entropies of softmax(softcap(logits) / temperature), as TRL's GRPO."""
     family = {"arch": "gemma3", "final_logit_softcap": softcap} if softcap else {}
     cfg = ModelConfig(
         dim=32,
@@ -96,6 +98,14 @@ def test_the_chunked_head_gives_the_log_softmax_of_logits_over_temperature(softc
     want = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     want = want.masked_fill(targets == IGNORE_INDEX, 0.0)
     torch.testing.assert_close(logps, want, rtol=1e-12, atol=1e-12)
+    # the entropy GRPO logs: of the same softmax (TRL's, of logits / temperature), no gradient
+    same, entropies = model(
+        tokens[:, :-1], logps_of=targets, temperature=temperature, with_entropy=True
+    )
+    full = torch.log_softmax(logits, -1)
+    dense = -(full.exp() * full).sum(-1).masked_fill(targets == IGNORE_INDEX, 0.0)
+    assert torch.equal(same, logps) and not entropies.requires_grad
+    torch.testing.assert_close(entropies, dense.detach(), rtol=1e-12, atol=1e-12)
     # and the gradient of the hidden side through the temperature
     grad = torch.autograd.grad(logps.sum(), model.token_embd.weight)[0]
     ref = torch.autograd.grad(want.sum(), model.token_embd.weight)[0]

@@ -4,6 +4,9 @@ instead of from the full (batch, seq, vocab) logits.
 
 They must be the full logits' ``log_softmax`` at the targets, with the same gradients:
 
+* the Function: each scored row's entropy (``linear_logps_and_entropy``, GRPO's metric) equal
+  to the full logits' softmax entropy in float64, detached, 0 where ignored, the log-probs and
+  their gradients unchanged by asking for it;
 * the Function: float64 ``gradcheck`` (w.r.t. the hidden states and the head weight, with and
   without a soft cap, ignored targets, chunks that do and do not divide the rows); float32
   values and gradients (of a random weighting of the rows) against autograd of the full logits
@@ -36,7 +39,7 @@ from llamatrain.data.preferences import Pair, pair_rows
 from llamatrain.lora import apply_lora, lora_modules
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.ops import logps as logps_module
-from llamatrain.ops.logps import linear_logps
+from llamatrain.ops.logps import linear_logps, linear_logps_and_entropy
 from llamatrain.preference import PairLogps, PreferenceObjective, pair_logps, token_logps
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors (conftest)
@@ -140,6 +143,44 @@ def test_no_grad_and_bf16_autocast_compute_the_same_float32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under_autocast = linear_logps(h, w, t, chunk_rows=5)
     assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast.detach(), with_grad)
+
+
+def full_entropy(h, w, t, softcap=None):
+    """The plain computation in float64: each row's entropy of softmax(full logits), in nats,
+    0 where a target is ignored."""
+    logits = F.linear(h.detach().double(), w.detach().double())
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp = logits.log_softmax(-1)
+    return torch.where(t == -100, 0.0, -(logp.exp() * logp).sum(-1))
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_entropy_equals_the_full_logits_softmax_entropy(chunk, softcap, dtype):
+    """Flat and peaked rows alike (hidden rows scaled from 0.01 to 100: entropies from ~0, or
+    under the cap 2.95, to ln 40), against float64 of the full logits: float64 to rounding,
+    float32 to the rounding its logits carry (~6e-8 of their size, |Z| up to 340 here). The
+    log-probs and their gradients are linear_logps' exactly."""
+    h, w, t = make(2, 6, 16, 40, dtype=dtype, ignore_every=5)
+    with torch.no_grad():
+        h *= torch.logspace(-2, 2, 12, dtype=dtype).view(2, 6, 1)
+    logps, entropy = linear_logps_and_entropy(h, w, t, chunk_rows=chunk, softcap=softcap)
+    want = full_entropy(h, w, t, softcap)
+    assert entropy.dtype == dtype and entropy.shape == t.shape and not entropy.requires_grad
+    lowest = 0.1 if softcap is None else 3.0  # a cap of 2 keeps every row's logits within ±2
+    assert float(want[t != -100].min()) < lowest and float(want.max()) > 3.6  # ln 40 = 3.69
+    largest = float(F.linear(h, w).detach().abs().max())
+    tol = 1e-12 if dtype == F64 else 1e-6 + 3e-8 * largest
+    torch.testing.assert_close(entropy.double(), want, rtol=0, atol=tol)
+    assert torch.all(entropy[t == -100] == 0)
+    weights = torch.randn(t.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    got = torch.autograd.grad((logps * weights).sum(), (h, w))
+    plain = linear_logps(h, w, t, chunk_rows=chunk, softcap=softcap)
+    assert torch.equal(logps, plain)
+    for g, ref in zip(got, torch.autograd.grad((plain * weights).sum(), (h, w)), strict=True):
+        assert torch.equal(g, ref)
 
 
 # ---- the model: llama (untied, tied), gemma3 (soft cap), both op sets ----------------------------

@@ -8,6 +8,9 @@ compute (themselves checked against the full logits):
   not divide the vocabulary;
 * float32 log-probs, loss and dH against ``linear_logps`` / ``linear_cross_entropy`` over the
   decoded table (Q4_0, Q8_0, Q5_1 blocks and an F16 table), chunked and in one chunk;
+* each scored row's entropy (``table_logps_and_entropy``) equal to the dense head's over the
+  decoded table, computed in float64 from the full logits, with maxima that grow from chunk to
+  chunk (the running rescale) and logits large enough for absolute sums to cancel;
 * logits equal to the decoded table's product; all rows ignored: loss 0, gradient 0.
 
 float32 tolerance ``TOL`` (relative to the largest |value| of each compared tensor): the
@@ -28,7 +31,12 @@ from torch.autograd import gradcheck
 from llamatrain.ops.dequantize import dequantize
 from llamatrain.ops.fused import linear_cross_entropy
 from llamatrain.ops.logps import linear_logps
-from llamatrain.ops.table_head import table_cross_entropy, table_logits, table_logps
+from llamatrain.ops.table_head import (
+    table_cross_entropy,
+    table_logits,
+    table_logps,
+    table_logps_and_entropy,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # small tensors (conftest)
 
@@ -99,6 +107,32 @@ def test_float32_equals_the_dense_head_over_the_decoded_table(qtype, dim, chunk,
     want_loss = linear_cross_entropy(h, w, t, softcap=softcap)
     (want_loss_dh,) = torch.autograd.grad(want_loss, h)
     assert relative(loss, want_loss) <= TOL and relative(loss_dh, want_loss_dh) <= TOL
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("scale", [1.0, 40.0])  # logits of ~1 and of ~±100 (peaked rows)
+def test_entropy_equals_the_dense_heads_over_the_decoded_table(chunk, softcap, scale) -> None:
+    table, w = stored(50, 64, "Q4_0")
+    h, t = hidden(3, 9, 64, vocab=50)
+    h = (h.detach() * scale).requires_grad_(True)
+    logps, entropy = table_logps_and_entropy(
+        h, table, t, qtype="Q4_0", chunk_rows=chunk, softcap=softcap
+    )
+    logits = h.detach().double() @ w.double().t()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp = logits.log_softmax(-1)
+    want = torch.where(t == -100, 0.0, -(logp.exp() * logp).sum(-1))
+    assert not entropy.requires_grad and torch.all(entropy[t == -100] == 0)
+    # float32 logits carry ~6e-8 of their size in rounding, which the entropy inherits (at
+    # scale 40, |Z| ~ 550; measured: <= 1.0e-5 there, 6e-7 at scale 1)
+    tol = 1e-6 + 3e-8 * float(logits.abs().max())
+    torch.testing.assert_close(entropy.double(), want, rtol=0, atol=tol)
+    plain = table_logps(h, table, t, qtype="Q4_0", chunk_rows=chunk, softcap=softcap)
+    assert torch.equal(logps, plain)
+    (dh,) = torch.autograd.grad(logps.sum(), h)
+    assert torch.equal(dh, torch.autograd.grad(plain.sum(), h)[0])
 
 
 def test_logits_are_the_decoded_tables_product() -> None:

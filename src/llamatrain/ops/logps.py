@@ -23,6 +23,12 @@ LoRA step so costs two head products (Z, a), a full finetune's four (and Z again
 three for autograd of the full logits, and one chunk of logits in memory instead of all.
 Without grad mode (a reference forward) only Z is computed. Double backward is not supported.
 
+``linear_logps_and_entropy`` also gives each scored row's entropy of softmax(Z), in nats, what
+GRPO logs (TRL's ``entropy`` metric) — from the chunk's softmax the log-probs already computed,
+so still no B×T×V logits: with ``p = 2^(Z2 − max)`` (the chunk's unnormalised softmax) and
+``D = Σ p``, ``H = −Σ (p/D)·ln(p/D) = ln D + Σ entr(p) / D``, ``entr(p) = −p·ln p`` (one more
+chunk-sized buffer). It is for watching, not training: it carries no gradient.
+
 Only the rows whose target is scored are computed: a preference row is mostly prompt and
 padding, whose log-probs nobody reads (``mid`` in bench/preference.py scores 1152 of its
 2048 positions). Picking them (``nonzero``) syncs with the device on CUDA.
@@ -45,7 +51,7 @@ from torch.autograd.function import once_differentiable
 from llamatrain.ops.dtypes import compute_dtype
 from llamatrain.ops.fused import ChunkSoftmax, chunk_gradients, chunk_softmax, head_arguments
 
-__all__ = ["linear_logps"]
+__all__ = ["linear_logps", "linear_logps_and_entropy", "to_all_rows"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -106,30 +112,38 @@ class _LinearLogps(torch.autograd.Function):
         chunk_rows: int,
         softcap: float | None,
         with_grad: bool,
-    ) -> torch.Tensor:
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.autocast(h.device.type, enabled=False):
             head = _Head.of(h, weight, targets, ignore_index, softcap, chunk_rows)
             scored = head.h2.new_empty(head.h2.shape[0])
+            entropy = torch.empty_like(scored) if with_entropy else None
             # a = (onehot − softmax)·W per scored row: dlogp/dH for an incoming gradient of 1
             along = torch.empty_like(head.h2) if with_grad and ctx.needs_input_grad[0] else None
             minus_one = head.h2.new_full((min(chunk_rows, head.h2.shape[0]), 1), -1.0)
             for s, chunk in head.chunks():
                 scored[s] = (chunk.picked - chunk.lse2) * _LN2  # base 2 back to nats
+                if entropy is not None:  # before chunk_gradients consumes the softmax
+                    entropy[s] = _chunk_entropy(chunk)
                 if along is not None:  # dZ = −(softmax − onehot)
                     scale = minus_one[: s.stop - s.start]
                     rows = head.h2[s]
                     chunk_gradients(
                         chunk, head.targets[s], scale, head.w, rows, along[s], None, False
                     )
-            logps = scored.new_zeros(targets.numel()).index_copy_(0, head.rows, scored)
+            logps, entropies = (to_all_rows(x, head.rows, targets) for x in (scored, entropy))
         need_w = with_grad and ctx.needs_input_grad[1]
         ctx.save_for_backward(along, head.rows, *((h, weight, targets) if need_w else (None,) * 3))
         ctx.options = (ignore_index, chunk_rows, softcap, h.shape, h.dtype)
-        return logps.reshape(targets.shape)
+        if entropies is not None:  # a metric: no gradient flows back from it
+            ctx.mark_non_differentiable(entropies)
+        return logps, entropies
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, grad: torch.Tensor, _entropy_grad: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         along, rows, h, weight, targets = ctx.saved_tensors
         ignore_index, chunk_rows, softcap, h_shape, h_dtype = ctx.options
         d_h = d_w = None
@@ -145,7 +159,24 @@ class _LinearLogps(torch.autograd.Function):
             with torch.autocast(grad.device.type, enabled=False):
                 head = _Head.of(h, weight, targets, ignore_index, softcap, chunk_rows)
                 d_w = _weight_gradient(head, grad.reshape(-1)[rows]).to(weight.dtype)
-        return d_h, d_w, None, None, None, None, None
+        return d_h, d_w, None, None, None, None, None, None
+
+
+def _chunk_entropy(chunk: ChunkSoftmax) -> torch.Tensor:
+    """(rows,) each row's entropy of its softmax, in nats: ``ln D + Σ entr(p) / D`` over the
+    chunk's unnormalised softmax ``p`` (``D = Σ p``), which is left as it was."""
+    spread = torch.special.entr(chunk.p).sum(-1, keepdim=True)
+    return spread.div_(chunk.denom).add_(chunk.denom.log()).squeeze(-1)
+
+
+def to_all_rows(
+    values: torch.Tensor | None, rows: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor | None:
+    """The scored rows' ``values`` (``rows`` their indices) put back among all rows, 0 where a
+    target is ignored, ``targets``-shaped; None stays None. (``ops.table_head``'s too.)"""
+    if values is None:
+        return None
+    return values.new_zeros(targets.numel()).index_copy_(0, rows, values).reshape(targets.shape)
 
 
 _NO_GRADIENT = "linear_logps: the forward ran without grad mode, so no gradient can be computed"
@@ -185,6 +216,35 @@ def linear_logps(
         ``targets``-shaped log-probs (float32, or float64 for float64 inputs), equal to
         ``log_softmax(F.linear(h, weight)).gather(targets)`` to float32 rounding.
     """
+    return _apply(h, weight, targets, ignore_index, chunk_rows, softcap, False)[0]
+
+
+def linear_logps_and_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_logps` (arguments as there), and each scored row's entropy (nats) of
+    ``softmax(F.linear(h, weight))`` (soft-capped first), from the same chunks: ``targets``-
+    shaped, 0 where a target is ignored, detached (a metric, no gradient)."""
+    return _apply(h, weight, targets, ignore_index, chunk_rows, softcap, True)
+
+
+def _apply(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    chunk_rows: int | None,
+    softcap: float | None,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Function on checked arguments: (log-probs, entropies or None)."""
     chunk_rows, softcap = head_arguments("linear_logps", h, weight, targets, chunk_rows, softcap)
     with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _LinearLogps.apply(h, weight, targets, int(ignore_index), chunk_rows, softcap, with_grad)
+    return _LinearLogps.apply(
+        h, weight, targets, int(ignore_index), chunk_rows, softcap, with_grad, with_entropy
+    )

@@ -21,6 +21,12 @@ step, and a step costs two products with the table (Z, a), as the dense fused he
 version took two passes, the second for a once the log-sum-exp was known: decoding the table
 twice made the head of a 128k × 2048 Q4_0 table ~5x the float32 head's time.)
 
+``table_logps_and_entropy`` also gives each scored row's entropy of softmax(Z), in nats (GRPO's
+``entropy`` metric; no gradient), from the same pass: beside the running sum of
+``w = 2^(Z − max)`` it keeps ``S = Σ entr(w)`` (``entr(w) = −w·ln w``), which a new maximum
+lower by ``d`` (base 2) turns into ``r·(S − d·ln 2·total)``, ``r = 2^−d``, so that at the end
+``H = ln total + S / total`` — relative to the maximum throughout, so no large logits cancel.
+
 ``table_cross_entropy`` is minus the mean of those log-probs over the scored rows: the fused
 loss's value (``ops.fused``; ignored rows skipped), so a QLoRA step and a preference or GRPO
 objective's log-probs share one head. ``table_logits`` gives the logits a chunk of the table
@@ -46,9 +52,10 @@ from torch.autograd.function import once_differentiable
 
 from llamatrain.ops.dequantize import row_bytes
 from llamatrain.ops.dtypes import compute_dtype
+from llamatrain.ops.logps import to_all_rows
 from llamatrain.ops.lora import base_forward, row_chunks, rows_per_chunk
 
-__all__ = ["table_cross_entropy", "table_logits", "table_logps"]
+__all__ = ["table_cross_entropy", "table_logits", "table_logps", "table_logps_and_entropy"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -119,19 +126,32 @@ class _Chunk:
     """(rows, chunk) tanh(Z/cap) under a cap."""
 
 
-def _one_pass(scored: _Scored, with_grad: bool) -> tuple[torch.Tensor, ...]:
-    """Each row's log2 Σ 2^Z, its target's Z (base 2) and, with grad, ``a`` = dlogp/dh, in
-    one pass over the table (each chunk decoded once).
+@dataclass
+class _Pass:
+    """What one pass over the table gives per scored row: log2 Σ 2^Z, the target's Z (both
+    base 2), ``a`` = dlogp/dh (with grad) and the entropy in nats (when asked)."""
+
+    lse2: torch.Tensor
+    picked: torch.Tensor
+    along: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+
+def _one_pass(scored: _Scored, with_grad: bool, with_entropy: bool) -> _Pass:
+    """Each row's log-sum-exp, its target's score, ``a`` and its entropy, in one pass over
+    the table (each chunk decoded once).
 
     The softmax needs the final log-sum-exp, which a single pass knows only at its end; as
     flash attention does, the pass keeps its sums relative to the running maximum and rescales
-    them (``total``, and ``spread`` = Σ 2^(Z − max)·(1 − t²)·W) whenever the maximum grows, so
-    Σ softmax·(1 − t²)·W = spread / total at the end. The one-hot part needs no softmax: the
-    target's own row (times its 1 − t²), gathered from its chunk.
+    them (``total``, ``spread`` = Σ 2^(Z − max)·(1 − t²)·W, and for the entropy ``mixed`` =
+    Σ entr(2^(Z − max))) whenever the maximum grows, so Σ softmax·(1 − t²)·W = spread / total
+    at the end. The one-hot part needs no softmax: the target's own row (times its 1 − t²),
+    gathered from its chunk.
     """
     n, dim = scored.h2.shape
     high = scored.h2.new_full((n,), -math.inf)
     total, picked = scored.h2.new_zeros(n), scored.h2.new_zeros(n)
+    mixed = scored.h2.new_zeros(n) if with_entropy else None
     spread = scored.h2.new_zeros(n, dim) if with_grad else None
     own = scored.h2.new_zeros(n, dim) if with_grad else None
     for chunk in scored.chunks():
@@ -139,6 +159,10 @@ def _one_pass(scored: _Scored, with_grad: bool) -> tuple[torch.Tensor, ...]:
         top = torch.maximum(high, chunk.z.amax(dim=1))
         rescale = torch.exp2(high - top)
         weights = chunk.z.sub_(top.unsqueeze(1)).exp2_()  # 2^(Z − max), in place of Z
+        if mixed is not None:  # Σ entr(w·r) = r·(Σ entr(w) − ln r·Σ w)
+            lowered = (high - top).nan_to_num(neginf=0.0).mul_(_LN2)  # ln r; 1st chunk: total 0
+            mixed.sub_(lowered * total).mul_(rescale)
+            mixed.add_(torch.special.entr(weights).sum(1))
         total.mul_(rescale).add_(weights.sum(1))
         high = top
         if spread is not None and own is not None:
@@ -150,10 +174,11 @@ def _one_pass(scored: _Scored, with_grad: bool) -> tuple[torch.Tensor, ...]:
                 target_rows.mul_(slope[hit].gather(1, chunk.local[hit]))
             spread.mul_(rescale.unsqueeze(1)).addmm_(weights, chunk.w)
             own.index_copy_(0, hit, target_rows)
+    entropy = None if mixed is None else mixed.div_(total).add_(total.log())
     lse2 = total.log2().add_(high)
     if spread is None or own is None:
-        return lse2, picked, None
-    return lse2, picked, own.sub_(spread.div_(total.unsqueeze(1)))
+        return _Pass(lse2, picked, None, entropy)
+    return _Pass(lse2, picked, own.sub_(spread.div_(total.unsqueeze(1))), entropy)
 
 
 class _TableLogps(torch.autograd.Function):
@@ -168,31 +193,36 @@ class _TableLogps(torch.autograd.Function):
         chunk_rows: int | None,
         softcap: float | None,
         with_grad: bool,
-    ) -> torch.Tensor:
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.autocast(h.device.type, enabled=False):
             scored = _Scored.of(h, table, qtype, targets, ignore_index, softcap, chunk_rows)
-            lse2, picked, along = _one_pass(scored, with_grad)
-            logps = scored.h2.new_zeros(targets.numel())
-            logps.index_copy_(0, scored.rows, picked.sub_(lse2).mul_(_LN2))  # base 2 to nats
-        ctx.save_for_backward(along, scored.rows)
+            done = _one_pass(scored, with_grad, with_entropy)
+            logps = done.picked.sub_(done.lse2).mul_(_LN2)  # base 2 to nats
+            logps, entropies = (to_all_rows(x, scored.rows, targets) for x in (logps, done.entropy))
+        ctx.save_for_backward(done.along, scored.rows)
         ctx.h_meta = (h.shape, h.dtype)
-        return logps.reshape(targets.shape)
+        if entropies is not None:  # a metric: no gradient flows back from it
+            ctx.mark_non_differentiable(entropies)
+        return logps, entropies
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, grad: torch.Tensor, _entropy_grad: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         # dH_r = g_r·a_r: a is the row's dlogp/dh for an incoming gradient of 1.
         along, rows = ctx.saved_tensors
         h_shape, h_dtype = ctx.h_meta
         if not ctx.needs_input_grad[0]:  # a float table that requires grad: frozen here
-            return (None,) * 8
+            return (None,) * 9
         if along is None:
             raise RuntimeError(
                 "table_logps: the forward ran without grad mode, so no gradient was computed"
             )
         g = grad.reshape(-1)[rows].to(along.dtype).unsqueeze(-1)
         d_h = along.new_zeros(math.prod(h_shape[:-1]), h_shape[-1]).index_copy_(0, rows, along * g)
-        return d_h.reshape(h_shape).to(h_dtype), *(None,) * 7
+        return d_h.reshape(h_shape).to(h_dtype), *(None,) * 8
 
 
 def _check(op: str, h: torch.Tensor, table: torch.Tensor, qtype: str | None) -> None:
@@ -226,6 +256,36 @@ def table_logps(
     (Gemma's ``final_logit_softcapping``). Returns float32 (float64 for float64 ``h``); the
     gradient reaches ``h`` only.
     """
+    return _table_apply(h, table, targets, qtype, ignore_index, chunk_rows, softcap, False)[0]
+
+
+def table_logps_and_entropy(
+    h: torch.Tensor,
+    table: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    qtype: str | None = None,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`table_logps` (arguments as there), and each scored row's entropy (nats) of the
+    softmax of ``h @ W.T`` (soft-capped first), from the same pass: ``targets``-shaped, 0 where
+    a target is ignored, detached (a metric, no gradient)."""
+    return _table_apply(h, table, targets, qtype, ignore_index, chunk_rows, softcap, True)
+
+
+def _table_apply(
+    h: torch.Tensor,
+    table: torch.Tensor,
+    targets: torch.Tensor,
+    qtype: str | None,
+    ignore_index: int,
+    chunk_rows: int | None,
+    softcap: float | None,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Function on checked arguments: (log-probs, entropies or None)."""
     _check("table_logps", h, table, qtype)
     if targets.shape != h.shape[:-1]:
         raise ValueError(
@@ -234,7 +294,7 @@ def table_logps(
         )
     with_grad = torch.is_grad_enabled() and h.requires_grad
     return _TableLogps.apply(
-        h, table, qtype, targets, int(ignore_index), chunk_rows, softcap, with_grad
+        h, table, qtype, targets, int(ignore_index), chunk_rows, softcap, with_grad, with_entropy
     )
 
 
