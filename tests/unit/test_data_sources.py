@@ -91,3 +91,27 @@ def test_check_text_file_reports_offsets_across_blocks(tmp_path):
 def test_read_text_normalises(tmp_path):
     path = write(tmp_path / "x.txt", "\ufeffone\r\ntwo\rthree\n".encode())
     assert read_text(path) == "one\ntwo\nthree\n"
+
+
+@pytest.mark.parametrize("format", ["text", "parquet"])
+@pytest.mark.parametrize("named", ["folder", "glob", "recursive glob"])
+def test_a_link_out_of_a_folder_is_refused_naming_it(tmp_path, format, named):
+    """Issue 37: a text or Parquet folder (or a glob's folder) read a file a link in it points
+    at outside it, as the HF folder reader no longer does; a file named itself may be a link."""
+    suffix = ".parquet" if format == "parquet" else ".txt"
+    content = b"PAR1" + b"\0" * 8 + b"PAR1" if format == "parquet" else b"secret\n"
+    outside = write(tmp_path / "elsewhere" / f"secret{suffix}", content)
+    corpus = tmp_path / "corpus"
+    write(corpus / "sub" / f"a{suffix}", content)
+    (corpus / "sub" / f"link{suffix}").symlink_to(outside)
+    spec = {"folder": corpus, "glob": corpus / "sub" / f"*{suffix}"}
+    spec["recursive glob"] = corpus / "**" / f"*{suffix}"
+    message = error_of(resolve_inputs, str(spec[named]), format=format)
+    assert f"link{suffix}', a link leading out of" in message and "copy the file in" in message
+    assert resolve_inputs(str(corpus / "sub" / f"link{suffix}"), format=format) == [
+        corpus / "sub" / f"link{suffix}"
+    ]
+    inner = corpus / "sub" / f"inner{suffix}"  # a link that stays inside is a file of it
+    (corpus / "sub" / f"link{suffix}").unlink()
+    inner.symlink_to(corpus / "sub" / f"a{suffix}")
+    assert inner in resolve_inputs(str(spec[named]), format=format)

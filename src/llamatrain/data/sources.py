@@ -9,11 +9,13 @@ below it) and for ``"hf"`` folders written by HF ``datasets``' ``save_to_disk``;
 :func:`table_rows` reads their rows as dicts, through the optional extras ``llamatrain[parquet]``
 (pyarrow) and ``llamatrain[datasets]``, named in one line when missing.
 
-A ``save_to_disk`` folder names its own files (``state.json``'s Arrow files, a DatasetDict's
-split folders), and ``datasets`` would open whatever they name. Only files inside the folder the
-user named are read (:func:`hf_files`): a name that is absolute, holds ``..`` or reaches out
-through a link is refused before anything reads it, so neither the rows nor the example cache
-keyed by those files' bytes can come from elsewhere.
+Every reader is confined to what the user named. A folder (or a glob's folder) gives only the
+files inside it: a link in it that leads out is refused, naming it. A ``save_to_disk`` folder
+names its own files (``state.json``'s Arrow files, a DatasetDict's split folders), and
+``datasets`` would open whatever they name: only files inside the folder the user named are
+read (:func:`hf_files`), a name that is absolute, holds ``..`` or reaches out through a link
+refused before anything reads it. So neither the rows nor the caches keyed by those files'
+bytes can come from elsewhere.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import codecs
 import glob
 import importlib
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -280,11 +283,7 @@ def _inside(top: Path, base: Path, name: object, named_by: str) -> Path:
             "only files inside the folder named: re-save the dataset with save_to_disk"
         )
     path = base / name
-    try:
-        inside = path.resolve().is_relative_to(top.resolve())
-    except (OSError, RuntimeError):  # a link loop
-        inside = False
-    if not inside:
+    if not _resolves_inside(path, top):
         raise DataError(
             f"{named_by} names '{shown(name)}', a link leading out of {top}; data.format = 'hf' "
             "reads only files inside the folder named: copy the file in instead of linking it"
@@ -377,7 +376,13 @@ def _glob_files(spec: str, pattern: Path) -> list[Path]:
         raise DataError(
             f"data.path glob {spec!r} matched no files (working directory {Path.cwd()})"
         )
-    return found
+    return _confined(found, _glob_root(pattern), f"data.path glob {spec!r}")
+
+
+def _glob_root(pattern: Path) -> Path:
+    """The folder a glob names: its leading parts without wildcards ("." for none)."""
+    fixed = itertools.takewhile(lambda part: not any(c in part for c in "*?["), pattern.parts)
+    return Path(".", *fixed)
 
 
 def _folder_files(spec: str, folder: Path, suffix: str = "*.txt") -> list[Path]:
@@ -387,4 +392,29 @@ def _folder_files(spec: str, folder: Path, suffix: str = "*.txt") -> list[Path]:
             f"data.path folder {spec!r} contains no {suffix} files; name files or a glob "
             "such as 'corpus/**/*.md' instead"
         )
+    return _confined(found, folder, f"data.path folder {spec!r}")
+
+
+def _confined(found: list[Path], top: Path, named: str) -> list[Path]:
+    """``found`` (the files a folder or glob gave) when each lies inside ``top``, else
+    DataError naming the first link that leads out: a folder's files are what the user named,
+    not what a link planted in it points at (the tokenizer, the caches and the run would read
+    it as part of the corpus). A file named in data.path itself is the user's to link."""
+    for path in found:
+        if not _resolves_inside(path, top):
+            inner = shown(path.relative_to(top).as_posix())
+            raise DataError(
+                f"{named} holds '{inner}', a link leading out of {shown(str(top), None)}; "
+                "llamatrain reads only files inside the folder named: copy the file in, or "
+                "name it in data.path itself"
+            )
     return found
+
+
+def _resolves_inside(path: Path, top: Path) -> bool:
+    """Whether ``path``, every link on the way followed, lies inside ``top`` (a link loop
+    does not): one rule for every folder llamatrain reads files from."""
+    try:
+        return path.resolve().is_relative_to(top.resolve())
+    except (OSError, RuntimeError):  # a link loop
+        return False
