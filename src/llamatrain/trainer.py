@@ -56,7 +56,7 @@ from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.generate import generate
 from llamatrain.grpo_rollout import GRPOObjective, Rollout
 from llamatrain.interrupt import StopRequest
-from llamatrain.lora import lora_modules
+from llamatrain.lora import FrozenTable, lora_modules
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_source import REFERENCE_ROLE, LoraBase, check_same_model, checkpoint_dir
@@ -738,13 +738,13 @@ class Trainer:
 
 
 def held_types(model: Llama) -> dict[str, str]:
-    """The ggml type each adapted projection's frozen weight is held as (what a memory plan
-    counts them at): its blocks' type, or the float type it was narrowed to."""
+    """The ggml type each adapted projection's frozen weight and each vocabulary table kept
+    as stored is held as (what a memory plan counts them at): its blocks' type, or the float
+    type it was narrowed to."""
     names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-    return {
-        f"{name}.weight": module.qtype or names[module.weight.dtype]
-        for name, module in lora_modules(model)
-    }
+    held = [*lora_modules(model)]
+    held += [(name, m) for name, m in model.named_modules() if isinstance(m, FrozenTable)]
+    return {f"{name}.weight": module.qtype or names[module.weight.dtype] for name, module in held}
 
 
 def scored_count(targets: torch.Tensor) -> int:

@@ -33,9 +33,11 @@ from llamatrain.data import SONNETS_PATH
 from llamatrain.gguf.export_types import merged_export_type
 from llamatrain.gguf.file import read_gguf
 from llamatrain.lora import FrozenTable, LoraLinear, lora_modules
+from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.ops import lora as ops_lora
+from llamatrain.trainer import held_types
 
 STEPS = 4
 LOSS_RTOL = 1e-5
@@ -153,6 +155,15 @@ def test_the_vocabulary_tables_are_held_as_the_files_blocks(q4_0_run, quantized_
         assert table.weight.dtype == torch.uint8
         assert table.weight.nbytes == contents.tensor_nbytes[name]
     assert model.lm_head is model.output
+
+
+def test_the_memory_plan_counts_the_weights_the_run_holds(q4_0_run) -> None:
+    """The opening summary's weights are the bytes the model holds: the blocks of the adapted
+    projections and of the vocabulary tables, float32 for the rest (adapters aside)."""
+    model = q4_0_run.model
+    cfg = q4_0_run.config
+    held = {t.data_ptr(): t.nbytes for n, t in model.state_dict().items() if "lora_" not in n}
+    assert plan_memory(cfg, model.cfg, held_types(model)).weights == sum(held.values())
 
 
 def mapped_ranges(path: Path) -> list[tuple[int, int]]:
