@@ -19,6 +19,14 @@ numbers as scalars at their step — a training step's under ``train/`` (``train
 report (its numbers under ``report/`` and as a JSON text). The run's config is logged once as
 hyperparameters (flattened to ``section.key``) and as TOML-like text.
 
+A GRPO run's completions table (what ``completions.jsonl`` keeps: prompt, completion, each
+reward function's score, the reward, the advantage; :func:`completions_table`) goes to every
+tracker at each logged step, as TRL logs its own: TensorBoard's text plugin shows it as a table
+(a 2-D string tensor, its first row the column names), W&B as a ``wandb.Table``, MLflow as a
+JSON artifact ``completions/step-NNNNNNNN.json`` in pandas' "split" layout (``{"columns",
+"data"}``, what ``MlflowClient.log_table`` writes) — written, not appended as ``log_table``
+would, so the steps a resume redoes replace their tables instead of doubling them.
+
 A resumed run continues the same tracker run where the tracker allows it: the ids are kept in
 ``<run>/trackers.json``; W&B resumes its run id (offline: a second offline folder, merged by
 ``wandb sync``), MLflow logs into the same run, TensorBoard writes a new event file in the same
@@ -46,6 +54,7 @@ __all__ = [
     "TRACKERS",
     "WRITES",
     "check_writes",
+    "completions_table",
     "mlflow_uri",
     "Trackers",
     "flat_config",
@@ -129,6 +138,29 @@ def _numbers(record: Mapping[str, Any], prefix: str) -> dict[str, float]:
     }
 
 
+def completions_table(
+    records: Sequence[Mapping[str, Any]],
+) -> tuple[list[str], list[list[Any]]]:
+    """GRPO's completions (``completions.jsonl`` records) as a table's column names and rows:
+    step, prompt, completion, each reward function's score (``rewards/<name>``, None where it
+    gave none), the reward and the advantage. A prompt given as messages is its JSON text."""
+    names = list(dict.fromkeys(name for r in records for name in r["rewards"]))
+    columns = ["step", "prompt", "completion", *(f"rewards/{n}" for n in names)]
+    columns += ["reward", "advantage"]
+    rows = [
+        [
+            r["step"],
+            r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"]),
+            r["completion"],
+            *(r["rewards"].get(n) for n in names),
+            r["reward"],
+            r["advantage"],
+        ]
+        for r in records
+    ]
+    return columns, rows
+
+
 def _config_text(config: Mapping[str, Any]) -> str:
     lines = []
     for section, table in config.items():
@@ -160,6 +192,10 @@ class _TensorBoard:
     def text(self, step: int, tag: str, text: str) -> None:
         self.writer.add_text(tag, _markdown(text), step)
 
+    def table(self, step: int, tag: str, columns: list[str], rows: list[list[Any]]) -> None:
+        cells = [columns, *([_cell(value) for value in row] for row in rows)]
+        self.writer.file_writer.add_summary(_text_table(tag, cells), step)
+
     def report(self, step: int, report: Mapping[str, Any]) -> None:
         self.text(step, "report", json.dumps(report, indent=1))
 
@@ -170,6 +206,36 @@ class _TensorBoard:
 def _markdown(text: str) -> str:
     """Text TensorBoard shows as written (its text plugin renders markdown)."""
     return "\n".join("    " + line for line in text.split("\n"))
+
+
+def _cell(value: Any) -> str:
+    """A table cell as text: a string as it is, anything else as JSON (None: null)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _text_table(tag: str, cells: list[list[str]]) -> Any:
+    """A text summary holding ``cells`` as a 2-D string tensor, which TensorBoard's text plugin
+    draws as a table (``add_text`` writes one string, whose markdown table would need every
+    ``|`` and line break in a completion escaped)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
+
+    plugin = SummaryMetadata.PluginData(
+        plugin_name="text", content=TextPluginData(version=0).SerializeToString()
+    )
+    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=len(cells)),
+                                  TensorShapeProto.Dim(size=len(cells[0]))])  # fmt: skip
+    tensor = TensorProto(
+        dtype="DT_STRING",
+        string_val=[cell.encode("utf-8") for row in cells for cell in row],
+        tensor_shape=shape,
+    )
+    value = Summary.Value(
+        tag=f"{tag}/text_summary", metadata=SummaryMetadata(plugin_data=plugin), tensor=tensor
+    )
+    return Summary(value=[value])
 
 
 class _Wandb:
@@ -198,6 +264,9 @@ class _Wandb:
     def text(self, step: int, tag: str, text: str) -> None:
         table = self.wandb.Table(columns=["step", "text"], data=[[step, text]])
         self.run.log({tag: table}, step=step)
+
+    def table(self, step: int, tag: str, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({tag: self.wandb.Table(columns=columns, data=rows)}, step=step)
 
     def report(self, step: int, report: Mapping[str, Any]) -> None:
         self.run.summary.update({f"report/{k}": v for k, v in report.items()})
@@ -257,6 +326,10 @@ class _Mlflow:
 
     def text(self, step: int, tag: str, text: str) -> None:
         self.client.log_text(self.run_id, text, f"{tag}/step-{step:08d}.txt")
+
+    def table(self, step: int, tag: str, columns: list[str], rows: list[list[Any]]) -> None:
+        table = {"columns": columns, "data": rows}  # pandas' "split" layout, as log_table's
+        self.client.log_dict(self.run_id, table, f"{tag}/step-{step:08d}.json")
 
     def report(self, step: int, report: Mapping[str, Any]) -> None:
         self.client.log_dict(self.run_id, dict(report), "report.json")
@@ -332,6 +405,15 @@ class Trackers:
             for key in ("sample", "stopped"):
                 if isinstance(record.get(key), str):
                     tracker.text(step, key, record[key])
+
+    def completions(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """GRPO's completions of step ``step`` (``completions.jsonl`` records) as the table
+        ``completions`` (:func:`completions_table`)."""
+        if not self.trackers or not records:
+            return
+        columns, rows = completions_table(records)
+        for tracker in self.trackers:
+            tracker.table(step, "completions", columns, rows)
 
     def close(self) -> None:
         """Flush and finish every tracker (each even if another fails)."""

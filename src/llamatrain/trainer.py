@@ -24,7 +24,7 @@ GRPO (``train.objective = "grpo"``, ``llamatrain.grpo_rollout``) trains on promp
 step asks the objective for a rollout (completions sampled from the model being trained,
 scored, their advantages), then for each micro-batch's loss on the policy's log-probs of the
 completions; the step's metrics carry TRL's names, and the last steps' completions are kept in
-``completions.jsonl`` beside ``metrics.jsonl``.
+``completions.jsonl`` beside ``metrics.jsonl`` (each logged step's also go to the trackers).
 """
 
 from __future__ import annotations
@@ -567,6 +567,8 @@ class Trainer:
         self.history.train.append(record)
         if self._every(t.log_every) or self.state.step == t.steps:
             self._log(record)
+            if self.grpo is not None:
+                self._log_completions()
         postfix = {"loss": f"{done.loss:.4f}", "lr": f"{record['lr']:.2e}"}
         if self.objective is not None:
             postfix["margin"] = f"{record['reward_margin']:.3f}"
@@ -624,6 +626,12 @@ class Trainer:
         self.completions = [*kept, *(r | {"step": step} for r in rollout.table)]
         text = "".join(json.dumps(r, default=str) + "\n" for r in self.completions)
         write_text_atomically(self.completions_path, text, COMPLETIONS_KIND)
+
+    def _log_completions(self) -> None:
+        """This step's completions table (as ``completions.jsonl`` keeps it) to the trackers,
+        at the steps whose metrics they receive."""
+        step = self.state.step
+        self.trackers.completions(step, [r for r in self.completions if r["step"] == step])
 
     def _train_until_done(self, bar: tqdm) -> None:
         """Steps until ``train.steps`` or a convergence test fires; evaluations and saves on

@@ -2,23 +2,30 @@
 short run of the tiny config, and its own files are read back with its own library —
 TensorBoard's EventAccumulator, W&B's offline ``.wandb`` log, MLflow's SQLite store — to find the
 scalars metrics.jsonl holds, the config, a sample and the end-of-run report. A resume continues
-the same tracker run. Trackers that are not installed are skipped (each is an optional extra).
+the same tracker run. A GRPO run's completions table reaches every tracker at each logged step,
+read back from each one's files as completions.jsonl holds it. Trackers that are not installed
+are skipped (each is an optional extra).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from random_models import tiny_llama
 from user_errors import error_of
 
 from llamatrain import api
 from llamatrain.errors import ConfigError, OutputError
+from llamatrain.plot import read_records
 from llamatrain.trackers import (
     EXTRAS,
     IDS_FILE,
+    TRACKERS,
     Trackers,
+    completions_table,
     flat_config,
     mlflow_uri,
     open_trackers,
@@ -252,3 +259,111 @@ def test_mlflow_store_holds_the_run_and_resumes_it(tiny_overrides):
     assert report["steps"] == 2
     assert (artifacts / "sample" / "step-00000004.txt").read_text() == result.history.samples[-1]
     assert "[train]" in (artifacts / "config.toml").read_text()
+
+
+# ---- GRPO's completions table -------------------------------------------------------------------
+
+INSTALLED = [t for t in TRACKERS if importlib.util.find_spec(EXTRAS[t]) is not None]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path):
+    """A 2-step LoRA GRPO run (4 completions of 2 prompts a step, two built-in rewards) logging
+    to every installed tracker."""
+    folder = tmp_path_factory.mktemp("grpo_trackers")
+    model, tokenizer = tiny_llama(cache_dir)
+    base = api.export_gguf(model, tokenizer, folder / "base.gguf")
+    prompts = folder / "prompts.jsonl"
+    rows = [{"prompt": f"Say {n}.", "answer": str(n)} for n in range(8)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {
+        "data.cache_dir": f'"{cache_dir}"',
+        "output.dir": f'"{folder / "run"}"',
+        "output.export": "false",
+        "output.loggers": json.dumps(INSTALLED),
+        "model.init_from": f'"{base}"',
+        "data.path": f'"{prompts}"',
+        "data.format": '"jsonl"',
+        "data.val_fraction": "0",
+        "train.objective": '"grpo"',
+        "train.rewards": '["builtin:exact_answer", "builtin:length"]',
+        "train.reward_args": "{length={target=4}}",
+        "train.num_generations": "4",
+        "train.max_completion_length": "6",
+        "train.n_batch": "512",  # 8 completions a step
+        "train.steps": "2",
+        "train.log_every": "1",
+        "train.eval_every": "0",
+        "train.sample_tokens": "0",
+        "lora.rank": "4",
+    }
+    overrides = [f"{k}={v}" for k, v in settings.items()]
+    return api.fit("tiny", overrides=overrides, progress=False)
+
+
+def expected_tables(run_dir: Path) -> dict[int, tuple[list[str], list[list]]]:
+    """Step → the completions table of that step, from completions.jsonl."""
+    records = read_records(run_dir / "completions.jsonl")
+    return {s: completions_table([r for r in records if r["step"] == s]) for s in (1, 2)}
+
+
+def test_the_completions_table_has_a_column_per_reward_function():
+    record = {
+        "step": 3,
+        "prompt": [{"role": "user", "content": "hi"}],
+        "completion": "yo",
+        "rewards": {"exact": None, "length": 0.5},
+        "reward": 0.5,
+        "advantage": -1.25,
+    }
+    columns, rows = completions_table([record, record | {"prompt": "2+2="}])
+    assert columns == [
+        "step", "prompt", "completion", "rewards/exact", "rewards/length", "reward", "advantage"
+    ]  # fmt: skip
+    assert rows[0] == [3, '[{"role": "user", "content": "hi"}]', "yo", None, 0.5, 0.5, -1.25]
+    assert rows[1][1] == "2+2="
+
+
+def test_tensorboard_holds_each_logged_steps_completions_table(grpo_run):
+    if "tensorboard" not in INSTALLED:
+        pytest.skip("tensorboard is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    events = EventAccumulator(str(grpo_run.run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    logged = {
+        e.step: make_ndarray(e.tensor_proto) for e in events.Tensors("completions/text_summary")
+    }
+    for step, (columns, rows) in expected_tables(grpo_run.run_dir).items():
+        cells = [[c.decode() for c in row] for row in logged[step].tolist()]
+        assert len(rows) == 8 and cells[0] == columns  # the column names, then a row each
+        want = [[c if isinstance(c, str) else json.dumps(c) for c in row] for row in rows]
+        assert cells[1:] == want
+
+
+def test_wandb_holds_each_logged_steps_completions_table(grpo_run):
+    if "wandb" not in INSTALLED:
+        pytest.skip("wandb is not installed")
+    run_id = json.loads((grpo_run.run_dir / IDS_FILE).read_text())["wandb"]
+    (files,) = (grpo_run.run_dir / "wandb").glob(f"offline-run-*-{run_id}/files")
+    for step, (columns, rows) in expected_tables(grpo_run.run_dir).items():
+        (path,) = (files / "media" / "table").glob(f"completions_{step}_*.table.json")
+        table = json.loads(path.read_text())
+        assert table["columns"] == columns and table["data"] == rows
+
+
+def test_mlflow_holds_each_logged_steps_completions_table(grpo_run):
+    if "mlflow" not in INSTALLED:
+        pytest.skip("mlflow is not installed")
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((grpo_run.run_dir / IDS_FILE).read_text())["mlflow"]
+    run = MlflowClient(tracking_uri=mlflow_uri(grpo_run.run_dir)).get_run(run_id)
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+    for step, (columns, rows) in expected_tables(grpo_run.run_dir).items():
+        path = artifacts / "completions" / f"step-{step:08d}.json"
+        assert json.loads(path.read_text()) == {"columns": columns, "data": rows}
+        table = pd.read_json(path, orient="split")  # the layout MlflowClient.log_table writes
+        assert list(table.columns) == columns and len(table) == 8
