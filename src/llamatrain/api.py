@@ -54,6 +54,9 @@ from llamatrain.hf.peft import write_peft_adapter
 from llamatrain.lora import merged_tensors
 from llamatrain.memory import MemoryPlan, out_of_memory_in, plan_memory
 from llamatrain.model import Llama
+from llamatrain.model_card.facts import ModelCard, conversion_card, export_card
+from llamatrain.model_card.general_keys import with_general_keys
+from llamatrain.model_card.readme import readme
 from llamatrain.model_config import tensor_shapes
 from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
@@ -222,6 +225,7 @@ def _fit_locked(
         return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path=None)
     adapter_path = None
     export_path = None
+    inherited = with_general_keys(inherited, export_card(run_dir, inherited))
     with out_of_memory_in("while exporting the trained model", cfg, plan, remedy=_EXPORT_LATER):
         if run.lora_base is not None:  # a LoRA run: its adapter, and the merged model
             adapter_path = write_lora_adapter(
@@ -351,12 +355,18 @@ def export_hf(
     tokenizer: Tokenizer,
     directory: str | Path,
     inherited: Mapping[str, Any] | None = None,
+    card: ModelCard | None = None,
 ) -> Path:
     """Write an HF checkpoint folder transformers loads as ``LlamaForCausalLM`` (config.json,
     float32 model.safetensors, tokenizer.json and tokenizer_config.json with ``inherited``'s
-    chat template); the vocabulary must be byte-level BPE. A LoRA-adapted model is written
-    merged, a shard at a time (``llamatrain.hf.folder.SHARD_BYTES``)."""
-    return write_hf_folder(directory, model.cfg, merged_tensors(model), tokenizer, inherited)
+    chat template) and its README.md model card (``card``, as ``export`` reads it from a run;
+    unset: what ``inherited`` says of the model); the vocabulary must be byte-level BPE. A
+    LoRA-adapted model is written merged, a shard at a time
+    (``llamatrain.hf.folder.SHARD_BYTES``)."""
+    text = readme(card or conversion_card(inherited or {}), "model")
+    return write_hf_folder(
+        directory, model.cfg, merged_tensors(model), tokenizer, inherited, card=text
+    )
 
 
 EXPORT_FORMATS = ("gguf", "hf")
@@ -366,7 +376,9 @@ EXPORT_FORMATS = ("gguf", "hf")
 def export(source: str | Path, path: str | Path, type: str = "f32", format: str = "gguf") -> Path:
     """Export a run folder (its latest checkpoint), a checkpoint, a GGUF model or an HF folder
     as a GGUF llama.cpp runs (its tensors stored as ``type``) or, with ``format="hf"``, as an
-    HF folder (float32), keeping the keys of the model it was finetuned from."""
+    HF folder (float32), keeping the keys of the model it was finetuned from; what the run did
+    goes into the GGUF's ``general.*`` keys or the folder's README.md model card
+    (``llamatrain.model_card``)."""
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
     if format == "hf" and type != "f32":
@@ -375,16 +387,19 @@ def export(source: str | Path, path: str | Path, type: str = "f32", format: str 
         )
     require_quantizer(type)
     model, tokenizer, inherited = model_to_export(source)
+    card = export_card(source, inherited)
     if format == "hf":
-        return export_hf(model, tokenizer, path, inherited=inherited)
-    return export_gguf(model, tokenizer, path, type=type, inherited=inherited)
+        return export_hf(model, tokenizer, path, inherited=inherited, card=card)
+    kept = with_general_keys(inherited, card)
+    return export_gguf(model, tokenizer, path, type=type, inherited=kept)
 
 
 def export_adapter(source: str | Path, path: str | Path, format: str = "gguf") -> Path:
     """Write a LoRA run's adapter (its folder's latest checkpoint, or a LoRA checkpoint): the
     adapter GGUF llama.cpp applies with ``--lora`` over the base (the base is not read), or
     with ``format="hf"`` a PEFT adapter folder for the HF export of the base (the base is read,
-    and checked against the sha256 the run recorded, for the layout of its q/k rows)."""
+    and checked against the sha256 the run recorded, for the layout of its q/k rows), with its
+    README.md model card; the GGUF carries the same facts in its ``general.*`` keys."""
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
     checkpoint_file = model_file(source)
@@ -398,14 +413,17 @@ def export_adapter(source: str | Path, path: str | Path, format: str = "gguf") -
         checkpoint = load_checkpoint(checkpoint_file)
         with_base(checkpoint)  # the base's config says how its q/k rows are laid out
         adapter = checkpoint.adapter
-        return write_peft_adapter(path, adapter.tensors, checkpoint.config, alpha=adapter.alpha)
+        card = readme(export_card(source, checkpoint.state.inherited), "adapter")
+        return write_peft_adapter(
+            path, adapter.tensors, checkpoint.config, alpha=adapter.alpha, card=card
+        )
     adapter = read_lora_adapter(checkpoint_file)
     return write_lora_adapter(
         path,
         adapter.tensors,
         alpha=adapter.alpha,
         base_architecture=adapter.architecture,
-        inherited=adapter.inherited,
+        inherited=with_general_keys(adapter.inherited, export_card(source, adapter.inherited)),
     )
 
 

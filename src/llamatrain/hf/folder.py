@@ -56,10 +56,20 @@ __all__ = ["CONFIG_FILE", "read_hf_folder", "write_hf_folder"]
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+MODEL_CARD = "README.md"
+"""The model card the Hub shows for the folder (``llamatrain.model_card.readme``)."""
 _PRODUCER = {"producer": "llamatrain"}
 """Recorded in the safetensors metadata: how a later export knows the folder is ours."""
 _WRITTEN = frozenset(
-    {CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, INDEX_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG}
+    {
+        CONFIG_FILE,
+        GENERATION_CONFIG,
+        SINGLE_FILE,
+        INDEX_FILE,
+        TOKENIZER_FILE,
+        TOKENIZER_CONFIG,
+        MODEL_CARD,
+    }
 )
 """The files of a folder we wrote (and its shards): an export replaces such a folder, and no
 other."""
@@ -119,9 +129,11 @@ def write_hf_folder(
     tensors: Mapping[str, TensorData],
     tokenizer: Tokenizer,
     inherited: Mapping[str, Any] | None = None,
+    card: str | None = None,
 ) -> Path:
     """Write a folder transformers loads as ``LlamaForCausalLM`` (float32 safetensors) with
-    its tokenizer (``AutoTokenizer``; byte-level BPE vocabularies only).
+    its tokenizer (``AutoTokenizer``; byte-level BPE vocabularies only) and ``card``, the
+    text of its ``README.md`` model card (none written when None).
 
     ``tensors`` are ours (``Llama(cfg).state_dict()``; deferred ones are produced a shard at a
     time, see ``_save_shards``); ``inherited`` may carry the ``tokenizer.chat_template`` to
@@ -145,6 +157,8 @@ def write_hf_folder(
         write_tokenizer_files(staging, tokenizer, template, cfg.max_seq_len)  # may refuse: first
         _write_json(staging / CONFIG_FILE, config)
         _write_json(staging / GENERATION_CONFIG, _generation_config(tokenizer))
+        if card is not None:
+            (staging / MODEL_CARD).write_text(card, encoding="utf-8")
         _save_shards(cfg, tensors, staging)
     return target
 

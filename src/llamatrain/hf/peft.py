@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from llamatrain.errors import CheckpointError
 from llamatrain.files import staged_folder
 from llamatrain.gguf.adapter import adapter_rank, adapter_tensors, check_alpha
+from llamatrain.hf.folder import MODEL_CARD
 from llamatrain.hf.weights import _rope_heads, hf_tensor_name, to_rotate_half
 from llamatrain.model_config import ModelConfig
 
@@ -50,12 +51,14 @@ def write_peft_adapter(
     *,
     alpha: float,
     base_model_name_or_path: str | None = None,
+    card: str | None = None,
 ) -> Path:
     """Write the LoRA tensors of ``state`` (an adapted model's state dict, or a LoRA run's
     adapter tensors, named as the model names them) as a PEFT adapter folder (float32) for the
     HF export of the base described by ``cfg``. ``alpha`` must be the one the adapters were
     applied with; ``base_model_name_or_path`` is recorded for PEFT to find the base (None: the
-    user passes the base model to ``PeftModel.from_pretrained``)."""
+    user passes the base model to ``PeftModel.from_pretrained``); ``card``: the text of the
+    folder's ``README.md`` model card (none written when None)."""
     target = Path(directory)
     adapter = adapter_tensors(state, target)
     rank = adapter_rank(adapter, str(target))
@@ -67,7 +70,7 @@ def write_peft_adapter(
         )
     rows = {_peft_name(name): _hf_rows(name, t, cfg) for name, t in adapter.items()}
     config = _adapter_config(rank, alpha, adapter, base_model_name_or_path)
-    _write_folder(target, rows, config)
+    _write_folder(target, rows, config, card)
     return target
 
 
@@ -110,8 +113,10 @@ def _adapter_config(
     }
 
 
-def _write_folder(target: Path, state: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """Both files into a staging folder beside ``target``, then renamed onto it (an empty
+def _write_folder(
+    target: Path, state: dict[str, torch.Tensor], config: dict[str, Any], card: str | None
+) -> None:
+    """The files into a staging folder beside ``target``, then renamed onto it (an empty
     ``target`` is replaced); nothing is left behind on failure."""
     with staged_folder(target, "PEFT adapter folder") as staging:
         try:
@@ -123,3 +128,5 @@ def _write_folder(target: Path, state: dict[str, torch.Tensor], config: dict[str
             ) from e
         text = json.dumps(config, indent=2, sort_keys=True) + "\n"
         (staging / ADAPTER_CONFIG).write_text(text, encoding="utf-8")
+        if card is not None:
+            (staging / MODEL_CARD).write_text(card, encoding="utf-8")
