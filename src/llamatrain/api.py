@@ -33,7 +33,7 @@ from llamatrain.build import (
     with_base,
 )
 from llamatrain.checkpoint import load_checkpoint
-from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, load_config
+from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, read_config
 from llamatrain.config import validate as validate_config
 from llamatrain.data import ChatTemplate, build_train_data, resolve_inputs
 from llamatrain.data.chat_template import BUILTIN_TEMPLATES
@@ -60,6 +60,7 @@ from llamatrain.model_card.readme import readme
 from llamatrain.model_config import tensor_shapes
 from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
+from llamatrain.rewards import RewardFunction
 from llamatrain.runlock import run_lock, set_aside_previous_run
 from llamatrain.tokenizer import (
     Tokenizer,
@@ -109,17 +110,22 @@ class FitResult:
 
 
 def _configure(
-    config: Config | str | Path | None, overrides: Sequence[str], dotted: Mapping
+    config: Config | str | Path | None,
+    overrides: Sequence[str],
+    dotted: Mapping,
+    rewards: Sequence[str | RewardFunction] | None = None,
 ) -> Config:
-    """The run's validated config: a file, a built-in name or a Config, plus overrides, with
-    its ``auto`` choices made for the device (``llamatrain.device.resolve_run_settings``)
-    before anything reads them."""
+    """The run's validated config: a file, a built-in name or a Config, plus overrides and
+    keywords, validated once as a whole (with ``rewards``, GRPO's functions given in Python,
+    in place of train.rewards), with its ``auto`` choices made for the device
+    (``llamatrain.device.resolve_run_settings``) before anything reads them."""
     values = {key.replace("__", "."): value for key, value in dotted.items()}
     if isinstance(config, Config):
         cfg = apply_overrides(config, overrides)
     else:
-        cfg = load_config(config, overrides)
-    return resolve_run_settings(validate_config(apply_values(cfg, values, "fit(...) keyword")))
+        cfg = read_config(config, overrides)
+    cfg = apply_values(cfg, values, "fit(...) keyword")
+    return resolve_run_settings(validate_config(cfg, rewards=rewards))
 
 
 def fit(
@@ -129,6 +135,7 @@ def fit(
     resume: str | Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    rewards: Sequence[str | RewardFunction] | None = None,
     **dotted: object,
 ) -> FitResult:
     """Train a model as the config says; evaluate, sample, save and export it.
@@ -148,8 +155,16 @@ def fit(
     which moves the old run aside to ``<output.dir>.old-<n>`` (nothing is deleted).
     Under torchrun (``train.parallel``) every rank calls it: the ranks join for the run and
     part after it, rank 0 holds the lock and writes; the others' result has no files.
+
+    ``rewards``: GRPO's reward functions as Python callables (or specs as train.rewards
+    takes them), in place of ``train.rewards``: ``fit(cfg, train__objective="grpo",
+    rewards=[correct])`` with ``def correct(prompts, completions, completion_ids, **columns)``
+    returning one float (or None) per completion, TRL's signature; its metrics are named by
+    its ``__name__`` (``rewards/correct/mean``), ``train.reward_weights`` weighs them in
+    order. The run's config.toml cannot name a Python object, so it records no rewards: a
+    resume passes the same ``rewards`` again.
     """
-    cfg = _configure(config, overrides, dotted)
+    cfg = _configure(config, overrides, dotted, rewards)
     device = resolve_device(cfg.train.device)
     with parallel.process_group(cfg.train.parallel, device, cfg.train.dist_timeout_s):
         with parallel.main_first():  # rank 0 fetches a corpus the others then find in the cache
@@ -158,7 +173,7 @@ def fit(
         with lock:
             if parallel.is_main() and not resume:
                 _claim_run_folder(Path(cfg.output.dir), overwrite)
-            return _fit_locked(cfg, paths, resume, progress and parallel.is_main())
+            return _fit_locked(cfg, paths, resume, progress and parallel.is_main(), rewards)
 
 
 def _claim_run_folder(run_dir: Path, overwrite: bool) -> None:
@@ -177,7 +192,11 @@ _EXPORT_LATER = (
 
 
 def _fit_locked(
-    cfg: Config, paths: Sequence[Path], resume: str | Path | None, progress: bool
+    cfg: Config,
+    paths: Sequence[Path],
+    resume: str | Path | None,
+    progress: bool,
+    rewards: Sequence[str | RewardFunction] | None,
 ) -> FitResult:
     """``fit``'s run, while it holds the run folder's lock."""
     configure_process(resolve_device(cfg.train.device), bf16=cfg.train.dtype == "bfloat16")
@@ -214,6 +233,7 @@ def _fit_locked(
         inherited=inherited,
         lora_base=run.lora_base,
         reference=reference,
+        rewards=rewards,
     )
     if run.checkpoint is not None:
         trainer.load_state(run.checkpoint)

@@ -12,8 +12,21 @@ included; one without is truncated at ``max_completion_length``.
 
 Rows of a prompt's token length decode in one batch, prompts and their groups together; prompts
 of different lengths decode one batch per length (the cached attention has no key mask for
-left padding yet). Each batch's sampler is seeded by ``(train.seed, step, batch)``, so a resumed
-run draws what the uninterrupted run drew, with no generator state to store.
+left padding yet). Each batch's sampler is seeded by ``(train.seed, step, its first row's index
+in the step)``, so a resumed run draws what the uninterrupted run drew, with no generator state
+to store, and a batch draws alike on any number of ranks.
+
+Under DDP (``train.parallel = "ddp"``) each rank samples, scores and trains on its contiguous
+share of the step's prompts, whole groups (TRL splits a generation batch's rows across its
+processes and gathers them for the advantages; whole groups keep a prompt's G completions in
+one decode batch and need no exchange before the rewards). The ranks' reward tables, completion
+lengths and texts are gathered, so the advantages are over each whole group (and, with
+``scale_rewards = "batch"``, the whole step), the reward and length metrics are the whole
+step's, and dapo divides by the step's counted tokens over all ranks (TRL's
+``num_items_in_batch``). Each rank's grpo, bnpo and dr_grpo losses are divided by its own
+micro-batches' count (TRL's per-process gradient accumulation), so with the same micro-batches
+DDP's average of the ranks' gradients is one process's. The loss's metrics are means over every
+rank's micro-batches. The held-out prompts are shared out and gathered alike.
 
 The rewards (``llamatrain.rewards.score``, TRL's signature) and the advantages
 (``llamatrain.grpo.score_rewards``) are the whole step's; the loss is ``llamatrain.grpo.GRPOLoss``
@@ -35,10 +48,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from llamatrain import parallel
 from llamatrain.config import Config, rollout_params
 from llamatrain.data import ChatTemplate
 from llamatrain.data.prompts import PromptRow
-from llamatrain.errors import DataError
+from llamatrain.errors import ConfigError, DataError
 from llamatrain.generate import generate_stream
 from llamatrain.grpo import GRPOLoss, score_rewards
 from llamatrain.lora import adapters_disabled
@@ -53,11 +67,13 @@ __all__ = ["GRPOObjective", "Rollout", "sample_completions", "stop_ids"]
 
 @dataclass(frozen=True)
 class Rollout:
-    """One step's completions laid into rows for the loss: ``inputs`` and ``targets`` (N, L)
-    (a row is prompt + completion, targets the completion's tokens, -100 elsewhere), ``mask``
-    (N, L) the targets that count, ``advantages`` (N,), the old policy's and the reference's
-    log-probs of the targets when used, ``batch_tokens`` (dapo's divisor), the rollout's
-    metrics (TRL's names) and its table (prompt, completion, rewards, advantage)."""
+    """One step's completions laid into rows for the loss, this rank's: ``inputs`` and
+    ``targets`` (N, L) (a row is prompt + completion, targets the completion's tokens, -100
+    elsewhere), ``mask`` (N, L) the targets that count, ``advantages`` (N,), the old policy's
+    and the reference's log-probs of the targets when used. The whole step's, over every
+    rank: ``batch_tokens`` (the counted targets, dapo's divisor), ``completion_tokens`` (every
+    completion's, its throughput), the metrics (TRL's names) and the table (prompt,
+    completion, rewards, advantage), a row each completion."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -66,8 +82,37 @@ class Rollout:
     old_logps: torch.Tensor | None
     ref_logps: torch.Tensor | None
     batch_tokens: float
+    completion_tokens: int
     metrics: dict[str, float]
     table: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """What one rank sampled and scored, as the ranks exchange it: (n, F) rewards (NaN:
+    None), the prompts as the reward functions got them, the completions' texts, lengths
+    (tokens, the stop token counted) and whether each was truncated, and the targets it
+    counts for the loss."""
+
+    table: torch.Tensor
+    prompts: list[Any]
+    texts: list[str]
+    lengths: list[int]
+    truncated: list[bool]
+    counted: float
+
+    @staticmethod
+    def gathered(mine: _Scored) -> _Scored:
+        """Every rank's, in rank order (the rows' order on one process)."""
+        parts = parallel.each_rank(mine)
+        return _Scored(
+            torch.cat([p.table for p in parts]),
+            [prompt for p in parts for prompt in p.prompts],
+            [text for p in parts for text in p.texts],
+            [n for p in parts for n in p.lengths],
+            [t for p in parts for t in p.truncated],
+            sum(p.counted for p in parts),
+        )
 
 
 def stop_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> frozenset[int]:
@@ -104,8 +149,9 @@ def sample_completions(
     progress: bool = False,
 ) -> list[list[int]]:
     """Each prompt's completion: its sampled tokens up to and including its first stop token
-    (all ``max_new_tokens`` when none came). Prompts of one length decode as one batch
-    (``seeds(i)`` seeds the i-th), a progress bar counting finished completions."""
+    (all ``max_new_tokens`` when none came). Prompts of one length decode as one batch,
+    seeded by ``seeds(i)``, i its first prompt's index; a progress bar counts finished
+    completions."""
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
         by_length.setdefault(len(ids), []).append(i)
@@ -116,9 +162,9 @@ def sample_completions(
     device = next(model.parameters()).device
     stop_tensor = torch.tensor(sorted(stops), device=device)
     with _evaluating(model), autocast or contextlib.nullcontext(), bar:
-        for k, rows in enumerate(by_length.values()):
+        for rows in by_length.values():
             tokens = torch.tensor([list(prompts[i]) for i in rows], device=device)
-            stream = generate_stream(model, tokens, max_new_tokens, params, seeds(k), stops)
+            stream = generate_stream(model, tokens, max_new_tokens, params, seeds(rows[0]), stops)
             done, new = 0, []
             for token in stream:
                 new.append(token)
@@ -175,9 +221,10 @@ def scored_logps(
     return torch.cat(parts)
 
 
-def completion_metrics(completions: Sequence[Sequence[int]], truncated: torch.Tensor) -> dict:
+def completion_metrics(lengths: Sequence[int], truncated: Sequence[bool]) -> dict:
     """TRL's completion-length metrics (lengths count the stop token)."""
-    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    truncated = torch.tensor(truncated, dtype=torch.bool)
+    lengths = torch.tensor(lengths, dtype=torch.float64)
     ended = lengths[~truncated]
     metrics = {
         "completions/mean_length": float(lengths.mean()),
@@ -201,13 +248,17 @@ class GRPOObjective:
         tokenizer: Tokenizer,
         template: ChatTemplate | None,
         rewards: Sequence[Reward],
+        ranks: int = 1,
     ) -> None:
+        """``ranks``: how many DDP ranks share each step (each its whole groups)."""
         t = cfg.train
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, list(rewards)
         self.loss_fn = GRPOLoss(t.loss_type, t.beta, t.epsilon, t.epsilon_high)
         self.stops = stop_ids(tokenizer, template)
         self.micro_batch = cfg.seqs_per_ubatch
-        self.accumulation = cfg.seqs_per_batch // cfg.seqs_per_ubatch
+        self.ranks = _checked_ranks(cfg, ranks)
+        # TRL's per-process gradient accumulation steps: this rank's micro-batches
+        self.accumulation = math.ceil(cfg.seqs_per_batch // ranks / cfg.seqs_per_ubatch)
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
         self.names = [r.name for r in self.rewards]
         self._rollout: Rollout | None = None
@@ -245,9 +296,12 @@ class GRPOObjective:
         autocast: contextlib.AbstractContextManager,
         progress: bool = False,
     ) -> Rollout:
-        """G completions of each of ``prompts`` sampled, scored and laid into rows."""
+        """G completions of each of ``prompts`` (the step's, every rank's) sampled, scored
+        and laid into rows: this rank's share of them, advantages over the whole step."""
         t = self.cfg.train
-        rows = [p for p in prompts for _ in range(t.num_generations)]
+        first, mine = self._share(prompts)
+        rows = [p for p in mine for _ in range(t.num_generations)]
+        offset = first * t.num_generations  # this rank's first row in the step
         params = rollout_params(t)
         completions = sample_completions(
             model,
@@ -255,18 +309,29 @@ class GRPOObjective:
             t.max_completion_length,
             params,
             self.stops,
-            lambda k: abs(hash((t.seed, step, k))) % 2**63,
+            lambda i: abs(hash((t.seed, step, offset + i))) % 2**63,
             autocast=autocast,
             progress=progress,
         )
         truncated = torch.tensor([not c or c[-1] not in self.stops for c in completions])
         texts = [self.tokenizer.decode(c) for c in completions]
-        table = self._score(rows, texts, completions, step)
-        scored = score_rewards(table, self.weights, self.names, t.num_generations, t.scale_rewards)
         inputs, targets = training_rows([r.ids for r in rows], completions, self.tokenizer.eos_id)
         mask = (targets != IGNORE_INDEX).float()
         if t.mask_truncated_completions:
             mask = mask * (~truncated).float().unsqueeze(1)
+        step_scored = _Scored.gathered(
+            _Scored(
+                self._score(rows, texts, completions, step),
+                [r.prompt for r in rows],
+                texts,
+                [len(c) for c in completions],
+                truncated.tolist(),
+                float(mask.sum()),
+            )
+        )
+        scored = score_rewards(
+            step_scored.table, self.weights, self.names, t.num_generations, t.scale_rewards
+        )
         old = ref = None
         if t.num_iterations > 1:
             old = scored_logps(model, inputs, targets, t.temperature, self.micro_batch, autocast)
@@ -275,19 +340,26 @@ class GRPOObjective:
                 ref = scored_logps(
                     model, inputs, targets, t.temperature, self.micro_batch, autocast
                 )
-        metrics = scored.metrics | completion_metrics(completions, truncated)
-        records = self._records(rows, texts, table, scored.rewards, scored.advantages, step)
+        metrics = scored.metrics | completion_metrics(step_scored.lengths, step_scored.truncated)
         return Rollout(
             inputs,
             targets,
             mask,
-            scored.advantages.float(),
+            scored.advantages[offset : offset + len(rows)].float(),
             old,
             ref,
-            float(mask.sum()),
-            metrics,
-            records,
+            batch_tokens=step_scored.counted,
+            completion_tokens=sum(step_scored.lengths),
+            metrics=metrics,
+            table=self._records(step_scored, scored.rewards, scored.advantages, step),
         )
+
+    def _share(self, prompts: Sequence[PromptRow]) -> tuple[int, Sequence[PromptRow]]:
+        """This rank's contiguous share of ``prompts`` (equal for a step's, within one for
+        the held-out ones) and the index of its first."""
+        n, rank = len(prompts), parallel.rank() if self.ranks > 1 else 0
+        first, end = rank * n // self.ranks, (rank + 1) * n // self.ranks
+        return first, prompts[first:end]
 
     def _score(
         self, rows: Sequence[PromptRow], texts: list[str], completions: list[list[int]], step: int
@@ -309,19 +381,13 @@ class GRPOObjective:
         )
 
     def _records(
-        self,
-        rows: Sequence[PromptRow],
-        texts: list[str],
-        table: torch.Tensor,
-        rewards: torch.Tensor,
-        advantages: torch.Tensor,
-        step: int,
+        self, scored: _Scored, rewards: torch.Tensor, advantages: torch.Tensor, step: int
     ) -> list[dict[str, Any]]:
         """The completions table's rows (TRL's: prompt, completion, each reward, advantage)."""
         return [
             {
                 "step": step + 1,
-                "prompt": row.prompt,
+                "prompt": prompt,
                 "completion": text,
                 "rewards": {
                     n: _number(v) for n, v in zip(self.names, scores.tolist(), strict=True)
@@ -329,8 +395,8 @@ class GRPOObjective:
                 "reward": _number(float(reward)),
                 "advantage": float(advantage),
             }
-            for row, text, scores, reward, advantage in zip(
-                rows, texts, table, rewards, advantages, strict=True
+            for prompt, text, scores, reward, advantage in zip(
+                scored.prompts, scored.texts, scored.table, rewards, advantages, strict=True
             )
         ]
 
@@ -361,7 +427,7 @@ class GRPOObjective:
             old_logps=None if old_logps is None else old_logps.to(device),
             ref_logps=None if ref_logps is None else ref_logps.to(device),
             entropies=entropies,
-            batch_tokens=rollout.batch_tokens,
+            batch_tokens=rollout.batch_tokens / self.ranks,  # TRL: num_items / num_processes
             max_completion_length=self.cfg.train.max_completion_length,
             accumulation_steps=self.accumulation,
         )
@@ -370,13 +436,12 @@ class GRPOObjective:
         return terms.loss
 
     def metrics(self, rollout: Rollout) -> dict[str, float]:
-        """The step's metrics: the rollout's and the loss's (each TRL logs as the mean over
-        micro-batches, NaN ones skipped)."""
-        loss = {
-            name: float(torch.stack(values).double().nanmean())
-            for name, values in self._metrics.items()
-        }
-        return rollout.metrics | loss
+        """The step's metrics: the rollout's and the loss's (each the mean over every rank's
+        micro-batches, NaN ones skipped: what one process holding them all logs)."""
+        names = sorted(self._metrics)
+        mine = torch.stack([torch.stack(self._metrics[n]).double().cpu() for n in names], dim=1)
+        means = torch.cat(parallel.each_rank(mine)).nanmean(dim=0)
+        return rollout.metrics | dict(zip(names, means.tolist(), strict=True))
 
     # ---- evaluation --------------------------------------------------------------------
 
@@ -388,24 +453,44 @@ class GRPOObjective:
         autocast: contextlib.AbstractContextManager,
     ) -> dict[str, float]:
         """The held-out prompts' greedy completions scored after ``step`` steps: ``reward``
-        (their weighted mean) and each function's mean and std, TRL's names."""
+        (their weighted mean) and each function's mean and std, TRL's names; each rank
+        decodes and scores its share, the metrics are over them all."""
         t = self.cfg.train
+        _, mine = self._share(prompts)
         completions = sample_completions(
             model,
-            [p.ids for p in prompts],
+            [p.ids for p in mine],
             t.max_completion_length,
             SamplingParams(temperature=0.0),
             self.stops,
-            lambda k: t.seed,
+            lambda i: t.seed,
             autocast=autocast,
         )
         texts = [self.tokenizer.decode(c) for c in completions]
-        table = self._score(prompts, texts, completions, step)
-        scored = score_rewards(table, self.weights, self.names, 1, "none")
-        truncated = torch.tensor([not c or c[-1] not in self.stops for c in completions])
-        metrics = scored.metrics | completion_metrics(completions, truncated)
+        truncated = [not c or c[-1] not in self.stops for c in completions]
+        table = self._score(mine, texts, completions, step)
+        lengths = [len(c) for c in completions]
+        held_out = _Scored.gathered(_Scored(table, [], [], lengths, truncated, 0.0))
+        scored = score_rewards(held_out.table, self.weights, self.names, 1, "none")
+        metrics = scored.metrics | completion_metrics(held_out.lengths, held_out.truncated)
         metrics.pop("frac_reward_zero_std")
         return metrics
+
+
+def _checked_ranks(cfg: Config, ranks: int) -> int:
+    """``ranks``, when they can share each step's prompts as whole groups, equally; else
+    ConfigError with the n_batch that can."""
+    t = cfg.train
+    prompts = cfg.seqs_per_batch // t.num_generations
+    if prompts % ranks:
+        unit = t.num_generations * ranks * cfg.data.n_ctx
+        raise ConfigError(
+            f"train.n_batch = {t.n_batch} holds {prompts} prompts a step (their groups of "
+            f"train.num_generations = {t.num_generations}), which {ranks} ranks cannot share "
+            f"equally as whole groups; make n_batch a multiple of {unit} (num_generations x "
+            f"ranks x data.n_ctx)"
+        )
+    return ranks
 
 
 def _number(value: float) -> float | None:

@@ -50,6 +50,7 @@ __all__ = [
     "average",
     "barrier",
     "check_launch",
+    "each_rank",
     "full_tensor",
     "gathered",
     "is_main",
@@ -234,6 +235,17 @@ def summed(values: Sequence[float]) -> list[float]:
 def average(value: float) -> float:
     """The mean of ``value`` over the ranks (the value itself outside torchrun)."""
     return summed([value])[0] / world_size() if _joined() else value
+
+
+def each_rank(value: object) -> list:
+    """``value`` from every rank, in rank order, on every rank (a collective: all call it);
+    ``[value]`` outside torchrun. Pickled between the ranks of one launch, so for small
+    things: what a GRPO rollout's ranks sampled and scored, a step's metrics."""
+    if not _joined():
+        return [value]
+    values: list = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def any_rank(flag: bool) -> bool:

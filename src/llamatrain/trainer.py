@@ -139,7 +139,7 @@ class Trainer:
         built = model.model.ops if isinstance(model, PreparedModel) else model.ops
         # validate fills the derived defaults a hand-built Config leaves unset; auto choices
         # follow the model's ops, built before this (api.fit resolves them the same way).
-        cfg = resolve_run_settings(validate(cfg), built)
+        cfg = resolve_run_settings(validate(cfg, rewards=rewards), built)
         self.cfg, self.data, self.tokenizer = cfg, data, tokenizer
         self.main = parallel.is_main()  # the rank that prints, logs and writes
         self.progress = progress and self.main
@@ -197,7 +197,7 @@ class Trainer:
             t.rewards if rewards is None else rewards, t.reward_weights, t.reward_args
         )
         template = None if self.data is None else self.data.chat_template
-        return GRPOObjective(self.cfg, self.tokenizer, template, loaded)
+        return GRPOObjective(self.cfg, self.tokenizer, template, loaded, self.parallel.ranks)
 
     def load_state(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint``: weights, optimizer state, RNG, counters, data cursor."""
@@ -289,8 +289,14 @@ class Trainer:
         passed on), in micro-batches of whole rows; each with whether it is the last, whose
         backward exchanges the gradients."""
         mine = [None if part is None else self.parallel.rows(part) for part in parts]
-        n = math.ceil(len(mine[0]) / self.micro_batch)
-        cut = [[None] * n if part is None else part.split(self.micro_batch) for part in mine]
+        return self._split(*mine)
+
+    def _split(
+        self, *parts: torch.Tensor | None
+    ) -> Iterator[tuple[bool, tuple[torch.Tensor | None, ...]]]:
+        """``parts`` (this rank's rows) in micro-batches, as :meth:`_micro_batches`."""
+        n = math.ceil(len(parts[0]) / self.micro_batch)
+        cut = [[None] * n if part is None else part.split(self.micro_batch) for part in parts]
         for i, micro_batch in enumerate(zip(*cut, strict=True)):
             yield i == n - 1, micro_batch
 
@@ -336,7 +342,8 @@ class Trainer:
         return parallel.average(total)
 
     def _accumulate_grpo(self, rollout: Rollout) -> float:
-        """:meth:`_accumulate_gradients` for GRPO: the rollout's rows in micro-batches, each
+        """:meth:`_accumulate_gradients` for GRPO: the rollout's rows (this rank's share; the
+        loss returned is the mean over the ranks, as DDP's gradients) in micro-batches, each
         loss the objective's share of the step's (its ``loss_type`` says how); the policy's
         log-probs of the completions (and their entropies, a metric) come through the wrapper
         at the rollout's temperature."""
@@ -344,7 +351,7 @@ class Trainer:
         self.grpo.start_step()
         parts = (rollout.mask, rollout.advantages, rollout.old_logps, rollout.ref_logps)
         total = 0.0
-        for last, (x, y, *rows) in self._micro_batches(rollout.inputs, rollout.targets, *parts):
+        for last, (x, y, *rows) in self._split(rollout.inputs, rollout.targets, *parts):
             with self.parallel.gradient_sync(last):
                 with self._autocast():
                     logps, entropies = self.logits_fn(
@@ -356,7 +363,7 @@ class Trainer:
                 loss = self.grpo.micro_batch_loss(logps.float(), entropies, *rows, rollout)
                 loss.backward()
             total += loss.item()
-        return total
+        return parallel.average(total)
 
     def _batch_metrics(
         self, targets: torch.Tensor, documents: torch.Tensor, counts: tuple[int, int]
@@ -597,8 +604,8 @@ class Trainer:
 
     def _grpo_step(self) -> _Done:
         """A GRPO step: the rollout (new, or the last one again within ``num_iterations``),
-        then the update; its throughput counts the completions' tokens, and the rollout's
-        share of the time is logged as ``rollout_s``."""
+        then the update; its throughput counts the completions' tokens (every rank's), and
+        the rollout's share of the time is logged as ``rollout_s``."""
         started = time.perf_counter()
         rollout = self.grpo.rollout_for(
             self.state.step, self._draw_prompts, self.model, self._autocast(), self.progress
@@ -608,9 +615,8 @@ class Trainer:
         elapsed = time.perf_counter() - started
         self.grpo_metrics = self.grpo.metrics(rollout) | {"rollout_s": rolled - started}
         self._keep_completions(rollout)
-        completion_tokens = int((rollout.targets != IGNORE_INDEX).sum())
-        rows, scored = len(rollout.inputs), int(rollout.mask.sum())
-        return _Done(loss, rows, scored, completion_tokens, elapsed)
+        rows, scored = len(rollout.table), int(rollout.batch_tokens)
+        return _Done(loss, rows, scored, rollout.completion_tokens, elapsed)
 
     def _draw_prompts(self) -> list:
         """The sampler's next prompts."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llamatrain.config import load_config
+from llamatrain.config import load_config, read_config, validate
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.prompts import PromptEncoder, parse_prompt_row, read_prompts
 from llamatrain.errors import ConfigError, DataError
@@ -48,7 +48,7 @@ def test_a_grpo_config_is_valid_and_its_beta_defaults_to_trls():
         (["train.num_generations=1"], "train.num_generations"),
         (["train.max_completion_length=64"], "no room for a prompt"),
         (["train.beta=0.04"], "lora.rank > 0"),
-        (['train.parallel="ddp"'], "one process"),
+        (['train.parallel="fsdp"'], "train.parallel = 'ddp'"),
         (['optim.name="lbfgs"'], "AdamW"),
         (['train.loss_type="ppo"'], "train.loss_type"),
         (['train.scale_rewards="rows"'], "train.scale_rewards"),
@@ -64,6 +64,28 @@ def test_grpo_settings_are_refused_in_one_line_before_a_step(extra, says):
     with pytest.raises(ConfigError) as e:
         load_config("tiny", [*GRPO, *extra])
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def correct(prompts, completions, completion_ids, answer, **columns):
+    return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def test_python_reward_functions_stand_in_for_train_rewards():
+    """The API's rewards= (callables, named by their __name__) pass where train.rewards is
+    unset, weighed by train.reward_weights; never both, and never without GRPO."""
+    cfg = read_config("tiny", [g for g in GRPO if not g.startswith("train.rewards")])
+    with pytest.raises(ConfigError, match="needs train.rewards"):
+        validate(cfg)
+    assert validate(cfg, rewards=[correct]) is cfg
+    cfg.train.reward_weights = [1.0, 2.0]
+    with pytest.raises(ConfigError, match="2 weights for 1 train.rewards"):
+        validate(cfg, rewards=[correct])
+    with pytest.raises(ConfigError, match="called 'correct'"):
+        validate(cfg, rewards=[correct, correct])
+    with pytest.raises(ConfigError, match="give them in one place"):
+        validate(load_config("tiny", GRPO), rewards=[correct])
+    with pytest.raises(ConfigError, match="samples none"):
+        validate(load_config("tiny"), rewards=[correct])
 
 
 def test_rewards_without_grpo_and_a_zero_beta_for_dpo_are_refused():

@@ -29,6 +29,7 @@ from llamatrain.config.build import (
     config_to_dict,
     config_to_toml,
     load_config,
+    read_config,
 )
 from llamatrain.config.sections import (
     SECTIONS,
@@ -61,6 +62,7 @@ __all__ = [
     "config_to_dict",
     "config_to_toml",
     "load_config",
+    "read_config",
     "rollout_params",
     "sample_params",
     "validate",

@@ -214,6 +214,12 @@ def _config_path(spec: str | Path) -> Path:
 def load_config(spec: str | Path | None, overrides: typing.Iterable[str] = ()) -> Config:
     """Read a TOML config (a path or a built-in name; ``None`` = all defaults), apply
     overrides, validate."""
+    return validate(read_config(spec, overrides))
+
+
+def read_config(spec: str | Path | None, overrides: typing.Iterable[str] = ()) -> Config:
+    """:func:`load_config` without the validation, for a caller that adds more before the
+    one validation of the whole (``api.fit``'s keywords and its Python reward functions)."""
     if spec is None:
         cfg = Config()
     else:
@@ -239,5 +245,4 @@ def load_config(spec: str | Path | None, overrides: typing.Iterable[str] = ()) -
                 f"({str(e)[:60]}); fix the file"
             ) from None
         cfg = config_from_dict(data, source=str(spec))
-    apply_overrides(cfg, overrides)
-    return validate(cfg)
+    return apply_overrides(cfg, overrides)

@@ -7,10 +7,13 @@ of n_ctx, lr_min must not exceed lr, a quantized export needs block-sized rows â
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from llamatrain.config.sections import SECTIONS, Config, TrainSection
 from llamatrain.errors import ConfigError
 from llamatrain.gguf.adapter import lora_settings_problem
 from llamatrain.gguf.quantize import require_quantizer
+from llamatrain.rewards import RewardFunction
 from llamatrain.rewards import check as check_rewards
 from llamatrain.sampling import SamplingError, SamplingParams
 from llamatrain.settings import check_rules, divisors
@@ -95,20 +98,27 @@ def _validate_parallel(cfg: Config) -> None:
         )
 
 
-def _validate_objective(cfg: Config) -> None:
+def _validate_objective(cfg: Config, rewards: Sequence[str | RewardFunction] | None) -> None:
     """A preference objective trains on JSONL pairs (on any train.parallel, compiled or
     not, as SFT); DPO/IPO need a reference model: a LoRA run's adapters switched off, or a
-    full finetune's model.init_from (its log-probs cached before training)."""
+    full finetune's model.init_from (its log-probs cached before training). ``rewards``:
+    GRPO's reward functions given in Python, in place of train.rewards."""
     t = cfg.train
     objective = t.objective
     if objective == "grpo":
-        _validate_grpo(cfg)
+        _validate_grpo(cfg, rewards)
         return
     if t.rewards is not None:
         raise ConfigError(
             f"train.rewards {_set_in(cfg, 'train.rewards', 'train.objective')} score GRPO's "
             f"completions; train.objective = {objective!r} samples none: set train.objective = "
             "'grpo' or remove train.rewards"
+        )
+    if rewards is not None:
+        raise ConfigError(
+            f"rewards= score GRPO's completions; train.objective = {objective!r} "
+            f"{_set_in(cfg, 'train.objective')} samples none: set train.objective = 'grpo' "
+            "or pass no rewards"
         )
     if objective == "sft":
         return
@@ -143,23 +153,19 @@ def _validate_objective(cfg: Config) -> None:
         )
 
 
-def _validate_grpo(cfg: Config) -> None:
-    """GRPO samples prompt rows (JSONL, Parquet, HF) with the reward functions named
-    (checked here without importing them), G completions a prompt, whole groups a step; on
-    one process with AdamW. Its KL reference is a LoRA run's base with the adapters off: a
-    full finetune's would be a second resident copy of the model."""
+def _validate_grpo(cfg: Config, rewards: Sequence[str | RewardFunction] | None) -> None:
+    """GRPO samples prompt rows (JSONL, Parquet, HF) with the reward functions named in
+    train.rewards or given in Python as ``rewards`` (checked here without importing them),
+    G completions a prompt, whole groups a step; on one process or under DDP, with AdamW.
+    Its KL reference is a LoRA run's base with the adapters off: a full finetune's would be
+    a second resident copy of the model."""
     t, where = cfg.train, _set_in(cfg, "train.objective")
     if cfg.data.format == "text":
         raise ConfigError(
             f"train.objective = 'grpo' {where} samples prompt rows; set data.format = 'jsonl' "
             "(or 'parquet', 'hf') with a \"prompt\" (text or messages) in each row"
         )
-    if t.rewards is None:
-        raise ConfigError(
-            f"train.objective = 'grpo' {where} needs train.rewards, the functions that score "
-            'completions, e.g. ["builtin:exact_answer"] or ["rewards.py:correct"]'
-        )
-    check_rewards(t.rewards, t.reward_weights, t.reward_args)
+    check_rewards(_reward_specs(cfg, rewards), t.reward_weights, t.reward_args)
     if cfg.seqs_per_batch % t.num_generations:
         raise ConfigError(
             f"train.n_batch / data.n_ctx = {cfg.seqs_per_batch} completions a step are not whole "
@@ -179,10 +185,11 @@ def _validate_grpo(cfg: Config) -> None:
             "full finetune would be a second copy of the model; set lora.rank > 0 (the "
             "reference is then the base, adapters off) or train.beta = 0"
         )
-    if t.parallel != "none":
+    if t.parallel == "fsdp":
         raise ConfigError(
-            f"train.objective = 'grpo' {where} runs on one process for now; set "
-            "train.parallel = 'none'"
+            f"train.objective = 'grpo' {where} does not shard: a rollout decodes token by "
+            "token, each rank its own completions, and a sharded forward needs every rank in "
+            "each; set train.parallel = 'ddp' (or 'none')"
         )
     if cfg.optim.name != "adamw":
         raise ConfigError(
@@ -195,6 +202,28 @@ def _validate_grpo(cfg: Config) -> None:
             "watches a validation loss, which GRPO has not (it reports the held-out reward); "
             "watch the 'train' loss or set optim.opt_max_no_improvement = 0"
         )
+
+
+def _reward_specs(
+    cfg: Config, rewards: Sequence[str | RewardFunction] | None
+) -> Sequence[str | RewardFunction]:
+    """GRPO's reward functions: the config's train.rewards, or the Python API's ``rewards``
+    (``api.fit(cfg, rewards=[f, ...])``, whose metrics take each function's ``__name__``);
+    exactly one of them."""
+    t, where = cfg.train, _set_in(cfg, "train.objective")
+    if t.rewards is not None and rewards is not None:
+        raise ConfigError(
+            f"reward functions come from train.rewards {_set_in(cfg, 'train.rewards')} and "
+            "from rewards= in Python; give them in one place (unset train.rewards, or pass no "
+            "rewards=)"
+        )
+    if t.rewards is None and rewards is None:
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} needs train.rewards, the functions that score "
+            'completions, e.g. ["builtin:exact_answer"] or ["rewards.py:correct"] (or, in '
+            "Python, fit(..., rewards=[my_function]))"
+        )
+    return t.rewards if rewards is None else rewards
 
 
 def _validate_data_format(cfg: Config) -> None:
@@ -243,11 +272,13 @@ def _validate_sampling(cfg: Config) -> None:
             raise ConfigError(f"{key} {_set_in(cfg, key)} must be {e.rule}, got {e.value!r}") from e
 
 
-def validate(cfg: Config) -> Config:
+def validate(cfg: Config, rewards: Sequence[str | RewardFunction] | None = None) -> Config:
     """Check every value and the rules that tie fields together; fill derived defaults.
 
     Filled here: ``train.n_ubatch`` (unset = ``train.n_batch``) and ``train.beta`` (unset =
-    the objective's default), so later code never meets ``None`` there. Returns ``cfg``.
+    the objective's default), so later code never meets ``None`` there. ``rewards``: GRPO's
+    reward functions given in Python (``api.fit``'s and ``Trainer``'s ``rewards=``), which
+    stand in for train.rewards. Returns ``cfg``.
     """
     _default_beta(cfg)
     for sec_name in SECTIONS:
@@ -256,7 +287,7 @@ def validate(cfg: Config) -> Config:
     _validate_model(cfg)
     _validate_lora(cfg)
     _validate_parallel(cfg)
-    _validate_objective(cfg)
+    _validate_objective(cfg, rewards)
     _validate_data_format(cfg)
     _validate_sampling(cfg)
     require_quantizer(cfg.output.export_type)
