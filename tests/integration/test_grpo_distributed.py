@@ -30,6 +30,8 @@ num_iterations = 2 (the second step trains on the first's rollout again, so it i
 and clip-higher; and (slow) a full finetune with bnpo and scale_rewards = "batch", whose loss
 divides by each micro-batch's own tokens as TRL's does. The random base rarely ends a
 completion, so the rewards that vary are the length's, in characters (8 tokens make 8 to ~30).
+Also (slow): a two-rank run cut after its first step and resumed on two ranks is the
+uninterrupted one, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from random_models import tiny_llama
 from test_distributed import torchrun, weights
 
@@ -183,3 +186,23 @@ def test_lora_grpo_under_ddp_trains_as_one_process(files, tmp_path):
 def test_full_grpo_with_batch_scaled_rewards_under_ddp_trains_as_one_process(files, tmp_path):
     root = one_and_two_ranks(files, tmp_path, ["full_bnpo"])
     assert_same_run(root / "full_bnpo-ddp", root / "full_bnpo", steps=1)
+
+
+@pytest.mark.slow
+def test_a_grpo_run_under_ddp_resumes_as_it_would_have_gone_on(files, tmp_path):
+    """Two steps on two ranks, and the same cut after the first and resumed on two ranks:
+    the second step's rollout (its prompts, sampler seeds) and update are the uninterrupted
+    run's, bit for bit (the same ranks doing the same arithmetic)."""
+    ddp = ('train.parallel="ddp"', "train.steps=2")
+    runs = [
+        {"overrides": overrides(files, tmp_path / "whole", "full_bnpo", *ddp)},
+        {"overrides": overrides(files, tmp_path / "cut", "full_bnpo", *ddp, "train.steps=1")},
+        {"overrides": overrides(files, tmp_path / "cut", "full_bnpo", *ddp), "resume": "latest"},
+    ]
+    with torchrun(runs, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as ranks:
+        output, _ = ranks.communicate(timeout=600)
+    assert ranks.returncode == 0, output[-4000:]
+    tables = [read_records(tmp_path / run / "completions.jsonl") for run in ("whole", "cut")]
+    assert tables[0] == tables[1] and len(tables[0]) == 2 * 16
+    whole, resumed = weights(tmp_path / "whole", 2), weights(tmp_path / "cut", 2)
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
