@@ -4,8 +4,12 @@ The trainer appends one JSON object per line: training lines ``{step, loss, lr,
 tokens_per_s}`` and evaluation lines ``{step, val_loss, val_ppl, val_acc, sample}``; a
 preference run's lines add ``reward_margin``, ``reward_accuracy``, ``reward_chosen``,
 ``reward_rejected``, ``logp_chosen`` and ``logp_rejected`` (``val_`` ones in evaluations),
-and its plot gets panels for them in place of perplexity. This
-module reads that file (nothing else), so a run can be plotted while it trains, after it
+and its plot gets panels for them in place of perplexity. A GRPO run's lines carry TRL's
+names (``reward``, ``reward_std``, ``rewards/<function>/mean``, ``completions/mean_length``
+(``min_``, ``max_``), ``entropy``, ``kl``), its evaluations the held-out greedy reward
+(``val_reward``, ``val_rewards/<function>/mean``, no ``val_loss``), and its plot shows the
+reward (mean ± std), each function's reward, the completion lengths and the entropy and KL.
+This module reads that file (nothing else), so a run can be plotted while it trains, after it
 finished, or on another machine with only the file copied over.
 
 matplotlib is an optional extra (``pip install 'llamatrain[plot]'``): training must not
@@ -93,19 +97,21 @@ def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
     for record in read_records(_metrics_path(run)):
         if "loss" in record:
             train[record["step"]] = record
-        elif "val_loss" in record:
+        elif "val_loss" in record or "val_reward" in record:  # GRPO's evaluations have no loss
             evals[record["step"]] = record
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """Steps and finite values of ``key`` (a NaN loss would blank a whole log-scale axis)."""
-    pairs = [
-        (r["step"], float(r[key]))
-        for r in records
-        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
-    ]
+    pairs = [(r["step"], float(r[key])) for r in records if _finite(r, key)]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _finite(record: dict[str, Any], key: str) -> bool:
+    """Whether ``record`` holds a finite number under ``key``."""
+    value = record.get(key)
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def can_plot() -> bool:
@@ -119,6 +125,9 @@ def can_plot() -> bool:
 
 PREFERENCE_KEYS = ("reward_margin", "reward_accuracy")
 """A run that logged these is a preference run: its plot shows its rewards."""
+
+GRPO_KEYS = ("reward", "val_reward")
+"""A run that logged these is a GRPO run: its plot shows its rewards and completion lengths."""
 
 
 def _train_and_val(ax: Any, train: list, evals: list, key: str, color: str, label: str) -> None:
@@ -147,6 +156,73 @@ def _preference_panels(axes: Any, train: list, evals: list) -> None:
     reward_ax.set(title="Rewards", xlabel="optimizer step", ylabel="reward")
 
 
+def _reward_panel(ax: Any, train: list, evals: list) -> None:
+    """The step's mean reward with a band of ± its std, and the held-out greedy reward."""
+    steps, mean = _series(train, "reward")
+    ax.plot(steps, mean, color="tab:purple", linewidth=1.2, label="train reward (mean)")
+    rows = [r for r in train if _finite(r, "reward") and _finite(r, "reward_std")]
+    if rows:
+        low = [r["reward"] - r["reward_std"] for r in rows]
+        high = [r["reward"] + r["reward_std"] for r in rows]
+        steps = [r["step"] for r in rows]
+        ax.fill_between(steps, low, high, color="tab:purple", alpha=0.2, label="± std")
+    steps, val = _series(evals, "val_reward")
+    ax.plot(steps, val, "o--", color="tab:orange", linewidth=1.2, label="held-out reward (greedy)")
+    ax.set(title="Reward", xlabel="optimizer step", ylabel="weighted reward")
+
+
+def _functions_panel(ax: Any, train: list, evals: list) -> None:
+    """Each reward function's mean, on the training completions and the held-out ones."""
+    for i, name in enumerate(_reward_functions(train + evals)):
+        color = f"C{i % 10}"
+        _train_and_val(ax, train, evals, f"rewards/{name}/mean", color, name)
+    ax.set(title="Reward per function", xlabel="optimizer step", ylabel="mean reward")
+
+
+def _reward_functions(records: list) -> list[str]:
+    """The reward functions' names, in the order their metrics first appear."""
+    names = {}
+    for record in records:
+        for key in record:
+            name = key.removeprefix("val_")
+            if name.startswith("rewards/") and name.endswith("/mean"):
+                names[name[len("rewards/") : -len("/mean")]] = None
+    return list(names)
+
+
+def _length_panel(ax: Any, train: list, evals: list) -> None:
+    """The completions' mean length, between their shortest and longest, each step."""
+    _train_and_val(ax, train, evals, "completions/mean_length", "tab:blue", "mean length")
+    for key, style in (("min_length", ":"), ("max_length", "--")):
+        steps, values = _series(train, f"completions/{key}")
+        ax.plot(steps, values, style, color="tab:blue", linewidth=1.0,
+                label=f"train {key.replace('_', ' ')}")  # fmt: skip
+    ax.set(title="Completion length", xlabel="optimizer step", ylabel="tokens")
+
+
+def _entropy_panel(ax: Any, train: list) -> None:
+    """The policy's entropy over the completion tokens, and its KL to the reference (β > 0)
+    on a second axis (they differ by orders of magnitude)."""
+    steps, entropy = _series(train, "entropy")
+    ax.plot(steps, entropy, color="tab:green", linewidth=1.2, label="entropy")
+    ax.set(title="Entropy and KL", xlabel="optimizer step", ylabel="entropy (nats/token)")
+    steps, kl = _series(train, "kl")
+    if kl:
+        twin = ax.twinx()
+        twin.plot(steps, kl, color="tab:red", linewidth=1.2, label="KL to the reference")
+        twin.set_ylabel("KL (nats/token)")
+        twin.legend(loc="lower right")
+
+
+def _grpo_panels(axes: Any, train: list, evals: list) -> None:
+    """Reward (mean ± std, held-out), reward per function, completion length, entropy/KL."""
+    reward_ax, functions_ax, length_ax, entropy_ax = axes
+    _reward_panel(reward_ax, train, evals)
+    _functions_panel(functions_ax, train, evals)
+    _length_panel(length_ax, train, evals)
+    _entropy_panel(entropy_ax, train)
+
+
 def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw loss (train and validation), learning rate and validation perplexity to a PNG;
     for a preference run (one that logged reward metrics), the reward margin, the reward
@@ -172,41 +248,56 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def metrics_figure(train: list[dict[str, Any]], evals: list[dict[str, Any]], title: str) -> Any:
     """The figure :func:`plot_metrics` draws (a ``matplotlib.figure.Figure``): 1x3 panels,
-    or 2x3 for a preference run."""
+    or 2x3 for a preference or a GRPO run."""
     from matplotlib.figure import Figure
 
-    preference = any(key in r for r in train + evals for key in PREFERENCE_KEYS)
-    if preference:
-        fig = Figure(figsize=(13, 8), layout="constrained")
-        (loss_ax, lr_ax, margin_ax), (acc_ax, logp_ax, reward_ax) = fig.subplots(2, 3)
-        extra = [margin_ax, acc_ax, logp_ax, reward_ax]
-        _preference_panels(extra, train, evals)
-    else:
+    kind = _run_kind(train + evals)
+    if kind == "sft":
         fig = Figure(figsize=(13, 4), layout="constrained")
         loss_ax, lr_ax, ppl_ax = fig.subplots(1, 3)
         extra = [ppl_ax]
+        _perplexity_panel(ppl_ax, evals)
+    else:
+        fig = Figure(figsize=(13, 8), layout="constrained")
+        (loss_ax, lr_ax, third), (fourth, fifth, sixth) = fig.subplots(2, 3)
+        extra = [third, fourth, fifth, sixth]
+        panels = _grpo_panels if kind == "grpo" else _preference_panels
+        panels(extra, train, evals)
     fig.suptitle(f"llamatrain run: {title}", fontweight="bold")
 
     steps, loss = _series(train, "loss")
     loss_ax.plot(steps, loss, color="tab:blue", linewidth=1.2, label="train loss")
     steps, val = _series(evals, "val_loss")
-    loss_ax.plot(steps, val, "o-", color="tab:orange", linewidth=1.5, label="validation loss")
-    loss_label = "preference loss (per pair)" if preference else "cross-entropy (nats/token)"
-    loss_ax.set(title="Loss", xlabel="optimizer step", ylabel=loss_label)
+    if val:  # a GRPO run evaluates its reward, not a loss
+        loss_ax.plot(steps, val, "o-", color="tab:orange", linewidth=1.5, label="validation loss")
+    loss_ax.set(title="Loss", xlabel="optimizer step", ylabel=LOSS_LABELS[kind])
 
     steps, lr = _series(train, "lr")
     lr_ax.plot(steps, lr, color="tab:green", label="learning rate")
     lr_ax.set(title="Learning rate", xlabel="optimizer step", ylabel="lr")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
 
-    if not preference:
-        _perplexity_panel(ppl_ax, evals)
-
     for ax in (loss_ax, lr_ax, *extra):
         ax.grid(True, alpha=0.3)
         if ax.lines:
             ax.legend(loc="best")
     return fig
+
+
+def _run_kind(records: list[dict[str, Any]]) -> str:
+    """Which panels a run's records call for: "grpo", "preference" or "sft"."""
+    keys = {key for record in records for key in record}
+    if keys.intersection(GRPO_KEYS):
+        return "grpo"
+    return "preference" if keys.intersection(PREFERENCE_KEYS) else "sft"
+
+
+LOSS_LABELS = {
+    "sft": "cross-entropy (nats/token)",
+    "preference": "preference loss (per pair)",
+    "grpo": "GRPO loss (near 0 by design: watch the reward)",
+}
+"""The loss panel's y label, by the kind of run."""
 
 
 def _perplexity_panel(ppl_ax: Any, evals: list) -> None:

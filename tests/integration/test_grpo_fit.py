@@ -20,7 +20,7 @@ from random_models import tiny_llama
 
 from llamatrain import api
 from llamatrain.gguf.adapter import read_lora_adapter
-from llamatrain.plot import read_records
+from llamatrain.plot import metrics_figure, read_metrics, read_records
 
 WORDS = ["love", "beauty", "time", "summer", "rose", "heart", "eye", "youth"]
 
@@ -118,6 +118,30 @@ def test_a_grpo_run_logs_trl_metrics_and_ends_with_the_adapter_and_the_export(gr
     assert adapter.tensors  # the trained adapters, as llama.cpp's --lora reads them
     evals = [r for r in read_records(grpo_run.run_dir / "metrics.jsonl") if "val_reward" in r]
     assert evals and "val_rewards/length/mean" in evals[-1]
+
+
+def test_the_runs_curves_draw_its_rewards_lengths_and_entropy_as_logged(grpo_run):
+    """``llamatrain plot`` on the metrics.jsonl a GRPO run wrote (fit drew curves.png from it):
+    every GRPO panel has the run's 4 steps, and the held-out reward its final evaluation."""
+    assert grpo_run.curves_path is not None and grpo_run.curves_path.is_file()
+    train, evals = read_metrics(grpo_run.run_dir)
+    panels = {ax.get_title(): ax for ax in metrics_figure(train, evals, "run").axes}
+    drawn = {
+        (title, line.get_label()): list(line.get_xdata())
+        for title in ("Reward", "Reward per function", "Completion length", "Entropy and KL")
+        for line in panels[title].lines
+    }
+    for key in [
+        ("Reward", "train reward (mean)"),
+        ("Reward per function", "train mentions_answer"),
+        ("Reward per function", "train length"),
+        ("Completion length", "train mean length"),
+        ("Completion length", "train max length"),
+        ("Entropy and KL", "entropy"),
+    ]:
+        assert drawn[key] == [1, 2, 3, 4], key
+    assert drawn["Reward", "held-out reward (greedy)"] == [evals[-1]["step"]]
+    assert panels["Reward"].collections  # the ± std band
 
 
 def test_a_resumed_grpo_run_reproduces_the_uninterrupted_run(files, tmp_path):

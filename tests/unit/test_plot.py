@@ -158,3 +158,76 @@ def test_a_preference_run_plots_its_reward_margin_and_accuracy(tmp_path):
     assert png_size(out) == (1300, 800)  # 2x3 panels
     sft = metrics_figure(*read_metrics(write_metrics(tmp_path / "sft")), "sft")
     assert [ax.get_title() for ax in sft.axes][2] == "Validation perplexity"  # SFT unchanged
+
+
+def write_grpo_metrics(run: Path) -> Path:
+    """A GRPO run's metrics.jsonl, keys as the trainer logs them (TRL's names): 6 steps with
+    two reward functions and β > 0, held-out greedy evaluations (no val_loss) at 3 and 6."""
+    run.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, 7):
+        lines.append({
+            "step": step, "loss": 0.001 * step, "lr": 1e-3, "tokens_per_s": 10.0,
+            "grad_norm": 0.5, "reward": step / 6, "reward_std": 0.1 * step,
+            "rewards/correct/mean": step / 12, "rewards/correct/std": 0.3,
+            "rewards/length/mean": 0.5, "rewards/length/std": 0.1,
+            "frac_reward_zero_std": 0.25, "completions/mean_length": 10.0 + step,
+            "completions/min_length": 4.0, "completions/max_length": 16.0 + step,
+            "completions/clipped_ratio": 0.5, "completions/mean_terminated_length": 9.0,
+            "completions/min_terminated_length": 4.0, "completions/max_terminated_length": 12.0,
+            "kl": 0.001 * step, "entropy": 2.0 - step / 10, "clip_ratio/low_mean": 0.0,
+            "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0, "rollout_s": 1.0,
+        })  # fmt: skip
+        if step % 3 == 0:
+            lines.append({
+                "step": step, "val_reward": step / 10, "val_reward_std": 0.2,
+                "val_rewards/correct/mean": step / 10, "val_rewards/correct/std": 0.4,
+                "val_rewards/length/mean": 0.4, "val_rewards/length/std": 0.1,
+                "val_completions/mean_length": 8.0, "val_completions/clipped_ratio": 0.0,
+            })  # fmt: skip
+    path = run / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def test_a_grpo_run_plots_its_rewards_lengths_and_entropy(tmp_path):
+    from llamatrain.plot import metrics_figure
+
+    train, evals = read_metrics(write_grpo_metrics(tmp_path / "run"))
+    assert [r["step"] for r in evals] == [3, 6]  # evaluations without a val_loss are kept
+    fig = metrics_figure(train, evals, "run")
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert set(panels) == {
+        "Loss", "Learning rate", "Reward", "Reward per function", "Completion length",
+        "Entropy and KL",
+    }  # fmt: skip
+    steps = list(range(1, 7))
+
+    def lines(title: str) -> dict[str, tuple[list, list]]:
+        return {
+            line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for line in panels[title].lines
+        }
+
+    reward = lines("Reward")
+    assert reward["train reward (mean)"] == (steps, [s / 6 for s in steps])
+    assert reward["held-out reward (greedy)"] == ([3, 6], [0.3, 0.6])
+    (band,) = panels["Reward"].collections  # mean ± std
+    vertices = band.get_paths()[0].vertices
+    for step in steps:
+        at = vertices[vertices[:, 0] == step, 1]
+        assert min(at) == pytest.approx(step / 6 - 0.1 * step)
+        assert max(at) == pytest.approx(step / 6 + 0.1 * step)
+    functions = lines("Reward per function")
+    assert functions["train correct"] == (steps, [s / 12 for s in steps])
+    assert functions["validation correct"] == ([3, 6], [0.3, 0.6])
+    assert functions["train length"][1] == [0.5] * 6
+    length = lines("Completion length")
+    assert length["train mean length"][1] == [10.0 + s for s in steps]
+    assert length["train min length"][1] == [4.0] * 6
+    assert length["train max length"][1] == [16.0 + s for s in steps]
+    assert length["validation mean length"] == ([3, 6], [8.0, 8.0])
+    assert lines("Entropy and KL")["entropy"][1] == pytest.approx([2.0 - s / 10 for s in steps])
+    (twin,) = [ax for ax in fig.axes if ax.get_ylabel() == "KL (nats/token)"]
+    assert list(twin.lines[0].get_ydata()) == pytest.approx([0.001 * s for s in steps])
+    assert png_size(plot_metrics(tmp_path / "run")) == (1300, 800)
