@@ -14,9 +14,10 @@ from llamatrain.config import load_config, read_config, validate
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.prompts import PromptEncoder, parse_prompt_row, read_prompts
 from llamatrain.errors import ConfigError, DataError
-from llamatrain.grpo_rollout import _until_stop, training_rows
+from llamatrain.grpo_rollout import GRPOObjective, _until_stop, training_rows
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.ops.sets import IGNORE_INDEX
+from llamatrain.rewards import load as load_rewards
 
 GRPO = [
     'train.objective="grpo"',
@@ -86,6 +87,15 @@ def test_python_reward_functions_stand_in_for_train_rewards():
         validate(load_config("tiny", GRPO), rewards=[correct])
     with pytest.raises(ConfigError, match="samples none"):
         validate(load_config("tiny"), rewards=[correct])
+
+
+def test_ddp_ranks_must_share_a_steps_prompts_as_whole_groups(char_tokenizer):
+    """2 prompts a step (8 completions, G = 4): 2 ranks take one group each, 3 cannot."""
+    cfg, rewards = load_config("tiny", GRPO), load_rewards(["builtin:exact_answer"])
+    assert GRPOObjective(cfg, char_tokenizer(), None, rewards, ranks=2).accumulation == 1
+    with pytest.raises(ConfigError, match="3 ranks cannot share equally") as e:
+        GRPOObjective(cfg, char_tokenizer(), None, rewards, ranks=3)
+    assert "multiple of 768 (num_generations x ranks x data.n_ctx)" in str(e.value)
 
 
 def test_rewards_without_grpo_and_a_zero_beta_for_dpo_are_refused():
