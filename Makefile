@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed-runtime
 TESTING := $(VENV)/.installed-test
 
-.PHONY: install run test test-all fuzz bench bench-ops lint clean
+.PHONY: install run test test-all fuzz bench bench-ops lint docs clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,10 +51,18 @@ bench: $(RUNTIME)
 bench-ops: $(RUNTIME)
 	$(BIN)/python bench/ops.py
 
+# The documentation site (mkdocs.yml, docs/): the generated references rewritten from the code,
+# then a strict build into site/ (a broken link or a missing reference fails it). The example
+# notebooks are executed in their seconds-long version and rendered with their outputs.
+docs: $(TESTING)
+	$(BIN)/python scripts/gen_config_reference.py
+	$(BIN)/python scripts/gen_cli_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: $(TESTING)
 	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/ruff format --check src tests bench scripts
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

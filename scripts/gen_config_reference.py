@@ -1,29 +1,25 @@
-"""Regenerate the README's config reference from ``llamatrain.config``.
+"""Regenerate the docs' config reference (docs/reference/config.md) from ``llamatrain.config``.
 
 Every config key, its default and its help line live in one place, the dataclass fields of
 the config sections (``llamatrain.config.config_reference()``, which leaves out the derived
 fields a run fills in, such as ``model.vocab_size``). This script renders them as Markdown
 tables, defaults written as TOML values by ``tomli_w`` (the library that writes run configs),
-and rewrites the README between the markers below, so the documentation cannot drift from
-the code; ``tests/unit/test_docs.py`` fails when someone forgets to run it.
+and rewrites the page between its markers, so the documentation cannot drift from the code;
+``tests/unit/test_docs.py`` fails when someone forgets to run it (``make docs`` runs it).
 
-    python scripts/gen_config_reference.py           # rewrite README.md in place
-    python scripts/gen_config_reference.py --check   # exit 1 if README.md is out of date
+    python scripts/gen_config_reference.py           # rewrite docs/reference/config.md
+    python scripts/gen_config_reference.py --check   # exit 1 if the page is out of date
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
 import tomli_w
+from generated_block import DOCS, main
 
 from llamatrain.config import SECTIONS, config_reference
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-START = "<!-- config-reference:start -->"
-END = "<!-- config-reference:end -->"
+NAME = "config-reference"
+PAGE = DOCS / "reference" / "config.md"
 
 
 def toml_value(value: object) -> str:
@@ -52,7 +48,7 @@ def render() -> str:
         " llamatrain.config.config_reference(); do not edit by hand. -->"
     ]
     for section, cls in SECTIONS.items():
-        parts += ["", f"`[{section}]` — {_cell(cls.__doc__.strip().splitlines()[0])}", ""]
+        parts += ["", f"## `[{section}]`", "", _cell(cls.__doc__.strip().splitlines()[0]), ""]
         parts += ["| key | default | meaning |", "| --- | --- | --- |"]
         for key, default, help_text in rows:
             if key.split(".", 1)[0] == section:
@@ -60,39 +56,5 @@ def render() -> str:
     return "\n".join(parts)
 
 
-def update(readme_text: str) -> str:
-    """``readme_text`` with the block between the markers replaced by :func:`render`."""
-    if readme_text.count(START) != 1 or readme_text.count(END) != 1:
-        raise SystemExit(f"README must contain {START} and {END} exactly once each")
-    head, rest = readme_text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{render()}\n{END}{tail}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README is out of date")
-    parser.add_argument("--readme", type=Path, default=README)
-    args = parser.parse_args(argv)
-    current = args.readme.read_text(encoding="utf-8")
-    wanted = update(current)
-    if args.check:
-        if current != wanted:
-            print(
-                f"{args.readme}: config reference is out of date; run "
-                "python scripts/gen_config_reference.py",
-                file=sys.stderr,
-            )
-            return 1
-        print(f"{args.readme}: config reference is up to date")
-        return 0
-    if current != wanted:
-        args.readme.write_text(wanted, encoding="utf-8")
-        print(f"rewrote the config reference in {args.readme}")
-    else:
-        print(f"{args.readme}: already up to date")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(NAME, render, PAGE, None))

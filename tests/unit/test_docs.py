@@ -1,31 +1,30 @@
-"""The README's config reference is generated from the code and must not drift from it."""
+"""The docs' generated references (config keys, CLI arguments) come from the code and must not
+drift from it: each page's block is compared against a fresh rendering."""
 
 import dataclasses
-import importlib.util
+import importlib
 import re
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from llamatrain.cli import build_parser
 from llamatrain.config import SECTIONS, config_reference
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "gen_config_reference.py"
+sys.path.insert(0, str(REPO / "scripts"))  # the generators import their shared generated_block
+
+gen_config = importlib.import_module("gen_config_reference")
+gen_cli = importlib.import_module("gen_cli_reference")
+generated_block = importlib.import_module("generated_block")
+
 ROW = re.compile(r"^\| `(?P<key>[a-z_]+\.[a-z_0-9]+)` \| (?P<default>.*?) \| (?P<help>.*) \|$")
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("gen_config_reference", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def readme_block() -> str:
-    gen = load_script()
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    return readme.split(gen.START, 1)[1].split(gen.END, 1)[0]
+def page_block(gen) -> str:
+    return generated_block.block(gen.PAGE.read_text(encoding="utf-8"), gen.NAME)
 
 
 def table_rows(block: str) -> dict[str, str]:
@@ -39,31 +38,26 @@ def table_rows(block: str) -> dict[str, str]:
     return rows
 
 
-def test_readme_config_reference_is_current():
-    gen = load_script()
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert readme.count(gen.START) == 1 and readme.count(gen.END) == 1
-    section = readme.split(gen.START, 1)[1].split(gen.END, 1)[0]
-    assert section.strip() == gen.render().strip(), (
-        "README.md's config reference is stale: run python scripts/gen_config_reference.py"
+@pytest.mark.parametrize("gen", [gen_config, gen_cli], ids=["config", "cli"])
+def test_generated_reference_is_current(gen):
+    assert page_block(gen).strip() == gen.render().strip(), (
+        f"{gen.PAGE.relative_to(REPO)} is stale: run python scripts/{Path(gen.__file__).name}"
     )
-    assert readme.index("## Config reference") < readme.index(gen.START)
-    assert readme.index(gen.END) < readme.index("## Python API")
 
 
-def test_readme_table_lists_exactly_the_config_keys():
-    listed = table_rows(readme_block())
+def test_config_table_lists_exactly_the_config_keys():
+    listed = table_rows(page_block(gen_config))
     keys = [key for key, _default, _help in config_reference()]
     assert keys, "config_reference() is empty"
     missing = [key for key in keys if key not in listed]
     unknown = [key for key in listed if key not in keys]
-    assert not missing, f"config keys missing from README.md's table: {missing}"
-    assert not unknown, f"README.md's table lists keys that are not config keys: {unknown}"
-    assert list(listed) == keys, "README.md's table is not in config_reference() order"
+    assert not missing, f"config keys missing from the config reference: {missing}"
+    assert not unknown, f"the config reference lists keys that are not config keys: {unknown}"
+    assert list(listed) == keys, "the config reference is not in config_reference() order"
 
 
 def test_reference_leaves_out_derived_fields():
-    listed = table_rows(load_script().render())
+    listed = table_rows(gen_config.render())
     derived = [
         f"{name}.{f.name}"
         for name, cls in SECTIONS.items()
@@ -76,7 +70,7 @@ def test_reference_leaves_out_derived_fields():
 
 def test_table_defaults_read_back_as_the_defaults():
     """Each default cell is the TOML value of the default (or *unset* for None)."""
-    listed = table_rows(load_script().render())
+    listed = table_rows(gen_config.render())
     for key, default, _help in config_reference():
         cell = listed[key]
         if default is None:
@@ -88,7 +82,7 @@ def test_table_defaults_read_back_as_the_defaults():
 
 
 def test_reference_renders_known_rows():
-    table = load_script().render()
+    table = gen_config.render()
     assert '| `data.path` | `"shakespeare"` |' in table
     assert '| `train.sample_prompt` | `"Romeo.\\n"` |' in table
     assert "| `model.n_kv_heads` | *unset* |" in table
@@ -102,18 +96,33 @@ def test_reference_renders_known_rows():
     [(1e-3, "0.001"), (True, "true"), ("a|b", '"a|b"'), ([1, 2], "[ 1, 2, ]"), (16384, "16384")],
 )
 def test_toml_value_is_one_line_of_toml(value, text):
-    gen = load_script()
-    assert gen.toml_value(value) == text
-    assert tomllib.loads(f"v = {gen.toml_value(value)}")["v"] == value
+    assert gen_config.toml_value(value) == text
+    assert tomllib.loads(f"v = {gen_config.toml_value(value)}")["v"] == value
 
 
-def test_check_mode_fails_on_a_stale_readme_and_rewrite_fixes_it(tmp_path, capsys):
-    gen = load_script()
-    stale = tmp_path / "README.md"
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    stale.write_text(text.replace("| `optim.lr` |", "| `optim.learning_rate` |"))
-    assert gen.main(["--check", "--readme", str(stale)]) == 1
-    assert "out of date" in capsys.readouterr().err
-    assert gen.main(["--readme", str(stale)]) == 0
-    assert stale.read_text() == text
-    assert gen.main(["--check", "--readme", str(stale)]) == 0
+def test_cli_reference_lists_every_argument_of_every_command():
+    """Each subcommand has its section, and each of its flags and positionals a row."""
+    block = page_block(gen_cli)
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    for name, sub in commands.choices.items():
+        section = block.split(f"## `llamatrain {name}`", 1)[1].split("\n## ", 1)[0]
+        for action in sub._actions:
+            shown = action.option_strings[-1] if action.option_strings else action.dest
+            assert f"`{shown}" in section or f", {shown}" in section, (name, shown)
+    assert "| `--resume PATH|latest` |  | continue from a checkpoint" in block
+    assert "| `--type TYPE` | `f32` |" in block
+    assert "| `--data DATA` | required | text file to score |" in block
+
+
+@pytest.mark.parametrize("gen", [gen_config, gen_cli], ids=["config", "cli"])
+def test_check_mode_fails_on_a_stale_page_and_rewrite_fixes_it(gen, tmp_path, capsys):
+    stale = tmp_path / "page.md"
+    text = gen.PAGE.read_text(encoding="utf-8")
+    first_row = next(line for line in page_block(gen).splitlines() if line.startswith("| `"))
+    stale.write_text(text.replace(first_row, "| `stale` | | |"), encoding="utf-8")
+    argv = ["--page", str(stale)]
+    assert generated_block.main(gen.NAME, gen.render, gen.PAGE, ["--check", *argv]) == 1
+    assert f"run python scripts/gen_{gen.NAME.replace('-', '_')}.py" in capsys.readouterr().err
+    assert generated_block.main(gen.NAME, gen.render, gen.PAGE, argv) == 0
+    assert stale.read_text(encoding="utf-8") == text
+    assert generated_block.main(gen.NAME, gen.render, gen.PAGE, ["--check", *argv]) == 0

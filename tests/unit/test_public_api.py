@@ -1,8 +1,9 @@
-"""``llamatrain``'s own entry points (``API``) agree with ``llamatrain.api`` and the README.
+"""``llamatrain``'s own entry points (``API``) agree with ``llamatrain.api`` and the docs.
 
 ``llamatrain/__init__.py`` keeps the one list of the ``llamatrain.api`` functions it offers,
 loaded on first use so that ``import llamatrain`` stays light; these checks keep that list, the
-module's ``__all__`` and the calls README.md documents from drifting apart.
+module's ``__all__`` and the calls README.md and the docs pages (docs/) document from drifting
+apart.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from pathlib import Path
 import llamatrain
 from llamatrain import api
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def documented_names() -> set[str]:
-    """What README.md calls as ``llamatrain.<name>(...)`` or imports with
+    """What README.md and the docs pages call as ``llamatrain.<name>(...)`` or import with
     ``from llamatrain import ...`` (``llamatrain.<submodule>.<name>`` are not counted)."""
-    text = README.read_text(encoding="utf-8")
+    text = "\n".join(path.read_text(encoding="utf-8") for path in DOCUMENTS)
     names = set(re.findall(r"\bllamatrain\.(\w+)\(", text))
     for imported in re.findall(r"^from llamatrain import (.+)$", text, flags=re.MULTILINE):
         names.update(name.strip() for name in imported.split("#")[0].split(","))
@@ -44,9 +46,9 @@ def test_every_entry_point_offered_is_in_api_all():
 
 def test_every_documented_call_is_offered():
     documented = documented_names()
-    assert {"fit", "load", "chat", "Llama"} <= documented  # the README's examples were found
+    assert {"fit", "load", "chat", "Llama"} <= documented  # the docs' examples were found
     not_offered = sorted(name for name in documented if name not in llamatrain.__all__)
-    assert not not_offered, f"README.md calls llamatrain.{not_offered} but llamatrain lacks them"
+    assert not not_offered, f"the docs call llamatrain.{not_offered} but llamatrain lacks them"
     for name in documented:
         assert getattr(llamatrain, name) is not None
 
