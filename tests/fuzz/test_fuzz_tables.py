@@ -2,8 +2,9 @@
 
 A real Parquet file of chat, Alpaca and text rows (zstd, small row groups) is damaged: bytes
 flipped or overwritten anywhere (its footer, page headers, compressed pages), cut, grown, or
-its footer length pointed elsewhere. A real ``save_to_disk`` folder has its ``state.json``,
-``dataset_info.json`` or Arrow file replaced by drawn bytes or JSON. Reading either as
+its footer length pointed elsewhere; so is a real ``save_to_disk`` folder's Arrow file (its
+batches' metadata, offsets and cells), and its ``state.json``, ``dataset_info.json`` or Arrow
+file are replaced by drawn bytes or JSON. Reading either as
 ``data.format = "parquet"`` / ``"hf"`` rows encoded as examples gives examples or a
 LlamatrainError in one line, within ``fuzz_bounds.bounded``'s time and memory.
 """
@@ -100,3 +101,23 @@ def test_a_damaged_datasets_folder_gives_examples_or_one_line(
     target = next(folder.glob("*.arrow")) if name == "arrow" else folder / name
     target.write_bytes(raw)
     bounded(lambda: read([folder], encoder, "hf", "skip"), f"hf {name} {raw[:80]!r}")
+
+
+@given(edits=edits, cut=st.none() | st.integers(0, 512))
+def test_a_damaged_arrow_file_gives_examples_or_one_line(
+    clean, encoder, tmp_path_factory, edits, cut
+):
+    """Issue 37, item 4: the Arrow file's bytes damaged in place (its batches' metadata,
+    lengths, offsets, cells) rather than replaced: pyarrow believed what a batch claimed, and
+    a claimed 1 GB cell in a 432-byte file was a bus error."""
+    folder = tmp_path_factory.mktemp("a") / "ds"
+    shutil.copytree(clean["hf"], folder)
+    (arrow,) = folder.glob("*.arrow")
+    data = bytearray(arrow.read_bytes())
+    for offset, patch in edits:
+        at = offset % len(data)
+        data[at : at + len(patch)] = patch
+    if cut is not None:
+        data = data[: max(len(data) - cut, 0)]
+    arrow.write_bytes(bytes(data))
+    bounded(lambda: read([folder], encoder, "hf", "skip"), f"arrow {edits} {cut}")

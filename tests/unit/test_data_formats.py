@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -316,6 +317,64 @@ def test_a_parquet_cell_that_expands_past_a_lines_most_is_refused_before_it_is_r
     message = error_of(examples, [path], encoder, format="parquet")
     assert "bomb.parquet: rows 1-2 (row group 0) hold 4 MiB uncompressed" in message
     assert "row_group_size" in message and not decompressed
+
+
+def _hf_folder_holding(tmp_path: Path, rows: dict, compression: str | None = None) -> Path:
+    """A save_to_disk folder whose Arrow file holds ``rows`` instead (as one IPC stream
+    batch, compressed when asked: datasets itself never compresses)."""
+    datasets = pytest.importorskip("datasets")
+    pa = pytest.importorskip("pyarrow")
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict(columns(ALPACA)).save_to_disk(str(folder))
+    (arrow,) = folder.glob("*.arrow")
+    table = pa.table(rows)
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    with (
+        pa.OSFile(str(arrow), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema, options=options) as out,
+    ):
+        out.write_table(table)
+    return folder
+
+
+def test_an_arrow_file_that_expands_past_a_lines_most_is_refused_before_it_is_read(
+    tmp_path, encoder, monkeypatch
+):
+    """Issue 37, item 4: an HF folder's Arrow file was read whole by datasets as it opened the
+    folder: a 7 KB zstd-compressed batch of 200 MB took 200 MB, a plain batch had no bound.
+    Each batch is checked from its metadata first: compressed (never written by save_to_disk)
+    refused, a plain one held to a Parquet row group's most (lowered here: 4 MB against 1 MB)."""
+    cell = "### Response:\n" + "x" * (4 << 20)
+    rows = {"instruction": ["a", "b"], "output": ["short", cell]}
+    compressed = _hf_folder_holding(tmp_path / "zstd", rows, compression="zstd")
+    assert sum(f.stat().st_size for f in compressed.iterdir()) < 8192
+    loaded = []
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.Dataset, "load_from_disk", lambda *a, **k: loaded.append(1))
+    message = error_of(examples, [compressed], encoder, format="hf")
+    assert "message 1 is a compressed record batch" in message and "re-save" in message
+    monkeypatch.setattr(sources, "MAX_CHUNK_BYTES", 1 << 20)
+    plain = _hf_folder_holding(tmp_path / "plain", rows)
+    message = error_of(examples, [plain], encoder, format="hf")
+    assert "message 1 holds a record batch of 4 MiB, more than the 1 MiB" in message
+    assert "writer_batch_size" in message and not loaded
+
+
+def test_an_arrow_file_claiming_more_than_it_holds_is_refused(tmp_path, encoder):
+    """Issue 37, item 4: pyarrow believes a batch's offsets; one claiming a 1 GB cell in a
+    tiny file was read past the end of its buffer (memory outside the file, or a crash).
+    Every batch is validated in full before datasets opens the folder."""
+    folder = _hf_folder_holding(tmp_path, {"instruction": ["hello"], "output": ["world"]})
+    (arrow,) = folder.glob("*.arrow")
+    data = arrow.read_bytes()
+    cell = struct.pack("<2i", 0, 5) + b"hello"  # a string column's offsets, then its bytes
+    assert data.count(cell) == 1
+    arrow.write_bytes(data.replace(cell, struct.pack("<2i", 0, 1 << 30) + b"hello"))
+    message = error_of(examples, [folder], encoder, format="hf")
+    assert "cannot be read as an Arrow stream" in message and "re-save the dataset" in message
+    bad = BadLines("skip")  # not a bad row to skip: the file is refused whatever the policy
+    with pytest.raises(DataError, match="Arrow stream"):
+        read_examples([folder], encoder, bad, format="hf")
 
 
 def test_inputs_that_are_not_tables_are_refused(tmp_path):

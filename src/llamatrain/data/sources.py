@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from types import ModuleType
 from typing import Any, TextIO
 
+from llamatrain.data.arrow_stream import check_arrow_stream
 from llamatrain.data.shakespeare import shakespeare_corpus
 from llamatrain.errors import DataError, shown
 
@@ -58,10 +59,11 @@ TABLE_BATCH = 1024
 """Rows read from a table at a time, so a large one never sits in memory whole as dicts."""
 
 MAX_CHUNK_BYTES = 1 << 29
-"""The most bytes one Parquet row group may hold uncompressed (512 MiB: what a JSONL line may,
-``jsonl.MAX_LINE_CHARS`` characters of up to 4 bytes). Checked from the footer
-before anything is read: a cell is decompressed whole, so a 92 KB file holding one zstd cell
-of 1 GB would otherwise take gigabytes."""
+"""The most bytes one Parquet row group, or one record batch of an HF folder's Arrow file, may
+hold uncompressed (512 MiB: what a JSONL line may, ``jsonl.MAX_LINE_CHARS`` characters of up to
+4 bytes). Checked from the footer or the batch's metadata before anything is read: a cell is
+decompressed whole, so a 92 KB file holding one zstd cell of 1 GB would otherwise take
+gigabytes (:mod:`~llamatrain.data.arrow_stream`)."""
 
 SHAKESPEARE = "shakespeare"
 """The ``data.path`` value that selects Shakespeare's plays and poems (downloaded once)."""
@@ -327,7 +329,9 @@ def table_rows(path: Path, format: str) -> Iterator[dict[str, Any]]:
         yield from _parquet_rows(path, table)
         return
     datasets = optional_module("datasets", "datasets")
-    hf_files(path)  # each inside the folder, before datasets opens any
+    files = hf_files(path)  # each inside the folder, before datasets opens any
+    for arrow in files[len(_HF_DATASET) :]:  # the Arrow files state.json names
+        check_arrow_stream(arrow, MAX_CHUNK_BYTES)
     try:
         dataset = datasets.Dataset.load_from_disk(str(_hf_dataset(path)))
     except Exception as e:  # a damaged or foreign folder
