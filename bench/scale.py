@@ -17,11 +17,16 @@ Method. For each shape and type, in turns (one command):
   evaluates the same ``--tokens`` random token ids twice from an empty cache; the second
   evaluation is timed (wall and the process's CPU time): the first pays the page faults;
 * ``ours``: a fresh process runs ``llamatrain.api.fit`` as a user would: ``model.init_from`` =
-  the file, ``lora.rank = 8``, ``lora.base_dtype = "quantized"``, one ``--tokens``-token
-  sequence a step (the packaged sonnets), 2 steps, no evaluation, sample, checkpoints or
-  export; ``Trainer.train_step`` is wrapped to time each step (wall and process CPU) and the
-  second step is reported (the first runs allocations and caches once); ``to step 1 s`` is
-  the time from the call to the first step (reading the file, building the model).
+  the file, one ``--tokens``-token sequence a step (the packaged sonnets), 2 steps, no
+  evaluation, sample, checkpoints or export, trained as each of ``--modes`` says (``MODES``:
+  ``qlora``, the default, is ``lora.rank = 8`` over the file's blocks; ``lora-bf16`` and
+  ``lora-f32`` the same adapters over a base widened to bf16 / float32; ``full`` the whole
+  model, float32 with AdamW); ``Trainer.train_step`` is wrapped to time each step (wall and
+  process CPU) and the second step is reported (the first runs allocations and caches once);
+  ``to step 1 s`` is the time from the call to the first step (reading the file, building the
+  model); ``s/1k tok`` the step's wall time per 1,000 of its tokens. A mode the machine cannot
+  hold is refused by llamatrain's own memory plan before it loads: its row gives the
+  refusal and the planned peak instead of figures.
 
 Each process's peak RSS is its own ``VmHWM``, so the peaks never mix; both include the pages
 of the mapped file they touched. ``x`` columns are ours over llama.cpp's (wall, CPU), ``x
@@ -30,16 +35,19 @@ rounds and ours first in even ones, and reports medians. Results: a table and
 ``bench/results/scale.json``.
 
 Usage: ``python bench/scale.py [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-2-7b]
-[--types q4_0,q8_0,q4_k_m] [--tokens 64] [--threads 2] [--rounds 1] [--work DIR] [--keep]
-[--json PATH]``. Needs llama-cpp-python and llama.cpp's vocabulary files
-(``pytest tests/integration/test_llama_cpp_vocabs.py`` fetches them once). The 7B rows need
-~8 GB of memory and, for Q4_K_M, ~17 GB of disk (its f16 source); not part of the test suite.
+[--types q4_0,q8_0,q4_k_m] [--modes qlora,lora-bf16,lora-f32,full] [--tokens 64] [--threads 2]
+[--rounds 1] [--work DIR] [--keep] [--json PATH]``. Needs llama-cpp-python and llama.cpp's
+vocabulary files (``pytest tests/integration/test_llama_cpp_vocabs.py`` fetches them once).
+The 7B rows need ~8 GB of memory and, for Q4_K_M, ~17 GB of disk (its f16 source); the
+``full`` and ``lora-f32`` modes of 1B-8B shapes up to 20 GB (or a refusal); not part of the
+test suite.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -62,11 +70,17 @@ from real_shapes import SHAPES, TYPES, shape_names, stored_bytes, write_real_sha
 DEFAULT_JSON = HERE / "results" / "scale.json"
 DEFAULT_WORK = HERE / ".cache" / "scale"
 GB = 1e9
-ROWS = ("llama.cpp", "ours")
+MODES: dict[str, dict[str, object]] = {
+    "qlora": {"lora.rank": 8, "lora.base_dtype": "quantized"},
+    "lora-bf16": {"lora.rank": 8, "lora.base_dtype": "bf16"},
+    "lora-f32": {"lora.rank": 8, "lora.base_dtype": "f32"},
+    "full": {"lora.rank": 0},
+}
+"""How ``ours`` trains: the settings each ``--modes`` name adds to the run."""
 HEADER = (
-    f"{'shape':<13} {'type':<6} {'file GB':>7} {'write s':>7} {'cpp s':>6} {'cpp cpu':>7} "
-    f"{'ours s':>7} {'ours cpu':>8} {'x wall':>6} {'x cpu':>6} {'peak GB':>7} {'x file':>6} "
-    f"{'cpp GB':>6} {'to step 1 s':>11} {'load':>5}"
+    f"{'shape':<13} {'type':<6} {'mode':<9} {'file GB':>7} {'write s':>7} {'cpp s':>6} "
+    f"{'cpp cpu':>7} {'ours s':>7} {'ours cpu':>8} {'x wall':>6} {'x cpu':>6} {'s/1k tok':>8} "
+    f"{'peak GB':>7} {'x file':>6} {'cpp GB':>6} {'to step 1 s':>11} {'load':>5}"
 )
 
 
@@ -100,9 +114,11 @@ def llama_cpp_eval(spec: dict) -> dict:
 
 
 def ours_step(spec: dict) -> dict:
-    """A two-step QLoRA ``fit`` over the file, each ``Trainer.train_step`` timed; the second."""
+    """A two-step ``fit`` over the file as ``spec["mode"]`` trains, each
+    ``Trainer.train_step`` timed; the second. A run the memory plan refuses: the refusal."""
     from llamatrain import api
     from llamatrain.data import SONNETS_PATH
+    from llamatrain.errors import MemoryBudgetError
     from llamatrain.trainer import Trainer
 
     steps: list[tuple[float, float, float]] = []  # (start, wall, cpu)
@@ -121,8 +137,7 @@ def ours_step(spec: dict) -> dict:
         "data.path": str(SONNETS_PATH),
         "data.n_ctx": spec["tokens"],
         "data.val_fraction": 0.0,
-        "lora.rank": 8,
-        "lora.base_dtype": "quantized",
+        **MODES[spec["mode"]],
         "train.n_batch": spec["tokens"],
         "train.steps": 2,
         "train.eval_every": 0,
@@ -132,7 +147,12 @@ def ours_step(spec: dict) -> dict:
         "output.dir": spec["dir"],
     }
     started = time.perf_counter()
-    api.fit(None, overrides=[f"{k}={json.dumps(v)}" for k, v in settings.items()], progress=False)
+    try:
+        api.fit(
+            None, overrides=[f"{k}={json.dumps(v)}" for k, v in settings.items()], progress=False
+        )
+    except MemoryBudgetError as e:
+        return {"refused": str(e), "planned_peak_bytes": planned_bytes(str(e))}
     return {
         "seconds": steps[-1][1],
         "cpu_seconds": steps[-1][2],
@@ -141,6 +161,12 @@ def ours_step(spec: dict) -> dict:
         "run_seconds": time.perf_counter() - started,
         "peak_bytes": peak_rss_bytes(),
     }
+
+
+def planned_bytes(refusal: str) -> float:
+    """The peak a memory refusal says the run needs ("this run needs about 19.6 GB (...")."""
+    amount, unit = re.search(r"needs about ([\d,.]+) (GB|MB)", refusal).groups()
+    return float(amount.replace(",", "")) * (1 << (30 if unit == "GB" else 20))
 
 
 CHILDREN = {"llama.cpp": llama_cpp_eval, "ours": ours_step}
@@ -172,8 +198,9 @@ def check_disk(work: Path, shape: str, type_name: str) -> None:
         )
 
 
-def measure(shape: str, type_name: str, args: argparse.Namespace) -> dict:
-    """Write the file, run both rows ``--rounds`` times in alternating order, delete it."""
+def measure(shape: str, type_name: str, args: argparse.Namespace) -> list[dict]:
+    """Write the file, run llama.cpp and each mode ``--rounds`` times in alternating order,
+    delete it; a row per mode."""
     path = args.work / f"{shape}-{type_name}.gguf"
     written = 0.0
     if not path.is_file():
@@ -182,51 +209,70 @@ def measure(shape: str, type_name: str, args: argparse.Namespace) -> dict:
         write_real_shape(path, shape, type_name, VOCABULARIES)
         written = time.perf_counter() - started
     file_bytes = path.stat().st_size
-    rounds = []
+    rows, rounds = ("llama.cpp", *args.modes), []
     try:
         for index in range(args.rounds):
-            order = ROWS if index % 2 == 0 else ROWS[::-1]
+            order = rows if index % 2 == 0 else rows[::-1]
             rounds.append({row: one_row(row, path, args) for row in order})
     finally:
         if not args.keep:
             path.unlink()
-    return summary(shape, type_name, file_bytes, written, rounds) | {"load": load_average()}
+    cpp = medians([r["llama.cpp"] for r in rounds])
+    load = load_average()
+    return [
+        summary(shape, type_name, mode, file_bytes, written, cpp, [r[mode] for r in rounds], args)
+        | {"load": load}
+        for mode in args.modes
+    ]
 
 
 def one_row(row: str, path: Path, args: argparse.Namespace) -> dict:
-    spec = {"path": str(path), "tokens": args.tokens, "threads": args.threads}
+    spec = {"path": str(path), "tokens": args.tokens, "threads": args.threads, "mode": row}
     with tempfile.TemporaryDirectory(dir=args.work) as run_dir:
-        return run_child(row, spec | {"dir": str(Path(run_dir) / "run")})
+        child = "llama.cpp" if row == "llama.cpp" else "ours"
+        return run_child(child, spec | {"dir": str(Path(run_dir) / "run")})
 
 
-def summary(shape: str, type_name: str, file_bytes: int, written: float, rounds: list) -> dict:
-    """Per row the medians over rounds; the ratios ours / llama.cpp and peak / file."""
-    medians = {
-        row: {key: statistics.median(r[row][key] for r in rounds) for key in rounds[0][row]}
-        for row in ROWS
-    }
-    cpp, ours = medians["llama.cpp"], medians["ours"]
-    return {
-        "shape": shape,
-        "type": type_name,
-        "file_bytes": file_bytes,
-        "write_seconds": written,
-        "llama_cpp": cpp,
-        "ours": ours,
+def medians(rounds: list[dict]) -> dict:
+    """Each figure's median over the rounds (a refusal: the first round's, all alike)."""
+    if "refused" in rounds[0]:
+        return rounds[0]
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
+def summary(
+    shape: str, type_name: str, mode: str, file_bytes: int, written: float, cpp: dict,
+    rounds: list[dict], args: argparse.Namespace,
+) -> dict:  # fmt: skip
+    """A mode's medians over rounds; the ratios ours / llama.cpp and peak / file."""
+    ours = medians(rounds)
+    row = {
+        "shape": shape, "type": type_name, "mode": mode, "tokens": args.tokens,
+        "file_bytes": file_bytes, "write_seconds": written, "llama_cpp": cpp, "ours": ours,
+        "rounds": rounds,
+    }  # fmt: skip
+    if "refused" in ours:
+        return row
+    return row | {
         "x_wall": ours["seconds"] / cpp["seconds"],
         "x_cpu": ours["cpu_seconds"] / cpp["cpu_seconds"],
         "x_file": ours["peak_bytes"] / file_bytes,
-        "rounds": rounds,
+        "seconds_per_1k_tokens": ours["seconds"] / args.tokens * 1000,
     }
 
 
 def row_text(row: dict) -> str:
     cpp, ours = row["llama_cpp"], row["ours"]
-    return (
-        f"{row['shape']:<13} {row['type']:<6} {row['file_bytes'] / GB:>7.2f} "
+    start = (
+        f"{row['shape']:<13} {row['type']:<6} {row['mode']:<9} {row['file_bytes'] / GB:>7.2f} "
         f"{row['write_seconds']:>7.1f} {cpp['seconds']:>6.2f} {cpp['cpu_seconds']:>7.2f} "
+    )
+    if "refused" in ours:
+        return start + f"refused: needs {ours['planned_peak_bytes'] / GB:.1f} GB"
+    return start + (
         f"{ours['seconds']:>7.2f} {ours['cpu_seconds']:>8.2f} {row['x_wall']:>6.2f} "
-        f"{row['x_cpu']:>6.2f} {ours['peak_bytes'] / GB:>7.2f} {row['x_file']:>6.2f} "
+        f"{row['x_cpu']:>6.2f} {row['seconds_per_1k_tokens']:>8.1f} "
+        f"{ours['peak_bytes'] / GB:>7.2f} {row['x_file']:>6.2f} "
         f"{cpp['peak_bytes'] / GB:>6.2f} {ours['to_first_step_seconds']:>11.1f} "
         f"{row['load'][0] if row['load'] else float('nan'):>5.2f}"
     )
@@ -244,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(shape_names()), help="comma-separated")
     parser.add_argument("--types", default=",".join(TYPES), help="comma-separated")
+    parser.add_argument("--modes", default="qlora", help="comma-separated, of MODES")
     parser.add_argument("--tokens", type=int, default=64, help="tokens evaluated / per step")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each row, alternating")
@@ -260,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     shapes = choices(args.shapes, list(SHAPES), "shape")
     types = choices(args.types, TYPES, "type")
+    args.modes = choices(args.modes, list(MODES), "mode")
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     meta = machine_info(torch.device("cpu")) | {
@@ -271,8 +319,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for shape in shapes:
         for type_name in types:
-            rows.append(measure(shape, type_name, args))
-            print(row_text(rows[-1]), flush=True)
+            for row in measure(shape, type_name, args):
+                rows.append(row)
+                print(row_text(row), flush=True)
     return finish({"meta": meta, "rows": rows}, meta, started, args.json)
 
 

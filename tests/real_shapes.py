@@ -68,6 +68,20 @@ SHAPES: dict[str, RealShape] = {
         "llama-bpe",
         llama3_rope=True,
     ),
+    "llama-3.2-3b": RealShape(
+        ModelConfig(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8,
+                    ffn_dim=8192, max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0,
+                    rope_freq_factors=True, tie_embeddings=True),
+        "llama-bpe",
+        llama3_rope=True,
+    ),
+    "llama-3.1-8b": RealShape(
+        ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                    ffn_dim=14336, max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0,
+                    rope_freq_factors=True),
+        "llama-bpe",
+        llama3_rope=True,
+    ),
     "qwen2.5-1.5b": RealShape(
         ModelConfig(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28, n_heads=12,
                     n_kv_heads=2, ffn_dim=8960, max_seq_len=32768, norm_eps=1e-6,
@@ -75,7 +89,8 @@ SHAPES: dict[str, RealShape] = {
         "qwen2",
     ),
 }  # fmt: skip
-"""The shapes of issue 39, by name."""
+"""Real models' shapes by name: issue 39's three (Llama-2-7B, Llama-3.2-1B, Qwen2.5-1.5B) and
+the 3B and 8B of the Llama 3 family that the README's what-fits-where table is measured at."""
 
 TYPES = ("q4_0", "q8_0", "q4_k_m")
 """The stored types a shape can be written as (``f16`` too: the quantizer's input)."""

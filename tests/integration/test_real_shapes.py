@@ -31,7 +31,9 @@ pytestmark = pytest.mark.slow
 GiB = 1 << 30
 DIRECT = ("q4_0", "q8_0")
 """Types written as random blocks (fast); Q4_K_M goes through llama.cpp's quantizer."""
-CASES = [(shape, type_name) for shape in SHAPES for type_name in DIRECT]
+ISSUE_SHAPES = ("llama-3.2-1b", "qwen2.5-1.5b", "llama-2-7b")
+"""The shapes issue 39 asks to be proven (the 3B and 8B ones are the bench's)."""
+CASES = [(shape, type_name) for shape in ISSUE_SHAPES for type_name in DIRECT]
 CASES.append(("llama-3.2-1b", "q4_k_m"))
 SMALL = ("llama-3.2-1b", "qwen2.5-1.5b")
 SECONDS_PER_GB = 15.0
