@@ -4,7 +4,9 @@ from a temporary working directory: they need only the installed package, not th
 Each notebook prints one ``SUMMARY {json}`` line in its last cell; the assertions read that,
 so a notebook that "runs" but no longer trains, exports or generates fails here. The committed
 notebooks must carry no outputs (they would go stale, bloat diffs and hide what a fresh run
-prints).
+prints). A notebook writes only under ``runs/<its name>/``, and a second Run All in the same
+folder works as the first did (issue 38: lora_chat's second run stopped on its own last run):
+the slow test runs each one twice there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def test_the_examples_exist():
         "quickstart.ipynb",
         "baby_llama.ipynb",
         "lora_chat.ipynb",
+        "grpo.ipynb",
     }
 
 
@@ -64,13 +67,16 @@ def execute(name: str, monkeypatch, workdir: Path) -> dict:
     text = "".join(o.get("text", "") for o in last.outputs if o.output_type == "stream")
     lines = [line for line in text.splitlines() if line.startswith("SUMMARY ")]
     assert lines, f"{name}: the last cell printed no SUMMARY line:\n{text}"
-    # the short versions clean up after themselves: nothing lands where they were started
-    assert list(workdir.iterdir()) == [], f"{name} left files in its working directory"
+    written = sorted(str(p.relative_to(workdir)) for p in workdir.iterdir())
+    assert written in ([], ["runs"]), f"{name} wrote outside runs/: {written}"
+    if written:
+        mine = Path(name).stem
+        folders = [p.name for p in (workdir / "runs").iterdir()]
+        assert folders == [mine], f"{name} wrote outside runs/{mine}: {folders}"
     return json.loads(lines[-1].removeprefix("SUMMARY "))
 
 
-def test_quickstart_trains_exports_and_runs_in_llama_cpp(monkeypatch, tmp_path):
-    summary = execute("quickstart.ipynb", monkeypatch, tmp_path)
+def check_quickstart(summary: dict) -> None:
     assert summary["quick"] is True and summary["steps"] > 0
     # 24 steps take the loss well below the uniform ln(384) = 5.95 it starts near
     assert summary["last_loss"] < summary["first_loss"] - 0.5
@@ -80,8 +86,7 @@ def test_quickstart_trains_exports_and_runs_in_llama_cpp(monkeypatch, tmp_path):
     assert summary["gguf_bytes"] > 100_000
 
 
-def test_baby_llama_learns_and_both_optimizers_solve_the_matrix_check(monkeypatch, tmp_path):
-    summary = execute("baby_llama.ipynb", monkeypatch, tmp_path)
+def check_baby_llama(summary: dict) -> None:
     assert summary["quick"] is True
     for name in ("AdamW", "L-BFGS"):
         first, last = summary["val_loss"][name]
@@ -91,11 +96,75 @@ def test_baby_llama_learns_and_both_optimizers_solve_the_matrix_check(monkeypatc
         assert 0 <= summary["continuation_error"][name] <= 30
 
 
-def test_lora_chat_trains_adapters_and_llama_cpp_replies_as_pytorch(monkeypatch, tmp_path):
-    summary = execute("lora_chat.ipynb", monkeypatch, tmp_path)
+def check_lora_chat(summary: dict) -> None:
     assert summary["quick"] is True and summary["steps"] > 0
     assert summary["last_loss"] < summary["first_loss"] - 1.0  # the replies' loss fell
     assert 0 < summary["trainable"] < summary["total"] / 4  # adapters only
     assert summary["adapter_bytes"] > 10_000
     # llama.cpp with the exported --lora adapter over the base gives the greedy reply PyTorch gives
     assert summary["pytorch_reply"] and summary["llama_cpp_reply"] == summary["pytorch_reply"]
+
+
+def check_grpo(summary: dict) -> None:
+    assert summary["quick"] is True and summary["steps"] == 20
+    rewards = summary["reward_len"]  # -|20 - characters|: the only function, weight 1
+    assert summary["rewards"] == rewards and all(r <= 0 for r in rewards)
+    assert all(1 <= n <= 16 for n in summary["mean_length"])  # max_completion_length 16
+    # the reward moved toward 20 characters: the last 10 steps' mean above the first 5's
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:5]) / 5
+    assert summary["table_rows"] > 0 and summary["adapter_bytes"] > 10_000
+    # llama.cpp with the run's GGUF adapter over the base replies as our decoder does, greedy
+    assert summary["pytorch_reply"] and summary["llama_cpp_reply"] == summary["pytorch_reply"]
+
+
+CHECKS = {
+    "quickstart.ipynb": check_quickstart,
+    "baby_llama.ipynb": check_baby_llama,
+    "lora_chat.ipynb": check_lora_chat,
+    "grpo.ipynb": check_grpo,
+}
+
+
+def test_every_notebook_has_its_checks():
+    assert {p.name for p in NOTEBOOKS} == set(CHECKS)
+
+
+def test_quickstart_trains_exports_and_runs_in_llama_cpp(monkeypatch, tmp_path):
+    check_quickstart(execute("quickstart.ipynb", monkeypatch, tmp_path))
+
+
+def test_baby_llama_learns_and_both_optimizers_solve_the_matrix_check(monkeypatch, tmp_path):
+    check_baby_llama(execute("baby_llama.ipynb", monkeypatch, tmp_path))
+
+
+def test_lora_chat_trains_adapters_and_llama_cpp_replies_as_pytorch(monkeypatch, tmp_path):
+    check_lora_chat(execute("lora_chat.ipynb", monkeypatch, tmp_path))
+
+
+@pytest.mark.slow
+def test_grpo_from_a_prompt_file_and_a_reward_function_to_llama_cpp(monkeypatch, tmp_path):
+    """GRPO from a JSONL prompt file and a reward defined in the notebook to the adapter in
+    llama.cpp (~30 s on 2 shared cores: a stand-in base, 20 GRPO steps, two engines)."""
+    check_grpo(execute("grpo.ipynb", monkeypatch, tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_second_run_all_in_the_same_folder_works(path, monkeypatch, tmp_path):
+    """Run All twice in one folder, as a user does: the second run checks out as the first,
+    and what the first wrote was moved aside (``overwrite=True``), not trained on again
+    (a run folder holding a run is otherwise refused). A notebook that writes nothing finds
+    the folder as it found it the first time."""
+    first = execute(path.name, monkeypatch, tmp_path)
+    runs = tmp_path / "runs" / path.stem
+    before = sorted(p.name for p in runs.iterdir()) if runs.exists() else []
+    second = execute(path.name, monkeypatch, tmp_path)
+    CHECKS[path.name](second)
+    if not before:
+        assert not runs.exists() and second == first  # nothing written: the same run again
+        return
+    after = sorted(p.name for p in runs.iterdir())
+    aside = [name for name in after if name not in before]
+    assert aside and all(".old-1" in name for name in aside), after
+    for name in aside:  # the first run's folder, as it was: a run moved aside, not deleted
+        assert (runs / name / "config.toml").is_file(), name
