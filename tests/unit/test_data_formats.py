@@ -13,6 +13,7 @@ import json
 import shutil
 import struct
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -452,6 +453,48 @@ def test_a_run_whose_examples_all_lose_their_trained_tokens_is_refused_in_one_li
     refused = pytest.raises(DataError, match=r"^no example keeps a trained token .* data\.n_ctx")
     with refused, pytest.warns(UserWarning, match="8 examples had no trained token"):
         build_train_data(cfg, read_tokenizer(vocab), model_template=None)
+
+
+ULTRACHAT = {"prompt": "Hi", "prompt_id": "7", "messages": MIXED[2]["messages"]}
+"""UltraChat's rows: the first user turn again as a ``prompt`` beside the ``messages``."""
+TATSU = {**ALPACA[1], "text": "### Instruction:\nAdd the numbers. ..."}
+"""tatsu-lab/alpaca's rows: Alpaca's fields and their rendering as ``text``."""
+
+
+def test_rows_that_fit_two_layouts_are_counted_with_the_layout_read(tmp_path, vocab_dir, encoder):
+    """Issue 37, item 8: a row fitting two layouts was read as the first silently, the other's
+    fields lost. One warning per kind counts them and names the layout read and how to choose,
+    again when the examples come from the cache; naming a layout reads the rows in it."""
+    rows = [MIXED[0], ULTRACHAT, TATSU, ULTRACHAT, {**ULTRACHAT, "completion": " Yo"}]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    vocab = vocab_dir / "ggml-vocab-qwen2.gguf"
+
+    def warned(layout: str) -> list[str]:
+        overrides = [f'tokenizer.path="{vocab}"', f'data.path="{path}"', 'data.format="jsonl"',
+                     f'data.layout="{layout}"', 'data.chat_template="chatml"', "train.n_batch=128",
+                     "data.val_fraction=0", f'data.cache_dir="{tmp_path / "cache"}"']  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build_train_data(load_config("tiny", overrides), read_tokenizer(vocab))
+        return [str(w.message) for w in caught if "layout" in str(w.message)]
+
+    expected = [
+        f"3 rows fit the messages layout and also prompt_completion (first: {path}:2); read "
+        "as messages, their other fields unread: set data.layout = "
+        "'prompt_completion' to read those instead, or 'messages' to say that was meant",
+        f"1 row fits the alpaca layout and also text (first: {path}:3); read as alpaca, "
+        "their other fields unread: set data.layout = 'text' to read those instead, or "
+        "'alpaca' to say that was meant",
+    ]
+    assert warned("auto") == expected
+    assert warned("auto") == expected  # the cached examples warn as the first reading did
+    with pytest.raises(DataError, match=r"rows\.jsonl:1: data\.layout = 'messages' expects"):
+        warned("messages")  # the plain text row is not a conversation
+    write_jsonl(path, rows[1:2] + rows[3:])
+    assert warned("messages") == []  # the layout named: nothing to tell
+    both = write_jsonl(tmp_path / "both.jsonl", rows[-1:])  # read as the layout named
+    native = write_jsonl(tmp_path / "native.jsonl", [{"prompt": "Hi", "completion": " Yo"}])
+    assert_same(examples([both], encoder, layout="prompt_completion"), examples([native], encoder))
 
 
 def test_degenerate_preference_pairs_are_counted_in_one_warning(tmp_path, vocab_dir):

@@ -48,6 +48,7 @@ from llamatrain.data.examples import (
     truncate,
 )
 from llamatrain.data.jsonl import BadLines
+from llamatrain.data.layouts import MixedRows
 from llamatrain.data.preferences import (
     DegeneratePairs,
     PairEncoder,
@@ -189,17 +190,20 @@ def _jsonl_data(
     cfg: Config, tokenizer: Tokenizer, paths: list[Path], model_template: str | None
 ) -> TrainData:
     """Examples read, encoded, cut to a row, split and laid into rows as ``cfg.data`` says;
-    skipped lines and cut examples are reported as one warning each."""
+    skipped lines, rows that fit several layouts and cut examples are reported as one warning
+    each."""
     d = cfg.data
     template = resolve_chat_template(d.chat_template, model_template, tokenizer)
     bad = BadLines(d.on_bad_line)
     span = d.n_ctx + 1
     encoder = LineEncoder(tokenizer, template, train_on=d.train_on, max_chars=cut_chars(span))
+    mixed = MixedRows()
     examples = load_examples(
-        paths, encoder, bad, d.cache_dir, format=d.format, layout=d.layout
+        paths, encoder, bad, d.cache_dir, format=d.format, layout=d.layout, mixed=mixed
     )  # cached before they are cut to a row
     examples, cut, unscored = truncate(examples, span)
-    notes = bad.summaries() + _truncation_notes(cut, unscored, span) + _cut_text_notes(encoder)
+    notes = bad.summaries() + mixed.notes()
+    notes += _truncation_notes(cut, unscored, span) + _cut_text_notes(encoder)
     inexact = sum(ex.inexact for ex in examples)
     if inexact:
         notes.append(

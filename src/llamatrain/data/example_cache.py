@@ -9,10 +9,10 @@ are cached before they are cut to a row, so ``data.n_ctx`` is not part of the ke
 
 An entry is one binary file of flat little-endian arrays — per example its length and
 ``inexact`` (int64 each), then every id (``uint16``/``uint32``), then every scored flag
-(``uint8``) — and a JSON description holding the counts, the sha256 and the skipped-line
-tallies, so a cached run warns about the same skipped lines. Nothing is believed unchecked
-(:func:`~llamatrain.data.cache.read_description` first); a damaged or edited entry is
-rebuilt with a warning.
+(``uint8``) — and a JSON description holding the counts, the sha256, the skipped-line
+tallies and the rows that fit several layouts, so a cached run warns about the same lines.
+Nothing is believed unchecked (:func:`~llamatrain.data.cache.read_description` first, the
+file's size before it is read); a damaged or edited entry is rebuilt with a warning.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ import numpy as np
 from llamatrain.data.cache import read_description, sha256_file, token_dtype
 from llamatrain.data.examples import Example, LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
+from llamatrain.data.layouts import LAYOUTS, MixedRows
 from llamatrain.data.sources import hf_files
 from llamatrain.files import write_text_atomically, written_atomically
 
 __all__ = ["load_examples"]
 
-_CACHE_VERSION = 1
-"""Part of every key: bump it when the examples a given key describes change."""
+_CACHE_VERSION = 2
+"""Part of every key: bump it when the examples a given key describes change (2: the rows that
+fit several layouts, :class:`~llamatrain.data.layouts.MixedRows`, are recorded)."""
 
 _HEAD = np.dtype("<i8")
 """Per-example length and ``inexact``."""
@@ -49,10 +51,12 @@ def load_examples(
     *,
     format: str = "jsonl",
     layout: str = "auto",
+    mixed: MixedRows | None = None,
 ) -> list[Example]:
     """:func:`~llamatrain.data.examples.read_examples`, from the cache when this run's entry
-    is there and sound (``bad`` then counts the skipped lines the first reading counted),
+    is there and sound (``bad`` and ``mixed`` then count what the first reading counted),
     else read, encoded and cached."""
+    mixed = MixedRows() if mixed is None else mixed
     paths = [Path(p) for p in paths]
     tokenizer = encoder.tokenizer
     key_src = {
@@ -75,12 +79,13 @@ def load_examples(
     if meta_path.is_file() and bin_path.is_file():
         problem, cached = _read_entry(bin_path, meta_path, expected, len(paths), tokenizer)
         if problem is None:
-            examples, tallies = cached
+            examples, tallies, kinds = cached
             bad.restore(paths, tallies)
+            mixed.kinds.update(kinds)
             return examples
         warnings.warn(f"example cache {bin_path} {problem}; encoding again", stacklevel=3)
 
-    examples = read_examples(paths, encoder, bad, format=format, layout=layout)
+    examples = read_examples(paths, encoder, bad, format=format, layout=layout, mixed=mixed)
     tallies = bad.tallies(paths)
     data = _to_bytes(examples, dtype)
     with written_atomically(bin_path, "example cache") as tmp:
@@ -90,7 +95,8 @@ def load_examples(
         "n_examples": len(examples),
         "n_tokens": sum(len(ex.ids) for ex in examples),
         "tallies": tallies,
-        "sha256": _digest(data, tallies),
+        "mixed": mixed.kinds,
+        "sha256": _digest(data, tallies, mixed.kinds),
         "paths": [str(p) for p in paths],  # for people reading the cache; not in the key
     }
     write_text_atomically(meta_path, json.dumps(meta, indent=1), "example cache description")
@@ -109,8 +115,9 @@ def _sha256_input(path: Path) -> str:
     return h.hexdigest()
 
 
-def _digest(data: bytes, tallies: list[list[Any]]) -> str:
-    return hashlib.sha256(data + json.dumps(tallies).encode()).hexdigest()
+def _digest(data: bytes, tallies: list[list[Any]], kinds: dict[str, list[Any]]) -> str:
+    """The sha256 an entry records: its bytes and what it warns about."""
+    return hashlib.sha256(data + json.dumps([tallies, kinds]).encode()).hexdigest()
 
 
 def _to_bytes(examples: Sequence[Example], dtype: np.dtype) -> bytes:
@@ -124,7 +131,8 @@ def _to_bytes(examples: Sequence[Example], dtype: np.dtype) -> bytes:
 def _read_entry(
     bin_path: Path, meta_path: Path, expected: dict[str, Any], n_files: int, tokenizer: Any
 ) -> tuple[str | None, Any]:
-    """(what is wrong with an entry or None, (its examples, its tallies) when nothing is)."""
+    """(what is wrong with an entry or None, (its examples, tallies and mixed rows) when
+    nothing is)."""
     problem, meta = read_description(meta_path, expected)
     if problem:
         return problem, None
@@ -144,11 +152,17 @@ def _read_entry(
         )
     ):
         return "has an unreadable description", None
+    kinds = meta.get("mixed")
+    if not _mixed_kinds(kinds):
+        return "has an unreadable description", None
     dtype = np.dtype(expected["dtype"]).newbyteorder("<")
-    data = bin_path.read_bytes()
-    if len(data) != n * 2 * _HEAD.itemsize + n_tokens * (dtype.itemsize + 1):
+    size = n * 2 * _HEAD.itemsize + n_tokens * (dtype.itemsize + 1)
+    if bin_path.stat().st_size != size:  # before reading it: the file may be any size
         return "does not hold the number of tokens its description says", None
-    if _digest(data, tallies) != meta.get("sha256"):
+    data = bin_path.read_bytes()
+    if len(data) != size:  # it changed since
+        return "does not hold the number of tokens its description says", None
+    if _digest(data, tallies, kinds) != meta.get("sha256"):
         return "does not match its recorded sha256", None
     lengths = np.frombuffer(data, dtype=_HEAD, count=n)
     inexact = np.frombuffer(data, dtype=_HEAD, count=n, offset=n * _HEAD.itemsize)
@@ -170,4 +184,19 @@ def _read_entry(
         Example(ids64[s : s + k].copy(), flags[s : s + k].copy(), int(x))
         for s, k, x in zip(starts.tolist(), lengths.tolist(), inexact.tolist(), strict=True)
     ]
-    return None, (examples, tallies)
+    return None, (examples, tallies, kinds)
+
+
+def _mixed_kinds(kinds: Any) -> bool:
+    """Whether a description's ``mixed`` is what :class:`MixedRows` records: each kind two
+    or more layouts, each count a positive whole number, each first row's place a string."""
+    return isinstance(kinds, dict) and all(
+        len(kind.split("|")) > 1
+        and set(kind.split("|")) <= set(LAYOUTS[1:])  # not "auto"
+        and isinstance(value, list)
+        and len(value) == 2
+        and type(value[0]) is int
+        and value[0] >= 1
+        and isinstance(value[1], str)
+        for kind, value in kinds.items()
+    )

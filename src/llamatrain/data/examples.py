@@ -39,7 +39,9 @@ from llamatrain.data.jsonl import (
     TextLine,
     numbered_rows,
     parse_line,
+    row_of,
 )
+from llamatrain.data.layouts import MixedRows
 from llamatrain.data.windows import Batch
 from llamatrain.errors import ConfigError, DataError
 from llamatrain.ops.sets import IGNORE_INDEX
@@ -327,24 +329,29 @@ def read_examples(
     *,
     format: str = "jsonl",
     layout: str = "auto",
+    mixed: MixedRows | None = None,
 ) -> list[Example]:
     """Every usable line (or table row: ``format``) of ``paths`` encoded, in order; ``bad``
     decides about the others (a line that does not parse, or that its template cannot
-    render). ``layout``: ``data.layout``. A template at fault whatever the line
-    (:class:`TemplateFault`: over its budget, unsafe, or failing on a plain conversation too)
-    stops the reading at the first line it failed on, whatever ``data.on_bad_line`` says:
-    skipping would skip every conversation."""
+    render). ``layout``: ``data.layout``; ``mixed`` counts the rows read that fit several
+    layouts. A template at fault whatever the line (:class:`TemplateFault`: over its budget,
+    unsafe, or failing on a plain conversation too) stops the reading at the first line it
+    failed on, whatever ``data.on_bad_line`` says: skipping would skip every conversation."""
     examples = []
     for path in paths:
         for number, line in numbered_rows(path, format, bad):
             bad.line_read(path)
             try:
-                parsed = parse_line(line, need_assistant=not encoder.train_all, layout=layout)
+                row = row_of(line)
+                parsed = parse_line(row, need_assistant=not encoder.train_all, layout=layout)
                 examples.append(encoder.encode(parsed))
             except TemplateFault as fault:
                 raise TemplateFault(f"{path}:{number}: {fault}") from None
             except DataError as problem:
                 bad.bad(path, number, problem)
+                continue
+            if mixed is not None:
+                mixed.check(row, layout, f"{path}:{number}")
     if not examples:
         names = ", ".join(str(p) for p in paths)
         raise DataError(f"no usable example in {names}; see the lines skipped above")

@@ -39,6 +39,7 @@ __all__ = [
     "numbered_lines",
     "numbered_rows",
     "parse_line",
+    "row_of",
 ]
 
 
@@ -143,13 +144,7 @@ def parse_line(
     "completion"`` trains on nothing else, so a chat without one would teach nothing).
     ``layout``: ``data.layout`` (:mod:`~llamatrain.data.layouts`).
     """
-    if isinstance(line, str):
-        value = load_json(line)
-        if not isinstance(value, dict):
-            raise DataError(f"a line must be a JSON object ({_SHAPES}), not {_json_type(value)}")
-    else:
-        value = {key: item for key, item in line.items() if item is not None}
-    value = to_native(value, layout)
+    value = to_native(row_of(line), layout)
     if "messages" in value:
         tools = _tools(value.get("tools"))
         return _chat_line(value["messages"], need_assistant, tools)
@@ -158,6 +153,17 @@ def parse_line(
     if "text" in value:
         return TextLine(_string(value, "text"))
     raise DataError(f"an object with none of the keys of {_SHAPES}")
+
+
+def row_of(line: str | Mapping[str, Any]) -> dict[str, Any]:
+    """The object one line (JSON text) or table row holds, a table's nulls left out (its
+    columns are the union of its rows' keys); DataError unless a line is a JSON object."""
+    if isinstance(line, str):
+        value = load_json(line)
+        if not isinstance(value, dict):
+            raise DataError(f"a line must be a JSON object ({_SHAPES}), not {_json_type(value)}")
+        return value
+    return {key: item for key, item in line.items() if item is not None}
 
 
 def _tools(tools: Any) -> tuple[Mapping[str, Any], ...] | None:

@@ -11,15 +11,23 @@ A row (a JSONL line's object, a Parquet or HF ``datasets`` row) holds one exampl
 - ``sharegpt``: ``{"conversations": [{"from": "human" | "gpt" | "system" | …, "value": …}],
   "system": …?, "tools": …?}``, read as a ``messages`` row (:data:`SHAREGPT_ROLES`).
 
-``data.layout = "auto"`` tells each row's layout by its keys (:func:`layout_of`), as the three
+``data.layout = "auto"`` tells each row's layout by its keys (:func:`layouts_of`), as the three
 native shapes always were, so a file may mix them; naming a layout makes every other row a bad
 row instead (a typo'd key is then reported, not read as something else). :func:`to_native`
-gives the native row; :mod:`~llamatrain.data.jsonl` then checks it as it checks a JSONL line.
+gives the native row, holding only the fields of the layout it is read in;
+:mod:`~llamatrain.data.jsonl` then checks it as it checks a JSONL line.
+
+A row may fit several layouts (``messages`` beside a ``prompt`` column, as UltraChat's rows
+are; Alpaca's ``instruction``/``output`` beside the ``text`` tatsu-lab/alpaca renders them
+into). ``"auto"`` reads it in the first that fits, in :data:`LAYOUTS`' order, and the others'
+fields go unread: :class:`MixedRows` counts such rows for one warning naming what was chosen,
+and naming the layout reads the row in it (or says the choice was meant).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from llamatrain.data.json_text import load_json
@@ -30,7 +38,8 @@ __all__ = [
     "ALPACA_PROMPT_NO_INPUT",
     "LAYOUTS",
     "SHAREGPT_ROLES",
-    "layout_of",
+    "MixedRows",
+    "layouts_of",
     "to_native",
 ]
 
@@ -71,7 +80,14 @@ _KEYS = {
     "alpaca": ("instruction", "output"),
     "text": ("text",),
 }
-"""The keys that tell a layout (any one of them, tried in this order)."""
+"""The keys that tell a layout (any one of them), in the order ``"auto"`` tries them."""
+
+_NATIVE_FIELDS = {
+    "messages": ("messages", "tools"),
+    "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
+}
+"""The fields a native layout reads (a row's other keys are ids, sources, other layouts')."""
 
 _SHAPES = (
     '{"messages": [...]}, {"prompt": ..., "completion": ...}, {"text": ...}, Alpaca\'s '
@@ -80,29 +96,60 @@ _SHAPES = (
 )
 
 
-def layout_of(row: Mapping[str, Any]) -> str:
-    """The layout a row's keys say it is in; DataError naming the layouts if none fits."""
-    for layout, keys in _KEYS.items():
-        if any(key in row for key in keys):
-            return layout
-    raise DataError(f"an object with none of the keys of {_SHAPES}")
+def layouts_of(row: Mapping[str, Any]) -> list[str]:
+    """Every layout whose keys ``row`` has, in the order ``"auto"`` tries them (none: [])."""
+    return [layout for layout, keys in _KEYS.items() if any(key in row for key in keys)]
 
 
 def to_native(row: Mapping[str, Any], layout: str = "auto") -> dict[str, Any]:
-    """``row`` as a ``messages``, ``prompt``/``completion`` or ``text`` row; DataError (one
-    line, no location) when it is not in ``layout`` (``"auto"``: whichever its keys say)."""
-    found = layout_of(row)
-    if layout not in ("auto", found):
+    """``row`` as a ``messages``, ``prompt``/``completion`` or ``text`` row holding only that
+    layout's fields; DataError (one line, no location) when it does not fit ``layout``
+    (``"auto"``: the first its keys fit)."""
+    fits = layouts_of(row)
+    if not fits:
+        raise DataError(f"an object with none of the keys of {_SHAPES}")
+    read_as = fits[0] if layout == "auto" else layout
+    if read_as not in fits:
         keys = " and ".join(f'"{k}"' for k in _KEYS[layout])
         raise DataError(
-            f"data.layout = {layout!r} expects {keys}; this row is in the {found} layout "
+            f"data.layout = {layout!r} expects {keys}; this row is in the {fits[0]} layout "
             f"(keys {', '.join(map(repr, row))})"
         )
-    if found == "alpaca":
+    if read_as == "alpaca":
         return _alpaca(row)
-    if found == "sharegpt":
+    if read_as == "sharegpt":
         return _sharegpt(row)
-    return dict(row)
+    return {key: row[key] for key in _NATIVE_FIELDS[read_as] if key in row}
+
+
+@dataclass
+class MixedRows:
+    """Rows read under ``data.layout = "auto"`` whose keys fit more than one layout, counted
+    for one warning per kind: a file whose rows carry ``messages`` and ``prompt`` trains on
+    the messages, and its user should hear that, and how to choose, before the run does."""
+
+    kinds: dict[str, list[Any]] = field(default_factory=dict)
+    """"read as|also fits" -> [rows, the first's ``file:line``]."""
+
+    def check(self, row: Mapping[str, Any], layout: str, where: str) -> None:
+        """Count ``row`` (read at ``where``) if ``layout`` is ``"auto"`` and it fits several."""
+        fits = layouts_of(row) if layout == "auto" else []
+        if len(fits) > 1:
+            self.kinds.setdefault("|".join(fits), [0, where])[0] += 1
+
+    def notes(self) -> list[str]:
+        """One warning per kind of row counted (none when every row fit one layout)."""
+        notes = []
+        for kind, (count, first) in self.kinds.items():
+            read_as, *others = kind.split("|")
+            rows = "1 row fits" if count == 1 else f"{count} rows fit"
+            notes.append(
+                f"{rows} the {read_as} layout and also {' and '.join(others)} (first: "
+                f"{first}); read as {read_as}, their other fields unread: set "
+                f"data.layout = '{others[0]}' to read those instead, or '{read_as}' to say "
+                "that was meant"
+            )
+        return notes
 
 
 def _alpaca(row: Mapping[str, Any]) -> dict[str, Any]:
