@@ -108,8 +108,9 @@ def model_config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
     """The ModelConfig of the model an HF ``config.json`` describes.
 
     Raises CheckpointError, naming the key, for anything that is not a model we can run: a
-    value of the wrong type (a string, a bool or a fraction for a count; NaN or infinity for
-    a number) included, before any is believed. The counts are checked against the weights
+    value of the wrong type (a string, a bool or a fraction for a count) included, before any
+    is believed; a number out of its field's range (NaN, infinity, <= 0) is the ModelConfig's
+    one rule for every source. The counts are checked against the weights
     by ``llamatrain.hf.weights.check_weights_fit`` before anything is built from them.
     """
     _check_is_llama(hf, source)
@@ -120,7 +121,7 @@ def model_config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
     model_type = hf["model_type"]
     arch = _MODEL_TYPES[model_type]
     given = {k: v for k, v in hf.items() if v is not None}
-    given |= {k: _count_value(given[k], source, k) for k in _COUNTS if k in given}  # 4096.0
+    given |= {k: int(given[k]) for k in _COUNTS if k in given}  # 4096.0, checked whole above
     if "hidden_activation" in given:  # Gemma's name for it
         given["hidden_act"] = given["hidden_activation"]
     get = {**_TRANSFORMERS_DEFAULTS, **_TYPE_DEFAULTS.get(model_type, {}), **given}.get
@@ -295,7 +296,9 @@ _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 def _check_value_types(hf: Mapping[str, Any], source: str) -> None:
     """CheckpointError naming the first key whose value is not of its kind: a count a
     positive whole number (a bool, a fraction or a string is not; neither is ``4096.0``'s
-    kin ``"4096"``), a number finite, a flag true or false; rope dicts are checked too."""
+    kin ``"4096"``), a number a JSON number, a flag true or false; rope dicts are checked too.
+    A number's range (finite, positive) is the field's rule, ``settings.check_rules``, which
+    holds every source to it (llama3's rope factors, no field's, ``hf.rope``'s)."""
     rope = [(key, hf.get(key)) for key in ("rope_scaling", "rope_parameters")]
     for key, value in rope:
         if value is not None and not isinstance(value, Mapping):
@@ -314,12 +317,8 @@ def _check_value_types(hf: Mapping[str, Any], source: str) -> None:
                 _count_value(values[key], source, prefix + key)
         for key in _NUMBERS:
             value = values.get(key)
-            if value is not None and not (
-                type(value) in (int, float) and math.isfinite(value) and value >= 0
-            ):
-                raise CheckpointError(
-                    f"{source}: {prefix}{key} = {_shown(value)} must be a finite number >= 0"
-                )
+            if value is not None and type(value) not in (int, float):
+                raise CheckpointError(f"{source}: {prefix}{key} = {_shown(value)} must be a number")
     for key in _FLAGS:
         if hf.get(key) is not None and type(hf[key]) is not bool:
             raise CheckpointError(f"{source}: {key} = {_shown(hf[key])} must be true or false")

@@ -113,6 +113,12 @@ def llama3_freq_factors(
         p["original_max_position_embeddings"] = fallback_context
     factor, low, high = (float(p[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
     old_context = p["original_max_position_embeddings"]
+    if not all(math.isfinite(x) and x > 0 for x in (factor, low, high)):
+        raise CheckpointError(
+            f"llama3 rope scaling with factor = {factor}, low_freq_factor = {low} and "
+            f"high_freq_factor = {high}: each must be a finite number > 0; fix the config's "
+            "rope_scaling"
+        )
     if low == high:
         raise CheckpointError(
             f"llama3 rope scaling with low_freq_factor = high_freq_factor = {low} blends "
