@@ -110,6 +110,7 @@ def test_counts_past_the_weights(folder: Path, tmp_path: Path, changes, words) -
         ("rope_scaling", {"rope_type": "linear", "factor": 1e400}, "must be a finite number"),
         ("rope_scaling", {"rope_type": "llama3", "factor": float("inf")}, "factor = inf"),
         ("rope_scaling", {"rope_type": "llama3", "low_freq_factor": -1}, "finite number > 0"),
+        ("rope_scaling", {"rope_type": "llama3", "factor": 0}, "finite number > 0"),  # was let by
         ("tie_word_embeddings", "false", 'tie_word_embeddings = "false" must be true or false'),
         ("rope_scaling", "linear", "rope_scaling must be an object or null, not str"),
         ("rope_scaling", {"rope_type": "linear", "factor": "2"}, 'rope_scaling.factor = "2"'),
