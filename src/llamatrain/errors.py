@@ -28,6 +28,16 @@ class LlamatrainError(Exception):
         return shown(super().__str__(), None)
 
 
+class LlamatrainWarning(UserWarning):
+    """What a run tells its user without stopping (skipped lines, a rebuilt cache, rows read in
+    one of two layouts). Its text is :func:`shown` whole, as an error's is: a warning quotes
+    file names, data and what a model's chat template says, and the Python API's warnings
+    reach a terminal or a notebook without passing through the CLI's formatting."""
+
+    def __str__(self) -> str:
+        return shown(super().__str__(), None)
+
+
 class ConfigError(LlamatrainError, ValueError):
     """A config file, an override or a ModelConfig is invalid."""
 

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from llamatrain.data.cache import read_description
 from llamatrain.data.examples import ExampleRows
 from llamatrain.data.preferences import CHOSEN, REJECTED
-from llamatrain.errors import TrainingError
+from llamatrain.errors import LlamatrainWarning, TrainingError
 from llamatrain.files import write_text_atomically, written_atomically
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
@@ -555,7 +555,11 @@ def cached_reference_table(
         problem, table = _read_table(bin_path, meta_path, expected, train, val)
         if table is not None:
             return table, False
-        warnings.warn(f"reference cache {bin_path} {problem}; computing it again", stacklevel=3)
+        warnings.warn(
+            f"reference cache {bin_path} {problem}; computing it again",
+            LlamatrainWarning,
+            stacklevel=3,
+        )
     table = compute()
     folder.mkdir(parents=True, exist_ok=True)
     parts = [table.train] + ([] if table.val is None else [table.val])

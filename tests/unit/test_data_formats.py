@@ -497,6 +497,38 @@ def test_rows_that_fit_two_layouts_are_counted_with_the_layout_read(tmp_path, vo
     assert_same(examples([both], encoder, layout="prompt_completion"), examples([native], encoder))
 
 
+HOSTILE = "\x1b]0;owned\x07\x1b[2J"
+"""A terminal title change and a screen clear."""
+
+
+def test_the_python_apis_data_warnings_escape_what_they_quote(tmp_path, vocab_dir):
+    """Issue 37, item 6: the CLI escapes the warnings it prints, but the Python API's (a
+    notebook, a script) quoted a data file's name raw. Their text is escaped as an error's is,
+    whatever formats them: a file name, a conversation and a chat template's raise_exception."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    refused = [{"role": "user", "content": f"bad{HOSTILE}"}, chat[1]]
+    path = write_jsonl(
+        tmp_path / f"rows{HOSTILE}.jsonl", [{"messages": m} for m in [refused] + [chat] * 3]
+    )
+    template = (
+        "{% for m in messages %}{% if 'bad' in m.content %}{{ raise_exception('" + HOSTILE
+        + "' + m.content) }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}"
+    )  # fmt: skip
+    vocab = vocab_dir / "ggml-vocab-qwen2.gguf"
+    overrides = [f'tokenizer.path="{vocab}"', f"data.path={json.dumps(str(path))}",
+                 'data.format="jsonl"', 'data.on_bad_line="skip"', "train.n_batch=128",
+                 "data.val_fraction=0", f'data.cache_dir="{tmp_path / "cache"}"']  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg, tokenizer = load_config("tiny", overrides), read_tokenizer(vocab)
+        build_train_data(cfg, tokenizer, model_template=template)
+    (note,) = [str(w.message) for w in caught if "skipped" in str(w.message)]
+    assert note.isprintable() and note.startswith("skipped 1 of 4 lines of ")
+    escaped = HOSTILE.encode("unicode_escape").decode()
+    assert f"rows{escaped}.jsonl" in note and f"refused the conversation: {escaped}bad" in note
+
+
 def test_degenerate_preference_pairs_are_counted_in_one_warning(tmp_path, vocab_dir):
     """Issue 37, item 8: pairs with identical or empty replies trained at loss ln 2 without a
     word; now one warning counts them and names the first."""

@@ -73,6 +73,7 @@ from llamatrain.data.windows import (
     split_windows,
     val_batches,
 )
+from llamatrain.errors import LlamatrainWarning
 
 if TYPE_CHECKING:
     from llamatrain.config import Config
@@ -211,7 +212,7 @@ def _jsonl_data(
             "counted with the text after it"
         )
     for note in notes:
-        warnings.warn(note, stacklevel=3)
+        warnings.warn(note, LlamatrainWarning, stacklevel=3)
     require_trainable(examples, span, "example")
     train_examples, val_examples = split_examples(examples, d.val_fraction)
     rows = pack_rows if d.packing else pad_rows
@@ -242,7 +243,7 @@ def _preference_data(
             f"prompt once + both replies), cut to it{lost}"
         )
     for note in notes:
-        warnings.warn(note, stacklevel=3)
+        warnings.warn(note, LlamatrainWarning, stacklevel=3)
     require_trainable(pairs, span, "preference pair")
     train_pairs, val_pairs = split_examples(pairs, d.val_fraction)
     train = pair_rows(train_pairs, span, tokenizer.eos_id, packing=d.packing)
@@ -272,7 +273,7 @@ def _prompt_data(
             f"= {span - room} tokens (no room left for a completion) and were left out"
         )
     for note in notes:
-        warnings.warn(note, stacklevel=3)
+        warnings.warn(note, LlamatrainWarning, stacklevel=3)
     train_rows, val_rows = split_examples(rows, d.val_fraction)
     n_prompts = cfg.seqs_per_batch // t.num_generations
     sampler = BatchSampler(PromptRows(train_rows), n_prompts, t.seed)

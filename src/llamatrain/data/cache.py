@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llamatrain.data.sources import text_blocks
-from llamatrain.errors import DataError
+from llamatrain.errors import DataError, LlamatrainWarning
 from llamatrain.files import write_text_atomically, written_atomically
 
 if TYPE_CHECKING:
@@ -184,7 +184,9 @@ def _open_cached(
         return None
     problem, stream = _checked_stream(bin_path, meta_path, expected, vocab_size)
     if problem:
-        warnings.warn(f"token cache {bin_path} {problem}; tokenizing again", stacklevel=4)
+        warnings.warn(
+            f"token cache {bin_path} {problem}; tokenizing again", LlamatrainWarning, stacklevel=4
+        )
         return None
     return stream
 

@@ -31,6 +31,7 @@ from llamatrain.data.examples import Example, LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.layouts import LAYOUTS, MixedRows
 from llamatrain.data.sources import hf_files
+from llamatrain.errors import LlamatrainWarning
 from llamatrain.files import write_text_atomically, written_atomically
 
 __all__ = ["load_examples"]
@@ -83,7 +84,9 @@ def load_examples(
             bad.restore(paths, tallies)
             mixed.kinds.update(kinds)
             return examples
-        warnings.warn(f"example cache {bin_path} {problem}; encoding again", stacklevel=3)
+        warnings.warn(
+            f"example cache {bin_path} {problem}; encoding again", LlamatrainWarning, stacklevel=3
+        )
 
     examples = read_examples(paths, encoder, bad, format=format, layout=layout, mixed=mixed)
     tallies = bad.tallies(paths)

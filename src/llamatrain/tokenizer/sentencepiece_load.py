@@ -12,7 +12,7 @@ import os
 import warnings
 from pathlib import Path
 
-from llamatrain.errors import TokenizerError
+from llamatrain.errors import LlamatrainWarning, TokenizerError
 from llamatrain.tokenizer.sentencepiece_proto import (
     MODEL_TYPE_BPE,
     MODEL_TYPE_UNIGRAM,
@@ -78,6 +78,7 @@ def spm_from_model_proto(data: bytes) -> SpmTokenizer:
             f"remove_extra_whitespaces={model.remove_extra_whitespaces}); llama.cpp applies "
             "no normalization, so llamatrain tokenizes un-normalized text as llama.cpp "
             "will, which differs from sentencepiece's own ids on such text.",
+            LlamatrainWarning,  # it quotes the file's normalizer name: escaped
             stacklevel=2,
         )
     if model.model_type not in (MODEL_TYPE_UNIGRAM, MODEL_TYPE_BPE):
