@@ -2,7 +2,8 @@
 a missing anchor, a page left out of the nav or a docstring mkdocstrings cannot render fails
 it), the example notebooks executed in their seconds-long version and rendered with their
 outputs, the API and ops pages rendered from the docstrings. One build, shared by the checks;
-about 30 s on 2 shared cores, most of it the notebooks' kernels."""
+most of its time is the notebooks' kernels (tests/integration/test_notebooks.py checks what
+they compute; here, that they are on the site with their outputs)."""
 
 from __future__ import annotations
 
