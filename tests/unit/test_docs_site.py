@@ -84,6 +84,7 @@ def test_api_and_ops_pages_render_the_docstrings(site):
     for name in ("fit", "load", "export_gguf", "FitResult"):
         assert f'id="llamatrain.api.{name}"' in html, name
     assert api.fit.__doc__.split(".")[0].split()[-1] in html
+    assert ":func:" not in html and ":class:" not in html  # Sphinx roles shown as plain code
     html = built(site, "reference/ops.md")
     for name in ("norm.rms_norm", "rope.rope", "attention.flash_attn", "matmul.mul_mat"):
         assert f'id="llamatrain.ops.{name}"' in html, name
