@@ -99,6 +99,11 @@ def config_keys(table: dict, prefix: str = "") -> list[str]:
 
 @pytest.mark.parametrize("page", PAGES)
 def test_every_block_is_a_file_a_command_or_illustrative(page):
+    text = (DOCS / page).read_text(encoding="utf-8")
+    nested = re.search(r"^[ \t>]+```", text, flags=re.MULTILINE)
+    assert not nested, (
+        f"docs/{page}: a fenced block inside a list or admonition escapes these checks"
+    )
     known = {key for key, _default, _help in config_reference()}
     for block in blocks(page):
         where = f"docs/{page}:{block.line}"
