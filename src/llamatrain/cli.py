@@ -20,6 +20,25 @@ from llamatrain.errors import ConfigError, GGUFError, LlamatrainError, shown
 from llamatrain.gguf.export_types import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
 from llamatrain.sampling import SamplingError, SamplingParams
 
+GENERATING = {
+    "phase": "while loading the model or generating",
+    "remedy": "lower --max-tokens (the cache for every token is allocated up front), or use a "
+    "smaller or more quantized model",
+}
+"""Running out of memory in ``generate`` and ``chat``: ``memory.out_of_memory_in``'s words."""
+SCORING = {
+    "phase": "while loading the model or scoring the text",
+    "remedy": "lower --n-ctx (each chunk's logits and attention grow with it), or use a smaller "
+    "model",
+}
+"""Running out of memory in ``eval``."""
+EXPORTING = {
+    "phase": "while exporting",
+    "remedy": "export on a machine with more free memory (a model is read whole, in float32), "
+    "or a LoRA run's adapter alone (--adapter)",
+}
+"""Running out of memory in ``export``."""
+
 MAX_NEW_TOKENS = 1 << 20
 """Most tokens ``generate --max-tokens`` asks for: the KV cache is allocated for all of them."""
 MAX_SEED = (1 << 64) - 1
@@ -68,6 +87,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # every flag checked before the model is read
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
+    from llamatrain.memory import out_of_memory_in
+
+    with out_of_memory_in(**GENERATING):
+        _generate(args, params, seed)
+    return 0
+
+
+def _generate(args: argparse.Namespace, params: SamplingParams, seed: int | None) -> None:
+    """``generate``'s model read and its text streamed, the flags checked."""
     from llamatrain import api
 
     if args.chat is not None:
@@ -80,7 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for piece in reply:
             print(piece, end="", flush=True)
         print()
-        return 0
+        return
     model, tokenizer = api.load(args.checkpoint)
     check_cache_fits(model, args.max_tokens)
     allowed = api.seen_tokens(args.checkpoint) if args.seen_tokens_only else None
@@ -96,7 +124,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for piece in stream:
         print(piece, end="", flush=True)
     print()
-    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -107,6 +134,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
+    from llamatrain.memory import out_of_memory_in
+
+    with out_of_memory_in(**GENERATING):
+        _chat(args, params, seed)
+    return 0
+
+
+def _chat(args: argparse.Namespace, params: SamplingParams, seed: int | None) -> None:
+    """``chat``'s conversation, turn by turn, the flags checked."""
     from llamatrain import api
 
     model, tokenizer, template = api.load_chat(args.checkpoint, args.chat_template)
@@ -129,7 +165,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"llamatrain: error: {e}", file=sys.stderr)
             continue
         print()
-    return 0
 
 
 def _user_turn(interactive: bool) -> str | None:
@@ -197,9 +232,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "or left out for the model's context"
         )
     from llamatrain import api
+    from llamatrain.memory import out_of_memory_in
 
-    model, tokenizer = api.load(args.checkpoint)
-    result = api.perplexity(model, tokenizer, args.data, n_ctx=args.n_ctx)
+    with out_of_memory_in(**SCORING):
+        model, tokenizer = api.load(args.checkpoint)
+        result = api.perplexity(model, tokenizer, args.data, n_ctx=args.n_ctx)
     print(f"tokens:          {result.n_tokens}")
     print(f"mean loss:       {result.mean_loss:.4f}  (ppl {result.mean_ppl:.4f})")
     print(
@@ -210,6 +247,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from llamatrain.memory import out_of_memory_in
+
+    with out_of_memory_in(**EXPORTING):
+        _export(args)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> None:
+    """``export``'s file or folder written, and said."""
     from llamatrain import api
 
     if args.adapter:
@@ -220,13 +266,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"wrote {path}/ (PEFT adapter folder, float32)")
         else:
             print(f"wrote {path} ({path.stat().st_size:,} bytes, LoRA adapter, f32)")
-        return 0
+        return
     path = api.export(args.checkpoint, args.output, type=args.type, format=args.format)
     if args.format == "hf":
         print(f"wrote {path}/ (HF checkpoint folder, float32)")
     else:
         print(f"wrote {path} ({path.stat().st_size:,} bytes, {args.type})")
-    return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -326,7 +326,7 @@ def _quantized(stored_types: Mapping[str, str] | None) -> bool:
 @contextlib.contextmanager
 def out_of_memory_in(
     phase: str,
-    cfg: Config,
+    cfg: Config | None = None,
     plan: Callable[[], MemoryPlan | None] = lambda: None,
     remedy: str | None = None,
 ) -> Iterator[None]:
@@ -334,7 +334,8 @@ def out_of_memory_in(
     Python's MemoryError on the CPU) as one MemoryBudgetError naming ``phase``, what the run
     needs by its ``plan`` and the setting that lowers it (``remedy``, else the plan's): an
     allocation's traceback says none of that. Files already written are left as they are
-    (every one is written atomically)."""
+    (every one is written atomically). ``cfg``: the run's, whose plan names a setting; a
+    command that runs no config (``export``, ``generate``, ``eval``) gives ``remedy``."""
     try:
         yield
     except (torch.OutOfMemoryError, MemoryError) as e:
@@ -342,10 +343,14 @@ def out_of_memory_in(
 
 
 def _out_of_memory(
-    phase: str, cfg: Config, plan: MemoryPlan | None, remedy: str | None, error: BaseException
+    phase: str,
+    cfg: Config | None,
+    plan: MemoryPlan | None,
+    remedy: str | None,
+    error: BaseException,
 ) -> str:
     said = str(error).strip().split("\n")[0] or type(error).__name__
-    if plan is None:
+    if plan is None or cfg is None:
         needs = f"about {_size(resident_bytes())} was held"
         remedy = remedy or "use a smaller or more quantized base, or a machine with more memory"
     else:

@@ -261,6 +261,36 @@ def test_every_message_the_cli_prints_escapes_control_characters(raised, capsys)
         assert line.endswith("\n") and line[:-1].isprintable() and "\\x1b[2J" in line, line
 
 
+@pytest.mark.parametrize(
+    ("argv", "fails", "words"),
+    [
+        (["generate", "m.gguf", "--prompt", "x"], "load", "lower --max-tokens"),
+        (["generate", "m.gguf", "--chat", "hi"], "load_chat", "lower --max-tokens"),
+        (["chat", "m.gguf"], "load_chat", "lower --max-tokens"),
+        (["eval", "m.gguf", "--data", "x.txt"], "load", "lower --n-ctx"),
+        (["export", "m.gguf", "-o", "x.gguf"], "export", "or a LoRA run's adapter alone"),
+        (["export", "r", "-o", "a.gguf", "--adapter"], "export_adapter", "more free memory"),
+    ],
+)
+@pytest.mark.parametrize("error", [MemoryError(), torch.OutOfMemoryError("CUDA out of memory.")])
+def test_out_of_memory_in_a_standalone_command_is_one_line(
+    monkeypatch, capsys, argv, fails, words, error
+):
+    """Issue 37, item 7: fit named the phase and the setting when memory ran out, but export,
+    generate, chat and eval ended in a traceback."""
+
+    def out_of_memory(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(api, fails, out_of_memory)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    said = "MemoryError" if isinstance(error, MemoryError) else "CUDA out of memory."
+    assert err.startswith("llamatrain: error: out of memory while ") and f"({said})" in err
+    assert " was held; " in err and words in err
+
+
 def test_generate_samples_reproducibly_with_llama_cpp_defaults(tiny_run, capsys):
     args = ["generate", str(tiny_run.run_dir), "--prompt", "Shall I", "--max-tokens", "20"]
     assert main([*args, "--seed", "1"]) == 0
