@@ -22,6 +22,7 @@ from llamatrain import parallel
 from llamatrain.allocator import release_freed_memory
 from llamatrain.build import (
     RunModel,
+    build_base_reference,
     build_model,
     fresh_run,
     load_tokenizer,
@@ -216,6 +217,7 @@ def _fit_locked(
         with parallel.main_first():  # the reference cache of a full finetune's DPO/IPO, if any
             initial = run.checkpoint is None
             reference = reference_of(prepared.model, cfg, data, prepared.device, initial=initial)
+        base_reference = build_base_reference(cfg, prepared.device)  # a full finetune's GRPO
 
     def plan() -> MemoryPlan:  # for an out-of-memory message: what the run holds
         return plan_memory(cfg, run.model.cfg, held_types(prepared.model))
@@ -234,6 +236,7 @@ def _fit_locked(
         lora_base=run.lora_base,
         reference=reference,
         rewards=rewards,
+        base_reference=base_reference,
     )
     if run.checkpoint is not None:
         trainer.load_state(run.checkpoint)

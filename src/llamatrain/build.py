@@ -8,7 +8,9 @@ like the checkpoint it resumes — with its tokenizer, the base's keys its files
 (:func:`build_lora_base`), so a float32 copy of it never exists.
 
 The reference of DPO/IPO over a full finetune (:func:`reference_of`): the initial model's
-log-probs of every row, read from the cache or computed once before training.
+log-probs of every row, read from the cache or computed once before training. GRPO's over a
+full finetune (:func:`build_base_reference`): the base itself, frozen and held as its GGUF
+stores it, which scores each rollout's completions.
 
 Preparing (:func:`prepare`), as torchtitan's ``parallelize`` step does, in this one order:
 LoRA adapters over the frozen base → activation checkpointing (measured on the adapted block,
@@ -49,6 +51,7 @@ from llamatrain.gguf.file import map_stored, read_gguf, read_tensors_into, verif
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_vocab
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, read_hf_folder
 from llamatrain.lora import (
+    ALL_TARGETS,
     apply_lora,
     merge_lora,
     store_frozen_targets,
@@ -80,8 +83,11 @@ from llamatrain.tokenizer import (
 )
 
 __all__ = [
+    "GRPO_REFERENCE_ROLE",
+    "FrozenReference",
     "PreparedModel",
     "RunModel",
+    "build_base_reference",
     "build_lora_base",
     "build_model",
     "build_tokenizer",
@@ -331,6 +337,8 @@ def fresh_run(cfg: Config, paths: Sequence[Path]) -> RunModel:
     """A new model (seeded) with its tokenizer, or the one ``model.init_from`` names."""
     if cfg.model.init_from:
         base = read_model_source(cfg.model.init_from)
+        if cfg.holds_base_reference:  # refused before anything is built from it
+            _check_mappable(cfg, base)
         lora_base = describe_base(cfg.model.init_from) if cfg.lora.rank else None
         types = _types(base) if cfg.lora.rank else None
         model = _from_base(cfg, base)
@@ -362,11 +370,16 @@ def _types(base: LlamaFile) -> dict[str, str]:
 def _from_base(cfg: Config, base: LlamaFile) -> Llama:
     """The model of ``base`` with the run's choices; its context stays the base's unless the
     run trains on longer windows."""
-    context = max(base.config.max_seq_len, cfg.data.n_ctx)
     _check_memory(cfg, base.config, base)
-    run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
     base_dtype = cfg.lora.base_dtype if cfg.lora.rank else "f32"
-    return build_lora_base(base, base_dtype, cfg.lora.adapted, max_seq_len=context, **run_choices)
+    return build_lora_base(base, base_dtype, cfg.lora.adapted, **_run_choices(cfg, base))
+
+
+def _run_choices(cfg: Config, base: LlamaFile) -> dict[str, object]:
+    """The config changes a model built from ``base`` takes: the run's ops and attention,
+    and a context that stays the base's unless the run trains on longer windows."""
+    context = max(base.config.max_seq_len, cfg.data.n_ctx)
+    return {"ops": cfg.model.ops, "attention": cfg.model.attention, "max_seq_len": context}
 
 
 def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunModel:
@@ -394,14 +407,22 @@ def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunMo
             cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
         )
     check_compatible(checkpoint, expected, tokenizer)
-    reference = checkpoint.state.reference_model
-    if reference is not None and _scores_against_a_table(cfg):  # before the table is read
+    reference, role = checkpoint.state.reference_model, _reference_role(cfg)
+    if reference is not None and role is not None:  # before the reference is read
         used = describe_base(cfg.model.init_from, checkpoint.path)
-        check_same_model(used, reference, REFERENCE_ROLE, checkpoint.path)
+        check_same_model(used, reference, role, checkpoint.path)
     run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
     _check_memory(cfg, checkpoint.config)
     model = Llama(dataclasses.replace(checkpoint.config, **run_choices))
     return RunModel(model, checkpoint.tokenizer, checkpoint.state.inherited, checkpoint=checkpoint)
+
+
+def _reference_role(cfg: Config) -> str | None:
+    """How the run names ``model.init_from`` when it scores against it (a full finetune's
+    DPO/IPO table, GRPO's frozen base); None when it scores against no file."""
+    if _scores_against_a_table(cfg):
+        return REFERENCE_ROLE
+    return GRPO_REFERENCE_ROLE if cfg.holds_base_reference else None
 
 
 def _check_same_kind(cfg: Config, checkpoint: Checkpoint) -> None:
@@ -552,3 +573,56 @@ def _read_weights_into(model: Llama, source: LlamaFile) -> None:
             else:
                 value = source.tensors[name]
             target.copy_(value)
+
+
+# ---- the reference of a full finetune's GRPO -----------------------------------------------
+
+GRPO_REFERENCE_ROLE = "GRPO KL reference model"
+"""How a resume refusing a changed ``model.init_from`` names GRPO's frozen base."""
+
+
+@dataclass(frozen=True)
+class FrozenReference:
+    """GRPO's KL reference over a full finetune (``Config.holds_base_reference``): the base
+    the run started from, frozen, and the file it was read from."""
+
+    model: Llama
+    """On the run's device, in eval mode, without gradients; its projections and vocabulary
+    tables held as the file stores them (:func:`build_lora_base`, ``quantized``)."""
+    source: LoraBase
+    """``model.init_from`` and its sha256, which the run's checkpoints record, so a resume
+    over a changed base is refused (:func:`resumed_run`)."""
+
+
+def build_base_reference(cfg: Config, device: torch.device) -> FrozenReference | None:
+    """GRPO's KL reference over a full finetune, or None for a run that needs none (a LoRA
+    run's is its base with the adapters off; ``beta = 0`` has no KL).
+
+    It is ``model.init_from`` as :func:`build_lora_base` keeps a QLoRA base, every
+    projection adapted: each matrix and vocabulary table a view of the GGUF's copy-on-write
+    map (``gguf.file.map_stored``), the norms float32. On the CPU it costs about the file's
+    size in page cache the kernel can drop, never a float32 copy; on an accelerator, the
+    file's size of device memory. Each block is decoded to float32 as a forward needs it,
+    so its log-probs are those of the dequantized base. An HF folder (or a LoRA run, read
+    merged) has no file to map: it is refused with the conversion that gives one.
+    """
+    if not cfg.holds_base_reference:
+        return None
+    source = describe_base(cfg.model.init_from, "this GRPO run")
+    base = read_model_source(cfg.model.init_from)
+    _check_mappable(cfg, base)
+    model = build_lora_base(base, "quantized", ALL_TARGETS, **_run_choices(cfg, base))
+    model.requires_grad_(False).eval()
+    return FrozenReference(model.to(device), source)
+
+
+def _check_mappable(cfg: Config, base: LlamaFile) -> None:
+    """Refuse a GRPO reference that would be a float copy: ``base`` was not read from a
+    GGUF model file (an HF folder; a LoRA run, read merged), so nothing maps it."""
+    if base.contents is None or not _header_only(base):
+        raise ConfigError(
+            f"model.init_from = {cfg.model.init_from} is not a GGUF model file, which GRPO's "
+            "KL reference over a full finetune is mapped from; convert it (llamatrain export "
+            f"{cfg.model.init_from} -o base.gguf --type bf16) and point model.init_from at "
+            "base.gguf, or set lora.rank > 0 or train.beta = 0"
+        )

@@ -32,8 +32,10 @@ The rewards (``llamatrain.rewards.score``, TRL's signature) and the advantages
 (``llamatrain.grpo.score_rewards``) are the whole step's; the loss is ``llamatrain.grpo.GRPOLoss``
 on log-probs of the chunked head (``model(…, logps_of=, temperature=)``, no B×T×V logits).
 With ``num_iterations`` μ > 1 a rollout serves μ steps and its log-probs, taken once after
-sampling, are the old policy's; with β > 0 the reference is a LoRA run's base, its adapters
-switched off (``lora.adapters_disabled``), scored once per rollout.
+sampling, are the old policy's; with β > 0 the reference is the base, scored once per rollout
+with the same micro-batches, autocast and temperature: a LoRA run's model with its adapters
+switched off (``lora.adapters_disabled``), a full finetune's frozen base held as its GGUF
+stores it (``build.build_base_reference``), no gradient either way.
 """
 
 from __future__ import annotations
@@ -249,8 +251,11 @@ class GRPOObjective:
         template: ChatTemplate | None,
         rewards: Sequence[Reward],
         ranks: int = 1,
+        reference: Llama | None = None,
     ) -> None:
-        """``ranks``: how many DDP ranks share each step (each its whole groups)."""
+        """``ranks``: how many DDP ranks share each step (each its whole groups).
+        ``reference``: the frozen model the KL term scores against (a full finetune's base);
+        None: the trained model with its LoRA adapters off."""
         t = cfg.train
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, list(rewards)
         self.loss_fn = GRPOLoss(t.loss_type, t.beta, t.epsilon, t.epsilon_high)
@@ -259,6 +264,7 @@ class GRPOObjective:
         self.ranks = _checked_ranks(cfg, ranks)
         # TRL's per-process gradient accumulation steps: this rank's micro-batches
         self.accumulation = math.ceil(cfg.seqs_per_batch // ranks / cfg.seqs_per_ubatch)
+        self.reference = reference
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
         self.names = [r.name for r in self.rewards]
         self._rollout: Rollout | None = None
@@ -336,10 +342,7 @@ class GRPOObjective:
         if t.num_iterations > 1:
             old = scored_logps(model, inputs, targets, t.temperature, self.micro_batch, autocast)
         if t.beta > 0:
-            with adapters_disabled(model):
-                ref = scored_logps(
-                    model, inputs, targets, t.temperature, self.micro_batch, autocast
-                )
+            ref = self._reference_logps(model, inputs, targets, autocast)
         metrics = scored.metrics | completion_metrics(step_scored.lengths, step_scored.truncated)
         return Rollout(
             inputs,
@@ -353,6 +356,23 @@ class GRPOObjective:
             metrics=metrics,
             table=self._records(step_scored, scored.rewards, scored.advantages, step),
         )
+
+    def _reference_logps(
+        self,
+        model: Llama,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        autocast: contextlib.AbstractContextManager,
+    ) -> torch.Tensor:
+        """The reference's log-probs of the targets: the frozen base's when one was given,
+        else ``model``'s with its adapters off (the same weights, no second copy)."""
+        t = self.cfg.train
+        if self.reference is not None:
+            scorer, switch = self.reference, contextlib.nullcontext()
+        else:
+            scorer, switch = model, adapters_disabled(model)
+        with switch:
+            return scored_logps(scorer, inputs, targets, t.temperature, self.micro_batch, autocast)
 
     def _share(self, prompts: Sequence[PromptRow]) -> tuple[int, Sequence[PromptRow]]:
         """This rank's contiguous share of ``prompts`` (equal for a step's, within one for

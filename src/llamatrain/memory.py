@@ -6,8 +6,9 @@ even hold its weights should be refused in one line before its first byte is rea
 types): the weights as the run holds them (a LoRA run's frozen targets as ``lora.base_dtype``
 keeps them, and a quantized run's vocabulary tables as stored; everything else float32), what
 training adds (trained parameters, their gradients
-and the optimizer's moments), one micro-batch's activations, and what the export adds on top
-of the weights (it streams: one merged tensor at a time). :func:`available_memory` is what the
+and the optimizer's moments), one micro-batch's activations, the frozen base a full finetune's
+GRPO scores its KL against, and what the export adds on top of the weights (it streams: one
+merged tensor at a time). :func:`available_memory` is what the
 process may still take: the machine's available memory, a cgroup's limit and an address-space
 limit (``prlimit --as``), whichever is smallest.
 
@@ -72,13 +73,17 @@ class MemoryPlan:
     """One micro-batch's saved activations and the lm head's chunk."""
     export: int
     """The streaming export's addition to the weights (its largest tensor, widened)."""
+    reference: int = 0
+    """GRPO's KL reference over a full finetune (``Config.holds_base_reference``): the base
+    as its file stores it, mapped like a QLoRA base and counted alike; 0 for any other run."""
     framework: int = FRAMEWORK_BYTES
     """PyTorch, the process and the vocabulary (``FRAMEWORK_BYTES`` + the tokenizer)."""
 
     @property
     def peak(self) -> int:
         """Training and the export do not overlap: the trainer frees the moments first."""
-        return self.framework + self.weights + max(self.training + self.activations, self.export)
+        held = self.framework + self.weights + self.reference
+        return held + max(self.training + self.activations, self.export)
 
     def line(self) -> str:
         """The opening summary's memory line."""
@@ -88,8 +93,9 @@ class MemoryPlan:
         )
 
     def parts(self) -> str:
+        reference = f", KL reference {_size(self.reference)}" if self.reference else ""
         return (
-            f"weights {_size(self.weights)}, trained state {_size(self.training)}, "
+            f"weights {_size(self.weights)}{reference}, trained state {_size(self.training)}, "
             f"activations {_size(self.activations)}"
         )
 
@@ -108,7 +114,8 @@ def plan_memory(
     cfg: Config, model: ModelConfig, stored_types: Mapping[str, str] | None = None
 ) -> MemoryPlan:
     """The memory ``cfg`` will need to train and export ``model`` (its base's ``stored_types``,
-    name -> ggml type, decide what a quantized LoRA base holds; None: none known)."""
+    name -> ggml type, decide what a quantized LoRA base, or a full finetune's GRPO reference,
+    holds; None: none known)."""
     shapes = tensor_shapes(model)
     targets = _adapted(cfg, shapes)
     stored = targets | _kept_tables(cfg, shapes)
@@ -128,7 +135,21 @@ def plan_memory(
         training=4 * trained * (1 + _moments(cfg)),  # the parameters' f32 grads and moments
         activations=_activation_bytes(cfg, model),
         export=_export_bytes(cfg, shapes, targets),
+        reference=_reference_bytes(cfg, shapes, stored_types or {}),
         framework=FRAMEWORK_BYTES + VOCAB_BYTES_PER_TOKEN * model.vocab_size,
+    )
+
+
+def _reference_bytes(
+    cfg: Config, shapes: Mapping[str, tuple[int, ...]], stored_types: Mapping[str, str]
+) -> int:
+    """The frozen base of a full finetune's GRPO (``build.build_base_reference``): every
+    matrix as its file stores it (float32 where no type is known), the rest float32."""
+    if not cfg.holds_base_reference:
+        return 0
+    return sum(
+        _stored_bytes(shape, stored_types.get(name)) if len(shape) == 2 else 4 * _count(shape)
+        for name, shape in shapes.items()
     )
 
 
@@ -151,6 +172,11 @@ def _held_bytes(cfg: Config, name: str, shape: tuple[int, ...], stored: str | No
     """A frozen target's (or kept table's) bytes as ``lora.base_dtype`` keeps it."""
     if cfg.lora.base_dtype in _FLOAT_BYTES:
         return _FLOAT_BYTES[cfg.lora.base_dtype] * _count(shape)
+    return _stored_bytes(shape, stored)
+
+
+def _stored_bytes(shape: tuple[int, ...], stored: str | None) -> int:
+    """A matrix's bytes as its file stores it (``stored``, a ggml type)."""
     if stored in ("F32", "F16", "BF16"):
         return {"F32": 4, "F16": 2, "BF16": 2}[stored] * _count(shape)
     if stored in DEQUANTIZABLE and shape[1] % 32 == 0:

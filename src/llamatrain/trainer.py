@@ -25,6 +25,8 @@ step asks the objective for a rollout (completions sampled from the model being 
 scored, their advantages), then for each micro-batch's loss on the policy's log-probs of the
 completions; the step's metrics carry TRL's names, and the last steps' completions are kept in
 ``completions.jsonl`` beside ``metrics.jsonl`` (each logged step's also go to the trackers).
+With a KL term over a full finetune its reference is the base, frozen beside the model
+(:class:`~llamatrain.build.FrozenReference`), whose file the checkpoints record.
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ from tqdm.auto import tqdm
 
 from llamatrain import parallel
 from llamatrain.activation_checkpointing import segment_of
-from llamatrain.build import PreparedModel, prepare
+from llamatrain.build import (
+    GRPO_REFERENCE_ROLE,
+    FrozenReference,
+    PreparedModel,
+    build_base_reference,
+    prepare,
+)
 from llamatrain.checkpoint import DIVERGED_FIX, Checkpoint, CheckpointManager, TrainingState
 from llamatrain.config import Config, config_to_dict, sample_params, validate
 from llamatrain.convergence import ConvergenceTests
@@ -56,7 +64,7 @@ from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.generate import generate
 from llamatrain.grpo_rollout import GRPOObjective, Rollout
 from llamatrain.interrupt import StopRequest
-from llamatrain.lora import FrozenTable, lora_modules
+from llamatrain.lora import FrozenLinear, FrozenTable, lora_modules
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_source import REFERENCE_ROLE, LoraBase, check_same_model, checkpoint_dir
@@ -117,6 +125,8 @@ class Trainer:
     they are computed here from ``model`` as given, which must then be the initial one (a
     later :meth:`load_state` is refused). ``rewards``: GRPO's reward functions as Python
     callables (or specs), in place of ``train.rewards``; a spec is imported, so run, here.
+    ``base_reference``: GRPO's KL reference over a full finetune
+    (``llamatrain.build.build_base_reference``, which builds it here when not given).
 
     Under torchrun (``train.parallel``) every rank builds its own Trainer over the same global
     batches; ``llamatrain.parallel`` wraps the model and gives each rank its share of every
@@ -135,6 +145,7 @@ class Trainer:
         lora_base: LoraBase | None = None,
         reference: ReferenceTable | None = None,
         rewards: Sequence[str | RewardFunction] | None = None,
+        base_reference: FrozenReference | None = None,
     ) -> None:
         built = model.model.ops if isinstance(model, PreparedModel) else model.ops
         # validate fills the derived defaults a hand-built Config leaves unset; auto choices
@@ -149,6 +160,7 @@ class Trainer:
         t = cfg.train
         self.objective = None  # the next-token loss (sft), or a preference objective
         self.grpo = None  # or GRPO's rollouts and loss
+        self.base_reference = base_reference or build_base_reference(cfg, self.device)
         if t.objective == "grpo":
             self.grpo = self._grpo_objective(rewards)
         elif t.objective != "sft":
@@ -166,7 +178,7 @@ class Trainer:
             config=config_to_dict(cfg),
             inherited=dict(inherited or {}),
             lora_base=lora_base,
-            reference_model=None if self.reference is None else self.reference.model,
+            reference_model=self._reference_file(),
         )
         if data is not None:
             self.state.seen_tokens = data.seen_tokens(self.model.cfg.vocab_size)
@@ -197,7 +209,17 @@ class Trainer:
             t.rewards if rewards is None else rewards, t.reward_weights, t.reward_args
         )
         template = None if self.data is None else self.data.chat_template
-        return GRPOObjective(self.cfg, self.tokenizer, template, loaded, self.parallel.ranks)
+        reference = None if self.base_reference is None else self.base_reference.model
+        return GRPOObjective(
+            self.cfg, self.tokenizer, template, loaded, self.parallel.ranks, reference
+        )
+
+    def _reference_file(self) -> LoraBase | None:
+        """The model file the run scores against, which its checkpoints record: a DPO/IPO
+        table's, or GRPO's frozen base (none for a model in memory, or no reference)."""
+        if self.base_reference is not None:
+            return self.base_reference.source
+        return None if self.reference is None else self.reference.model
 
     def load_state(self, checkpoint: Checkpoint) -> None:
         """Continue from ``checkpoint``: weights, optimizer state, RNG, counters, data cursor."""
@@ -209,7 +231,8 @@ class Trainer:
             )
         recorded, used = checkpoint.state.reference_model, self.state.reference_model
         if recorded is not None and used is not None:  # the reference it started against
-            check_same_model(used, recorded, REFERENCE_ROLE, checkpoint.path)
+            role = REFERENCE_ROLE if self.base_reference is None else GRPO_REFERENCE_ROLE
+            check_same_model(used, recorded, role, checkpoint.path)
         checkpoint.restore_weights(self.model)
         checkpoint.restore_optimizer(self.model, self.optimizer)
         checkpoint.restore_rng()
@@ -728,6 +751,13 @@ class Trainer:
             self._report()
         return self.history
 
+    def _held_types(self, model: Llama) -> dict[str, str]:
+        """What the memory plan counts the frozen tensors at: ``model``'s, or those of GRPO's
+        base reference (a full finetune holds nothing else frozen)."""
+        if self.base_reference is None:
+            return held_types(model)
+        return held_types(self.base_reference.model)
+
     def _plan(self) -> RunPlan:
         """What this fit is about to do (its first screen)."""
         cfg, model = self.cfg, parallel.whole_model(self.model)
@@ -747,17 +777,18 @@ class Trainer:
             steps=cfg.train.steps,
             done=self.state.step,
             run_dir=str(Path(cfg.output.dir).resolve()),
-            memory=plan_memory(cfg, m, held_types(model)).line(),
+            memory=plan_memory(cfg, m, self._held_types(model)).line(),
         )
 
 
 def held_types(model: Llama) -> dict[str, str]:
     """The ggml type each adapted projection's frozen weight and each vocabulary table kept
     as stored is held as (what a memory plan counts them at): its blocks' type, or the float
-    type it was narrowed to."""
+    type it was narrowed to. Of a frozen model (GRPO's base reference), every projection's."""
     names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
     held = [*lora_modules(model)]
-    held += [(name, m) for name, m in model.named_modules() if isinstance(m, FrozenTable)]
+    frozen = (FrozenTable, FrozenLinear)
+    held += [(name, m) for name, m in model.named_modules() if isinstance(m, frozen)]
     return {f"{name}.weight": module.qtype or names[module.weight.dtype] for name, module in held}
 
 

@@ -31,6 +31,11 @@ GRPO = [
 def test_a_grpo_config_is_valid_and_its_beta_defaults_to_trls():
     cfg = load_config("tiny", GRPO)
     assert cfg.train.beta == 0.0 and cfg.train.loss_type == "dapo"
+    assert not cfg.holds_base_reference
+    full = [*GRPO, "train.beta=0.04", 'model.init_from="base.gguf"']
+    assert load_config("tiny", full).holds_base_reference  # its base, kept frozen
+    lora = load_config("tiny", [*full, "lora.rank=4"])
+    assert not lora.holds_base_reference  # the base with the adapters off
     orpo = ['train.objective="orpo"', 'data.format="jsonl"']
     assert load_config("tiny", orpo).train.beta == 0.1
 
@@ -48,7 +53,7 @@ def test_a_grpo_config_is_valid_and_its_beta_defaults_to_trls():
         (["train.num_generations=3"], "not whole groups of train.num_generations = 3"),
         (["train.num_generations=1"], "train.num_generations"),
         (["train.max_completion_length=64"], "no room for a prompt"),
-        (["train.beta=0.04"], "lora.rank > 0"),
+        (["train.beta=0.04"], "a model trained from scratch has none; set model.init_from"),
         (['train.parallel="fsdp"'], "train.parallel = 'ddp'"),
         (['optim.name="lbfgs"'], "AdamW"),
         (['train.loss_type="ppo"'], "train.loss_type"),

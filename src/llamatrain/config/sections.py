@@ -453,6 +453,15 @@ class Config:
         """Windows computed at once, a micro-batch (``train.n_ubatch`` tokens)."""
         return self.train.n_ubatch // self.data.n_ctx
 
+    @property
+    def holds_base_reference(self) -> bool:
+        """GRPO with a KL term (``train.beta > 0``) over a full finetune: its reference is the
+        base it started from, held frozen beside the trained model as its GGUF stores it
+        (``build.build_base_reference``). A LoRA run's is its base with the adapters off,
+        which costs nothing more."""
+        t = self.train
+        return t.objective == "grpo" and t.beta > 0 and not self.lora.rank
+
 
 def config_reference() -> list[tuple[str, object, str]]:
     """Every key as ``(dotted key, default, help)``, in section order, for the README."""

@@ -157,8 +157,8 @@ def _validate_grpo(cfg: Config, rewards: Sequence[str | RewardFunction] | None) 
     """GRPO samples prompt rows (JSONL, Parquet, HF) with the reward functions named in
     train.rewards or given in Python as ``rewards`` (checked here without importing them),
     G completions a prompt, whole groups a step; on one process or under DDP, with AdamW.
-    Its KL reference is a LoRA run's base with the adapters off: a full finetune's would be
-    a second resident copy of the model."""
+    Its KL reference is the base: a LoRA run's with the adapters off, a full finetune's
+    ``model.init_from`` held as its GGUF stores it, so a run from scratch has none."""
     t, where = cfg.train, _set_in(cfg, "train.objective")
     if cfg.data.format == "text":
         raise ConfigError(
@@ -179,11 +179,11 @@ def _validate_grpo(cfg: Config, rewards: Sequence[str | RewardFunction] | None) 
             f"prompt in data.n_ctx = {cfg.data.n_ctx} "
             f"{_set_in(cfg, 'train.max_completion_length', 'data.n_ctx')}; lower it or raise n_ctx"
         )
-    if t.beta and not cfg.lora.rank:
+    if t.beta and not cfg.lora.rank and not cfg.model.init_from:
         raise ConfigError(
-            f"train.beta = {t.beta} {_set_in(cfg, 'train.beta')}: GRPO's KL reference over a "
-            "full finetune would be a second copy of the model; set lora.rank > 0 (the "
-            "reference is then the base, adapters off) or train.beta = 0"
+            f"train.beta = {t.beta} {_set_in(cfg, 'train.beta')}: GRPO's KL reference is the "
+            "base model, and a model trained from scratch has none; set model.init_from to a "
+            "GGUF base or train.beta = 0"
         )
     if t.parallel == "fsdp":
         raise ConfigError(

@@ -1,0 +1,198 @@
+"""GRPO's KL reference over a full finetune (``train.beta > 0``, ``lora.rank = 0``): the base
+``model.init_from`` names, frozen and held as its GGUF stores it (``build.build_base_reference``).
+
+The base is a random tiny llama of the tiny config's vocabulary exported Q8_0, so the
+reference's projections and tables are the file's blocks, mapped, while the trained model is
+their float32 decoding (and exported F32, whose projections are mapped as they are and whose
+tables are read as float32). Checked: the reference's tensors lie in the file's pages; its
+log-probs are those of a separately loaded, dequantized copy of the base; the memory plan
+counts exactly the bytes it holds; a run trains, its logged KL 0 at the first step (the policy
+is the base) and growing after updates; its checkpoints record the base's sha256, and a
+resume over a replaced base is refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from random_models import tiny_llama
+from user_errors import error_of
+
+from llamatrain import api
+from llamatrain.build import build_base_reference
+from llamatrain.checkpoint import load_checkpoint
+from llamatrain.config import load_config
+from llamatrain.gguf.file import read_gguf
+from llamatrain.grpo_rollout import scored_logps, training_rows
+from llamatrain.lora import FrozenLinear, FrozenTable
+from llamatrain.memory import plan_memory
+from llamatrain.model_source import base_sha256
+from llamatrain.trainer import held_types
+
+WORDS = ["love", "beauty", "time", "summer", "rose", "heart", "eye", "youth"]
+REWARD_FILE = """
+def vowels(prompts, completions, completion_ids, **columns):
+    return [float(sum(ch in "aeiou" for ch in text)) for text in completions]
+"""
+"""A reward that differs between a random model's completions, so the first step updates."""
+LOGP_TOL = 1e-6
+"""|Δ log-prob| between the reference and the dequantized base: measured 0 (bit for bit) on
+log-probs down to -6.3 for Q8_0, Q4_0 and F32 bases, the same float32 values through the same
+matmuls; the limit leaves room for another summation order only."""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("grpo_full")
+    model, tokenizer = tiny_llama(cache_dir)
+    base = api.export_gguf(model, tokenizer, folder / "base.gguf", type="q8_0")
+    f32 = api.export_gguf(model, tokenizer, folder / "base-f32.gguf", type="f32")
+    prompts = folder / "prompts.jsonl"
+    rows = [{"prompt": f"Say {w}.", "answer": w} for w in WORDS * 2]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rewards = folder / "vowel_rewards.py"
+    rewards.write_text(REWARD_FILE)
+    return {"base": base, "f32": f32, "prompts": prompts, "rewards": rewards, "cache": cache_dir}
+
+
+def overrides(files: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f'data.cache_dir="{files["cache"]}"',
+        f'output.dir="{run_dir}"',
+        f'model.init_from="{files["base"]}"',
+        f'data.path="{files["prompts"]}"',
+        'data.format="jsonl"',
+        "data.val_fraction=0.125",
+        'train.objective="grpo"',
+        f'train.rewards=["{files["rewards"]}:vowels"]',
+        "train.beta=0.04",
+        "train.num_generations=4",
+        "train.max_completion_length=8",
+        "train.steps=3",
+        "train.n_batch=512",  # 8 completions a step: 2 prompts x 4 ...
+        "train.n_ubatch=256",  # ... in 2 micro-batches
+        "train.save_every=1",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        "train.log_every=1",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=1",
+        "output.export=false",
+        *extra,
+    ]
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges this process maps from ``path`` (Linux's /proc/self/maps)."""
+    ranges, inode = [], path.stat().st_ino
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and int(fields[4]) == inode and fields[5] == str(path.resolve()):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def reference_config(files: dict[str, Path], tmp_path: Path, *extra: str):
+    return load_config("tiny", overrides(files, tmp_path / "run", *extra))
+
+
+@pytest.mark.parametrize(("base", "kept"), [("base", 2 * 7 + 2), ("f32", 2 * 7)])
+def test_the_reference_is_the_bases_blocks_mapped_from_its_file(base, kept, files, tmp_path):
+    """Every projection of the reference (and a Q8_0 file's token table and output) is a view
+    of the file's own pages holding its stored bytes at their offset; nothing of it trains."""
+    path = files[base]
+    cfg = reference_config({**files, "base": path}, tmp_path)
+    reference = build_base_reference(cfg, torch.device("cpu"))
+    contents = read_gguf(path, tensor_data=False)
+    frozen = {
+        f"{name}.weight": module.weight
+        for name, module in reference.model.named_modules()
+        if isinstance(module, FrozenLinear | FrozenTable)
+    }
+    assert len(frozen) == kept  # 7 projections a block (the tables of a quantized file)
+    ranges, data = mapped_ranges(path), path.read_bytes()
+    for name, weight in frozen.items():
+        start, end = weight.data_ptr(), weight.data_ptr() + weight.nbytes
+        assert any(lo <= start and end <= hi for lo, hi in ranges), name
+        info = contents.infos[name]
+        assert weight.numpy().tobytes() == data[info.offset : info.offset + info.n_bytes]
+    assert not any(p.requires_grad for p in reference.model.parameters())
+    assert reference.source.sha256 == base_sha256(path)
+
+
+@pytest.mark.parametrize("base", ["base", "f32"])
+def test_the_references_log_probs_are_the_dequantized_bases(base, files, tmp_path) -> None:
+    """Scored as the rollout scores it (micro-batches, temperature), the reference gives the
+    log-probs of the base loaded on its own and decoded to float32 (``api.load_gguf``)."""
+    cfg = reference_config({**files, "base": files[base]}, tmp_path)
+    reference = build_base_reference(cfg, torch.device("cpu"))
+    loaded, tokenizer = api.load_gguf(files[base])
+    generator = torch.Generator().manual_seed(0)
+    prompts = [tokenizer.encode(f"Say {w}.") for w in WORDS[:4]]
+    completions = [
+        torch.randint(3, tokenizer.vocab_size, (n,), generator=generator).tolist()
+        for n in (3, 8, 5, 8)
+    ]
+    inputs, targets = training_rows(prompts, completions, tokenizer.eos_id)
+    nothing = contextlib.nullcontext()
+    ours = scored_logps(reference.model, inputs, targets, 0.7, 2, nothing)
+    theirs = scored_logps(loaded.eval(), inputs, targets, 0.7, 2, nothing)
+    scored = targets != -100
+    assert scored.sum() == 24 and ours[scored].min() < -3
+    assert (ours - theirs)[scored].abs().max() < LOGP_TOL
+
+
+def test_the_memory_plan_counts_the_reference_it_holds(files, tmp_path) -> None:
+    """Exactly the bytes of the reference's tensors (its file's blocks, float32 norms); a
+    LoRA run's reference, and a run without a KL term, hold none."""
+    cfg = reference_config(files, tmp_path)
+    reference = build_base_reference(cfg, torch.device("cpu"))
+    model_cfg = reference.model.cfg
+    plan = plan_memory(cfg, model_cfg, held_types(reference.model))
+    held = {t.data_ptr(): t.nbytes for t in reference.model.state_dict().values()}
+    assert plan.reference == sum(held.values())
+    assert f"KL reference {plan.reference / (1 << 20):,.0f} MB" in plan.line()
+    types = read_gguf(files["base"], tensor_data=False).tensor_types
+    assert plan_memory(cfg, model_cfg, types).reference == plan.reference  # from the header
+    for other in (["lora.rank=4"], ["train.beta=0"]):
+        changed = reference_config(files, tmp_path, *other)
+        assert plan_memory(changed, model_cfg, types).reference == 0
+        assert build_base_reference(changed, torch.device("cpu")) is None
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory, files):
+    run_dir = tmp_path_factory.mktemp("grpo_full_run") / "run"
+    return api.fit("tiny", overrides=overrides(files, run_dir), progress=False)
+
+
+def test_a_full_finetunes_kl_starts_at_zero_and_grows_with_the_updates(full_run, files):
+    """The whole model trains; at the first step the policy is the base, so its KL to the
+    reference is 0 (up to float32 rounding of two matmul orders), and it grows after."""
+    assert full_run.config.lora.rank == 0
+    kls = [r["kl"] for r in full_run.history.train]
+    assert len(kls) == 3
+    assert abs(kls[0]) < 1e-9, kls
+    assert kls[1] > 1e-4 and kls[2] > kls[1], kls
+    recorded = load_checkpoint(full_run.run_dir / "checkpoints" / "latest.gguf")
+    assert recorded.state.reference_model.sha256 == base_sha256(files["base"])
+
+
+def test_a_resume_over_a_replaced_base_is_refused_in_one_line(files, tmp_path):
+    """The run's checkpoints record the base's sha256: another model written over its file
+    stops the resume before anything is built, as the LoRA and DPO paths do."""
+    base = tmp_path / "base.gguf"
+    base.write_bytes(files["base"].read_bytes())
+    run = overrides({**files, "base": base}, tmp_path / "run", "train.steps=1")
+    api.fit("tiny", overrides=run, progress=False)
+    model, tokenizer = tiny_llama(files["cache"], seed=1)
+    api.export_gguf(model, tokenizer, base, type="q8_0")  # the same path, other weights
+    resumed = [*run, "train.steps=2"]
+    message = error_of(api.fit, "tiny", overrides=resumed, resume="latest", progress=False)
+    assert f"{base} is not the GRPO KL reference model of checkpoint" in message
+    assert "its content changed" in message and "point model.init_from at that model" in message
