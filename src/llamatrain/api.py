@@ -53,7 +53,7 @@ from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
 from llamatrain.hf.peft import write_peft_adapter
 from llamatrain.lora import merged_tensors
-from llamatrain.memory import MemoryPlan, out_of_memory_in, plan_memory
+from llamatrain.memory import out_of_memory_in
 from llamatrain.model import Llama
 from llamatrain.model_card.facts import ModelCard, conversion_card, export_card
 from llamatrain.model_card.general_keys import with_general_keys
@@ -66,7 +66,7 @@ from llamatrain.runlock import run_lock, set_aside_previous_run
 from llamatrain.tokenizer import (
     Tokenizer,
 )
-from llamatrain.trainer import History, Trainer, held_types
+from llamatrain.trainer import History, Trainer
 
 __all__ = [
     "Conversation",
@@ -219,9 +219,6 @@ def _fit_locked(
             reference = reference_of(prepared.model, cfg, data, prepared.device, initial=initial)
         base_reference = build_base_reference(cfg, prepared.device)  # a full finetune's GRPO
 
-    def plan() -> MemoryPlan:  # for an out-of-memory message: what the run holds
-        return plan_memory(cfg, run.model.cfg, held_types(prepared.model))
-
     run_dir = Path(cfg.output.dir)
     if parallel.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -240,6 +237,7 @@ def _fit_locked(
     )
     if run.checkpoint is not None:
         trainer.load_state(run.checkpoint)
+    plan = trainer.memory_plan  # for an out-of-memory message: what the run holds
     with out_of_memory_in("in a training step, an evaluation or a save", cfg, plan):
         history = trainer.fit()
     model = parallel.whole_model(trainer.model)

@@ -65,7 +65,7 @@ from llamatrain.generate import generate
 from llamatrain.grpo_rollout import GRPOObjective, Rollout
 from llamatrain.interrupt import StopRequest
 from llamatrain.lora import FrozenLinear, FrozenTable, lora_modules
-from llamatrain.memory import plan_memory
+from llamatrain.memory import MemoryPlan, plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_source import REFERENCE_ROLE, LoraBase, check_same_model, checkpoint_dir
 from llamatrain.ops.sets import IGNORE_INDEX
@@ -751,12 +751,13 @@ class Trainer:
             self._report()
         return self.history
 
-    def _held_types(self, model: Llama) -> dict[str, str]:
-        """What the memory plan counts the frozen tensors at: ``model``'s, or those of GRPO's
-        base reference (a full finetune holds nothing else frozen)."""
-        if self.base_reference is None:
-            return held_types(model)
-        return held_types(self.base_reference.model)
+    def memory_plan(self) -> MemoryPlan:
+        """What the run holds (``llamatrain.memory.plan_memory``), its frozen tensors counted
+        as held: the model's, or those of GRPO's base reference (a full finetune holds
+        nothing else frozen)."""
+        model = parallel.whole_model(self.model)
+        frozen = model if self.base_reference is None else self.base_reference.model
+        return plan_memory(self.cfg, model.cfg, held_types(frozen))
 
     def _plan(self) -> RunPlan:
         """What this fit is about to do (its first screen)."""
@@ -777,7 +778,7 @@ class Trainer:
             steps=cfg.train.steps,
             done=self.state.step,
             run_dir=str(Path(cfg.output.dir).resolve()),
-            memory=plan_memory(cfg, m, self._held_types(model)).line(),
+            memory=self.memory_plan().line(),
         )
 
 
