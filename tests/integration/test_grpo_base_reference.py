@@ -8,12 +8,14 @@ tables are read as float32). Checked: the reference's tensors lie in the file's 
 log-probs are those of a separately loaded, dequantized copy of the base; the memory plan
 counts exactly the bytes it holds; a run trains, its logged KL 0 at the first step (the policy
 is the base) and growing after updates; its checkpoints record the base's sha256, and a
-resume over a replaced base is refused in one line.
+resume over a replaced base is refused in one line; an HF folder, which has no file to map,
+is refused in one line naming the conversion that gives one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,13 +25,15 @@ from random_models import tiny_llama
 from user_errors import error_of
 
 from llamatrain import api
-from llamatrain.build import build_base_reference
+from llamatrain.build import build_base_reference, build_tokenizer
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import load_config
+from llamatrain.data import resolve_inputs
 from llamatrain.gguf.file import read_gguf
 from llamatrain.grpo_rollout import scored_logps, training_rows
 from llamatrain.lora import FrozenLinear, FrozenTable
 from llamatrain.memory import plan_memory
+from llamatrain.model import Llama
 from llamatrain.model_source import base_sha256
 from llamatrain.trainer import held_types
 
@@ -196,3 +200,23 @@ def test_a_resume_over_a_replaced_base_is_refused_in_one_line(files, tmp_path):
     message = error_of(api.fit, "tiny", overrides=resumed, resume="latest", progress=False)
     assert f"{base} is not the GRPO KL reference model of checkpoint" in message
     assert "its content changed" in message and "point model.init_from at that model" in message
+
+
+def test_an_hf_folder_base_is_refused_with_the_conversion_that_maps(files, tmp_path):
+    """An HF folder's weights are read into memory (safetensors, widened): a reference of it
+    would be a float copy beside the trained model, so the run stops before building either,
+    naming the export to a GGUF whose blocks the reference maps."""
+    byte_bpe = [f'data.cache_dir="{files["cache"]}"', 'tokenizer.model_type="byte_bpe"']
+    cfg = load_config("tiny", [*byte_bpe, "tokenizer.vocab_size=320"])
+    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
+    shape = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=64)
+    folder = api.export_hf(Llama(shape), tokenizer, tmp_path / "hf")
+    run = overrides({**files, "base": folder}, tmp_path / "run", *byte_bpe)
+    message = error_of(api.fit, "tiny", overrides=[*run, "tokenizer.vocab_size=320"])
+    assert f"model.init_from = {folder} is not a GGUF model file" in message
+    assert f"llamatrain export {folder} -o base.gguf --type bf16" in message
+    assert not (tmp_path / "run" / "config.toml").exists()
+    converted = api.export(folder, tmp_path / "base.gguf", type="bf16")  # what it names
+    cfg = load_config("tiny", overrides({**files, "base": converted}, tmp_path / "run"))
+    reference = build_base_reference(cfg, torch.device("cpu"))
+    assert reference.model.get_submodule("blk.0.attn_q").weight.dtype == torch.bfloat16
