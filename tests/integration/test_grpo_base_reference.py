@@ -7,8 +7,9 @@ their float32 decoding (and exported F32, whose projections are mapped as they a
 tables are read as float32). Checked: the reference's tensors lie in the file's pages; its
 log-probs are those of a separately loaded, dequantized copy of the base; the memory plan
 counts exactly the bytes it holds; a run trains, its logged KL 0 at the first step (the policy
-is the base) and growing after updates; its checkpoints record the base's sha256, and a
-resume over a replaced base is refused in one line; an HF folder, which has no file to map,
+is the base) and growing after updates; a resume rebuilds the same reference and goes on bit
+for bit; its checkpoints record the base's sha256, and a resume over a replaced base is
+refused in one line; an HF folder, which has no file to map,
 is refused in one line naming the conversion that gives one.
 """
 
@@ -187,17 +188,27 @@ def test_a_full_finetunes_kl_starts_at_zero_and_grows_with_the_updates(full_run,
     assert recorded.state.reference_model.sha256 == base_sha256(files["base"])
 
 
-def test_a_resume_over_a_replaced_base_is_refused_in_one_line(files, tmp_path):
-    """The run's checkpoints record the base's sha256: another model written over its file
-    stops the resume before anything is built, as the LoRA and DPO paths do."""
+def test_a_resume_rebuilds_the_same_reference_and_refuses_a_replaced_base(
+    full_run, files, tmp_path
+):
+    """Cut after step 1 and resumed, the run rebuilds its reference from the base and goes on
+    as the uninterrupted one did, bit for bit (a copy of the base at another path is the same
+    reference: its sha256 is what counts). Another model written over the base's file stops
+    the next resume in one line before anything is built, as the LoRA and DPO paths do."""
     base = tmp_path / "base.gguf"
     base.write_bytes(files["base"].read_bytes())
-    run = overrides({**files, "base": base}, tmp_path / "run", "train.steps=1")
-    api.fit("tiny", overrides=run, progress=False)
+    run = overrides({**files, "base": base}, tmp_path / "run")
+    api.fit("tiny", overrides=[*run, "train.steps=1"], progress=False)
+    resumed = api.fit("tiny", overrides=run, resume="latest", progress=False)
+    for name in ("kl", "reward", "loss"):
+        whole = [r[name] for r in full_run.history.train[1:]]
+        assert [r[name] for r in resumed.history.train] == whole, name
+    for name, tensor in full_run.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
     model, tokenizer = tiny_llama(files["cache"], seed=1)
     api.export_gguf(model, tokenizer, base, type="q8_0")  # the same path, other weights
-    resumed = [*run, "train.steps=2"]
-    message = error_of(api.fit, "tiny", overrides=resumed, resume="latest", progress=False)
+    further = [*run, "train.steps=4"]
+    message = error_of(api.fit, "tiny", overrides=further, resume="latest", progress=False)
     assert f"{base} is not the GRPO KL reference model of checkpoint" in message
     assert "its content changed" in message and "point model.init_from at that model" in message
 
