@@ -44,7 +44,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 
-from llamatrain.errors import GGUFError, shown
+from llamatrain.errors import GGUFError, LlamatrainWarning, shown
 from llamatrain.files import is_gguf, written_atomically
 from llamatrain.gguf.export_types import FILE_TYPES, check_export_type
 from llamatrain.gguf.header import TensorInfo, ValueType, parse_header
@@ -361,6 +361,7 @@ def _stored_layout(
         warnings.warn(
             f"{name}: row length {shape[-1]} is not a multiple of {QUANT_BLOCK}, so it "
             f"cannot be {qtype.name}; writing it as F16 instead",
+            LlamatrainWarning,  # it quotes a tensor's name, from the file written
             stacklevel=4,
         )
         qtype = _T.F16

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from llamatrain.errors import LlamatrainError
+from llamatrain.errors import LlamatrainError, LlamatrainWarning
 from llamatrain.gguf.adapter import ALL_TARGETS
 from llamatrain.gguf.file import read_gguf_metadata
 from llamatrain.hf.config import read_json_object
@@ -262,7 +262,9 @@ def _final_metrics(run_dir: Path | None, steps: int) -> dict[str, tuple[int, flo
     try:
         records = read_records(path)
     except LlamatrainError as err:  # a damaged log costs the card its losses, not the export
-        warnings.warn(f"{err}; the model card leaves out the final metrics", stacklevel=2)
+        warnings.warn(
+            f"{err}; the model card leaves out the final metrics", LlamatrainWarning, stacklevel=2
+        )
         return {}
     final: dict[str, tuple[int, float]] = {}
     for record in records:
