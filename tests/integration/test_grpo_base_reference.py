@@ -36,7 +36,7 @@ from llamatrain.lora import FrozenLinear, FrozenTable
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_source import base_sha256
-from llamatrain.trainer import held_types
+from llamatrain.trainer import Trainer, held_types
 
 WORDS = ["love", "beauty", "time", "summer", "rose", "heart", "eye", "youth"]
 REWARD_FILE = """
@@ -164,6 +164,9 @@ def test_the_memory_plan_counts_the_reference_it_holds(files, tmp_path) -> None:
     assert f"KL reference {plan.reference / (1 << 20):,.0f} MB" in plan.line()
     types = read_gguf(files["base"], tensor_data=False).tensor_types
     assert plan_memory(cfg, model_cfg, types).reference == plan.reference  # from the header
+    model, tokenizer = api.load_gguf(files["base"])
+    trainer = Trainer(model, cfg, tokenizer=tokenizer, progress=False)  # builds its reference
+    assert trainer.memory_plan().reference == plan.reference  # the opening summary's
     for other in (["lora.rank=4"], ["train.beta=0"]):
         changed = reference_config(files, tmp_path, *other)
         assert plan_memory(changed, model_cfg, types).reference == 0
