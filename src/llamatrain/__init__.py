@@ -25,8 +25,8 @@ API = (
 )
 """The public entry points of ``llamatrain.api``, offered here too, loaded on first use: the
 one list of them. ``llamatrain.api.__all__``, this package's ``__all__`` and ``__getattr__``
-derive from it; tests/unit/test_public_api.py checks it against the calls README.md
-documents."""
+derive from it; tests/unit/test_public_api.py checks it against the calls README.md and the
+docs pages document."""
 
 __all__ = ["Llama", "ModelConfig", *API]
 __version__ = "0.1.0"

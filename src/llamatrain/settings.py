@@ -3,7 +3,7 @@
 Every section of a run's config (``ModelConfig`` for ``[model]``, the sections in
 ``llamatrain.config`` for the rest) is a dataclass whose fields carry their help line and
 their value rules (``choices``, ``gt``, ``ge``, ``lt``, ``le``) in the field's metadata. One
-declaration therefore feeds the validation, the error messages and the README's reference
+declaration therefore feeds the validation, the error messages and the docs' config reference
 table, and a class defined outside ``config`` (the model's) is checked by the same rules.
 A field marked ``derived`` is filled in by the run (e.g. the vocabulary size comes from the
 tokenizer) and is not a config key.

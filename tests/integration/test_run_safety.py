@@ -1,5 +1,5 @@
 """Run safety: no file runs code, nothing is written where it was not asked, and a forgotten
-``--resume`` never costs a run (README, "Safety")."""
+``--resume`` never costs a run (docs/guides/safety.md)."""
 
 from __future__ import annotations
 

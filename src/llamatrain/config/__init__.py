@@ -8,10 +8,10 @@ still works.
 
 Why dataclasses driven by type hints: one generic checker (``fields.check_type``) covers every
 field, the help text lives next to the default (``field(metadata={"help": ...})``) and the
-README's reference table is generated from the same place (:func:`config_reference`), so the
-three never drift apart. Per-field value rules (``choices``, ``gt``, ``ge``, ``lt``, ``le``)
-are metadata too; only rules that tie several fields together are written out in
-:func:`validate`.
+docs' config reference (docs/reference/config.md) is generated from the same place
+(:func:`config_reference`), so the three never drift apart. Per-field value rules
+(``choices``, ``gt``, ``ge``, ``lt``, ``le``) are metadata too; only rules that tie several
+fields together are written out in :func:`validate`.
 
 Every problem is a :class:`~llamatrain.errors.ConfigError` whose message names the key, where
 its value came from (file or ``--set``) and what would be accepted.

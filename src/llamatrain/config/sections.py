@@ -1,7 +1,7 @@
 """The config's sections: one dataclass per TOML table, and ``Config``, the whole run.
 
 The ``[model]`` section is the model's own ``ModelConfig``. Each field carries its default, its
-help line and its value rules (``setting``), so that checking, overriding and the README's
+help line and its value rules (``setting``), so that checking, overriding and the docs'
 reference table (:func:`config_reference`) all read the same declaration.
 """
 
@@ -464,7 +464,8 @@ class Config:
 
 
 def config_reference() -> list[tuple[str, object, str]]:
-    """Every key as ``(dotted key, default, help)``, in section order, for the README."""
+    """Every key as ``(dotted key, default, help)``, in section order, for the docs' config
+    reference."""
     rows: list[tuple[str, object, str]] = []
     for sec_name, cls in SECTIONS.items():
         for f in config_keys(cls).values():
