@@ -181,14 +181,33 @@ class KVCache(nn.Module):
     (layers, batch, kv_heads, max_len, head_dim), which ``.to()`` moves like the model's.
 
     Keys are stored after rope, so a decoding step only computes its own positions.
+    ``padding`` (batch, max_len) bools, when given, marks the slots that hold a ragged batch's
+    left padding rather than tokens: every attention hides those keys (``OpSet.attention``'s
+    ``padding``). Which slots they are is the decoder's to say, as are the rope positions of the
+    tokens after them (``Llama.forward``'s ``positions``).
     """
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        max_len: int,
+        device,
+        dtype,
+        padding: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, cfg.head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        if padding is not None and tuple(padding.shape) != (batch, max_len):
+            raise ValueError(f"padding must be shaped ({batch}, {max_len}); got {padding.shape}")
+        self.register_buffer("padding", padding, persistent=False)
         self.length = 0
+
+    def padding_until(self, end: int) -> torch.Tensor | None:
+        """Which of the first ``end`` slots are padding (batch, end); None when none can be."""
+        return None if self.padding is None else self.padding[:, :end]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append this step's k/v (batch, heads, t, hd) and return all keys/values so far."""
@@ -256,12 +275,16 @@ class Block(nn.Module):
             q = self.ops.rope(q, rope.pos, **rope.frequencies(self.sliding))
             k = self.ops.rope(k, rope.pos, **rope.frequencies(self.sliding))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        padding = None
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        if self.window is None and self.scale is None:
+            padding = cache.padding_until(k.shape[2])
+        if self.window is None and self.scale is None and padding is None:
             out = self.ops.attention(q, k, v, documents)  # (b, heads, t, hd), causal
-        else:  # within the window (and the document), Gemma's scale
-            out = self.ops.attention(q, k, v, documents, window=self.window, scale=self.scale)
+        else:  # within the window (and the document, past the padding), Gemma's scale
+            out = self.ops.attention(
+                q, k, v, documents, window=self.window, scale=self.scale, padding=padding
+            )
         return self.attn_output(out.transpose(1, 2).reshape(b, t, -1))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -398,6 +421,7 @@ class Llama(nn.Module):
         tokens: torch.Tensor,
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (batch, seq, dim) — everything but the lm head.
 
@@ -407,11 +431,19 @@ class Llama(nn.Module):
         of a document running as if alone after the document's trunk (a preference pair's
         replies after their shared prompt; ``llamatrain.ops.attention``). Training only (no
         KV cache).
+
+        ``positions`` (batch, seq): each token's rope position, where it is not its index
+        after the cache's tokens (a left-padded row of a ragged batch, its first token at 0 as
+        if unpadded; the cache's ``padding`` hides the padding from the attention).
         """
-        if documents is not None and cache is not None:
-            raise ValueError("documents (packed training rows) cannot be used with a KV cache")
+        if documents is not None and (cache is not None or positions is not None):
+            raise ValueError(
+                "documents (packed training rows) set their own positions and use no KV cache"
+            )
         start = cache.length if cache is not None else 0
-        if documents is None:
+        if positions is not None:
+            pos = positions
+        elif documents is None:
             pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         else:
             pos = document_positions(documents)
@@ -430,21 +462,22 @@ class Llama(nn.Module):
         *,
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
         logps_of: torch.Tensor | None = None,
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab); with ``targets`` (-100 = ignore) also the mean loss.
 
-        ``documents``: see :meth:`hidden_states`. ``logps_of`` (batch, seq) targets: instead
-        of the logits, each one's log-probability (:meth:`head_logps`, at ``temperature``;
-        ``with_entropy``: and each position's entropy), what a preference or GRPO objective
-        scores — through ``forward``, so the wrappers that call it (DDP, FSDP, compile:
-        ``llamatrain.parallel``) serve it as they serve the logits.
+        ``documents``, ``positions``: see :meth:`hidden_states`. ``logps_of`` (batch, seq)
+        targets: instead of the logits, each one's log-probability (:meth:`head_logps`, at
+        ``temperature``; ``with_entropy``: and each position's entropy), what a preference or
+        GRPO objective scores — through ``forward``, so the wrappers that call it (DDP, FSDP,
+        compile: ``llamatrain.parallel``) serve it as they serve the logits.
         """
         if logps_of is not None and targets is not None:
             raise ValueError("pass targets (for the loss) or logps_of (for log-probs), not both")
-        hidden = self.hidden_states(tokens, cache, documents)
+        hidden = self.hidden_states(tokens, cache, documents, positions)
         if logps_of is not None:
             return self.head_logps(hidden, logps_of, temperature, with_entropy)
         logits = self.head_logits(hidden)

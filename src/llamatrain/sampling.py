@@ -8,6 +8,7 @@ penalty on the raw logits, then top-k, top-p, temperature, and a draw.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,14 +76,18 @@ def apply_repeat_penalty(
     """Make recently seen tokens less likely, as llama.cpp does.
 
     Positive logits are divided by the penalty and negative ones multiplied, so the penalty
-    always pushes a token's probability down whatever the sign of its logit.
-    ``logits`` is (batch, vocab), ``recent`` (batch, n) token ids.
+    always pushes a token's probability down whatever the sign of its logit; a token seen
+    several times is penalised once, as llama.cpp's ``repeat_penalty`` is.
+    ``logits`` is (batch, vocab), ``recent`` (batch, n) token ids; an id < 0 is no token (the
+    left padding of a ragged batch's shorter rows) and penalises nothing.
     """
     if penalty == 1.0 or recent.numel() == 0:
         return logits
-    seen = torch.gather(logits, 1, recent)
-    penalised = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return logits.scatter(1, recent, penalised)
+    real = recent >= 0
+    counts = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
+    seen = counts.scatter_add_(1, recent.clamp(min=0), real.to(torch.int32)) > 0
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -113,10 +118,14 @@ def sample_next(
     logits: torch.Tensor,
     params: SamplingParams,
     recent: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick one token per row of ``logits`` (batch, vocab); returns (batch,) int64.
+
+    ``generator``: one for the batch, or one per row: each row then draws with its own, what
+    it would draw alone with it whatever else is in the batch (GRPO's per-row seeds).
+    ``recent``: the tokens the repetition penalty looks at (:func:`apply_repeat_penalty`).
 
     ``allowed`` (vocab,) bool, when given, is the only tokens that may be picked (the 2023
     trainer's "sample from the tokens seen in training"): every other logit is -inf before any
@@ -142,4 +151,7 @@ def sample_next(
     if params.min_p > 0:
         logits = filter_min_p(logits, params.min_p)
     probs = torch.softmax(logits / params.temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    rows = zip(probs, generator, strict=True)
+    return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in rows]).squeeze(-1)

@@ -49,6 +49,14 @@ branch gap it is the distance the unshared sequence has (a rejected reply's toke
 from a prompt token as it is with no chosen reply in between). A block's first kv column is
 then the least over its rows of ``document start + max(0, pos - w + 1)``.
 
+Left padding (a ragged batch decoded together): ``padding`` (B, seq_kv) bools mark the key
+columns that hold padding, not tokens. A padding key is hidden from every query but the one at
+its own position: a real query never sees one, and a padding query sees only itself, so its
+softmax is never empty (an all ``-inf`` row would be NaN, and the NaN would reach the real rows
+through the padding's keys and values in the next layer). A real row's output is then its
+unpadded one's: the hidden columns add exact zeros to its sums. Each block adds it as one
+(B, block, kv) bias tile, on top of whatever else masks the tile.
+
 Soft-capping (Gemma 2's ``attn_logit_softcapping``): ``S = cap·tanh(Q·Kᵀ·scale / cap)`` before
 the mask, as ggml's ``flash_attn_ext`` applies ``logit_softcap``. The backward rebuilds
 ``t = tanh(·)`` per tile and multiplies dS by ``1 − t²``.
@@ -106,14 +114,15 @@ def _build_causal_bias(
 
 
 class _Layout(NamedTuple):
-    """What a packed call's mask needs besides the shapes: document and branch ids, the rope
-    positions the window measures (documents and a window only), and each query block's first
-    kv column (documents only; :func:`_block_kv_starts`)."""
+    """What a packed or padded call's mask needs besides the shapes: document and branch ids,
+    the rope positions the window measures (documents and a window only), each query block's
+    first kv column (documents only; :func:`_block_kv_starts`) and the padding keys."""
 
     documents: torch.Tensor | None
     branches: torch.Tensor | None
     positions: torch.Tensor | None
     kv_starts: list[int] | None
+    padding: torch.Tensor | None = None
 
     def first_column(self, i0: int, block: int, off: int, window: int | None) -> int:
         """The first kv column the query block starting at row ``i0`` multiplies: no earlier
@@ -147,6 +156,7 @@ class _FlashAttn(torch.autograd.Function):
         window: int | None = None,
         softcap: float | None = None,
         branches: torch.Tensor | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, H, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
@@ -165,7 +175,7 @@ class _FlashAttn(torch.autograd.Function):
         kv_starts = None
         if documents is not None:
             kv_starts = _block_kv_starts(documents, block, positions, window)
-        layout = _Layout(documents, branches, positions, kv_starts)
+        layout = _Layout(documents, branches, positions, kv_starts, padding)
         out = torch.empty(B, Hkv, G, T, D, dtype=cdt, device=q.device)
         lse = torch.empty(B, Hkv, G, T, 1, dtype=cdt, device=q.device)
         cap2 = None if softcap is None else softcap * _LOG2E  # the cap in base-2 units
@@ -188,7 +198,7 @@ class _FlashAttn(torch.autograd.Function):
             lse[:, :, :, i0:i1] = denom.log2_().add_(m).mul_(_LN2).view(B, Hkv, G, n, 1)
 
         out = out.view(B, H, T, D).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, documents, branches, positions)
+        ctx.save_for_backward(q, k, v, out, lse, documents, branches, positions, padding)
         ctx.kv_starts = kv_starts
         ctx.causal = causal
         ctx.scale = scale
@@ -213,8 +223,8 @@ class _FlashAttn(torch.autograd.Function):
         the kv columns are the same trimmed range the forward used; with soft-capping
         ``S = cap·t``, ``t = tanh(Q_b·Kᵀ·scale/cap)`` and dS is multiplied by ``1 − t²``.
         """
-        q, k, v, out, lse, documents, branches, positions = ctx.saved_tensors
-        layout = _Layout(documents, branches, positions, ctx.kv_starts)
+        q, k, v, out, lse, documents, branches, positions, padding = ctx.saved_tensors
+        layout = _Layout(documents, branches, positions, ctx.kv_starts, padding)
         causal: bool = ctx.causal
         scale: float = ctx.scale
         block: int = ctx.block
@@ -296,6 +306,7 @@ class _FlashAttn(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -317,6 +328,9 @@ def _mask_tile(
     not causal). Without a window this is the mask the op always had, added the same way.
     """
     n = i1 - i0
+    if layout.padding is not None:
+        bias = _padding_bias(layout.padding, i0 + off, n, kv_start, s.shape[-1], dtype)
+        s.view(*s.shape[:2], groups, n, -1).add_(bias)
     if layout.documents is not None:
         bias = _document_bias(layout, i0, i1, kv_start, dtype, window)
         s.view(*s.shape[:2], groups, n, -1).add_(bias)
@@ -330,6 +344,19 @@ def _mask_tile(
             width = min(cols, n + lo)
             if width > 0:
                 s[..., :width] += _window_bias(n, width, lo, groups, dtype, s.device)
+
+
+def _padding_bias(
+    padding: torch.Tensor, first_row: int, rows: int, kv_start: int, cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive (B, 1, 1, rows, cols) tile: -inf at each padding key column, except where the
+    query (kv position ``first_row + r``) is that very column (the module docstring's
+    "Left padding")."""
+    keys = padding[:, None, kv_start : kv_start + cols]
+    at = torch.arange(first_row, first_row + rows, device=padding.device)[:, None]
+    own = at == torch.arange(kv_start, kv_start + cols, device=padding.device)
+    bias = torch.zeros(keys.shape[0], rows, cols, dtype=dtype, device=padding.device)
+    return bias.masked_fill_(keys & ~own, -math.inf)[:, None, None]
 
 
 _window_cache: dict[tuple[int, int, int, int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -458,6 +485,17 @@ def _validate_branches(branches: torch.Tensor, documents: torch.Tensor | None) -
         raise ValueError(f"branches are on {branches.device}, documents on {documents.device}")
 
 
+def _validate_padding(padding: torch.Tensor, k: torch.Tensor) -> None:
+    """Padding marks key columns: one bool per row and kv position, beside the keys."""
+    B, _, S, _ = k.shape
+    if tuple(padding.shape) != (B, S) or padding.dtype != torch.bool:
+        raise ValueError(
+            f"padding must be ({B}, {S}) bools; got {tuple(padding.shape)} {padding.dtype}"
+        )
+    if padding.device != k.device:
+        raise ValueError(f"padding is on {padding.device}, k on {k.device}")
+
+
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -505,6 +543,7 @@ def flash_attn(
     window: int | None = None,
     softcap: float | None = None,
     branches: torch.Tensor | None = None,
+    padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention ``softmax(Q·Kᵀ·scale + mask)·V`` without storing the attention matrix.
 
@@ -535,6 +574,9 @@ def flash_attn(
             masked. ``None``, or w >= seq_kv, is plain causal attention.
         softcap: ``S = softcap·tanh(S / softcap)`` before the mask (Gemma 2's
             ``attn_logit_softcapping``; ggml ``flash_attn_ext``'s ``logit_softcap``).
+        padding: (batch, seq_kv) bools, True at the key columns holding left padding: hidden
+            from every query but the one at the same position (the module docstring's "Left
+            padding"), as HF's ``attention_mask`` hides a batch's padding.
 
     Returns:
         (batch, n_heads, seq, head_dim) in q's dtype. bf16/fp16 inputs are computed with
@@ -545,6 +587,8 @@ def flash_attn(
         _validate_documents(documents, q, k.shape[2], causal)
     if branches is not None:
         _validate_branches(branches, documents)
+    if padding is not None:
+        _validate_padding(padding, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     block = int(block_size)
@@ -562,8 +606,8 @@ def flash_attn(
         softcap = float(softcap)
         if not (0.0 < softcap < math.inf):
             raise ValueError(f"softcap must be a positive finite number; got {softcap}")
-    if window is None and softcap is None and branches is None:
+    if window is None and softcap is None and branches is None and padding is None:
         return _FlashAttn.apply(q, k, v, causal, float(scale), block, documents)
     return _FlashAttn.apply(
-        q, k, v, causal, float(scale), block, documents, window, softcap, branches
+        q, k, v, causal, float(scale), block, documents, window, softcap, branches, padding
     )

@@ -63,6 +63,7 @@ class OpSet(ABC):
         *,
         window: int | None = None,
         scale: float | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention (batch, heads, t, head_dim), the mask aligned to the end of the
         keys (queries are their last rows, as when decoding against a KV cache).
@@ -70,12 +71,15 @@ class OpSet(ABC):
         (batch, t, 2): ids and branch ids, a query seeing its document's trunk and its own
         branch (``llamatrain.ops.attention``'s module docstring). ``window``: sliding window
         w, query i sees keys ``i - w < j <= i`` (llama.cpp's standard SWA; in rope positions
-        with documents); ``scale``: score scale, default ``1/sqrt(head_dim)``."""
+        with documents); ``scale``: score scale, default ``1/sqrt(head_dim)``. ``padding``
+        (batch, t_kv) bools: the keys that are a ragged batch's left padding, hidden from
+        every query but the padding's own (``flash_attn``'s ``padding``)."""
+        masks = dict(window=window, scale=scale, padding=padding)
         if self.attend == "sdpa":
-            return sdpa_attention(q, k, v, documents, window=window, scale=scale)
+            return sdpa_attention(q, k, v, documents, **masks)
         if self.attend == "softmax":
-            return self.softmax_attention(q, k, v, documents, window=window, scale=scale)
-        return self.flash_attention(q, k, v, documents, window=window, scale=scale)
+            return self.softmax_attention(q, k, v, documents, **masks)
+        return self.flash_attention(q, k, v, documents, **masks)
 
     @abstractmethod
     def embedding(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -139,6 +143,7 @@ class OpSet(ABC):
         *,
         window: int | None = None,
         scale: float | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`attention` for ``attend == "flash"``."""
 
@@ -152,6 +157,7 @@ class OpSet(ABC):
         *,
         window: int | None = None,
         scale: float | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`attention` for ``attend == "softmax"``: the scores as one tensor."""
 
@@ -203,18 +209,27 @@ class GgmlOps(OpSet):
     def softcap(self, x, cap):
         return ggml_softcap(x, cap)
 
-    def flash_attention(self, q, k, v, documents, *, window=None, scale=None):
+    def flash_attention(self, q, k, v, documents, *, window=None, scale=None, padding=None):
         branches = None
         if documents is not None:
             documents, branches = document_layout(documents)
-        if window is None and scale is None and branches is None:
+        if window is None and scale is None and branches is None and padding is None:
             return ggml.flash_attn(q, k, v, documents=documents)
         return ggml.flash_attn(
-            q, k, v, documents=documents, window=window, scale=scale, branches=branches
+            q,
+            k,
+            v,
+            documents=documents,
+            window=window,
+            scale=scale,
+            branches=branches,
+            padding=padding,
         )
 
-    def softmax_attention(self, q, k, v, documents, *, window=None, scale=None):
-        return ggml_softmax_attention(q, k, v, documents, window=window, scale=scale)
+    def softmax_attention(self, q, k, v, documents, *, window=None, scale=None, padding=None):
+        return ggml_softmax_attention(
+            q, k, v, documents, window=window, scale=scale, padding=padding
+        )
 
     def cross_entropy(self, logits, targets):
         return ggml.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
@@ -259,11 +274,13 @@ class TorchOps(OpSet):
     def softcap(self, x, cap):
         return torch.tanh(x / cap) * cap
 
-    def flash_attention(self, q, k, v, documents, *, window=None, scale=None):
-        return sdpa_attention(q, k, v, documents, window=window, scale=scale)
+    def flash_attention(self, q, k, v, documents, *, window=None, scale=None, padding=None):
+        return sdpa_attention(q, k, v, documents, window=window, scale=scale, padding=padding)
 
-    def softmax_attention(self, q, k, v, documents, *, window=None, scale=None):
-        return torch_softmax_attention(q, k, v, documents, window=window, scale=scale)
+    def softmax_attention(self, q, k, v, documents, *, window=None, scale=None, padding=None):
+        return torch_softmax_attention(
+            q, k, v, documents, window=window, scale=scale, padding=padding
+        )
 
     def cross_entropy(self, logits, targets):
         rows = logits.flatten(0, -2)
@@ -343,13 +360,30 @@ def torch_rope(
 
 
 def _visible(
-    t: int, t_kv: int, window: int | None, documents: torch.Tensor | None, device: torch.device
+    t: int,
+    t_kv: int,
+    window: int | None,
+    documents: torch.Tensor | None,
+    device: torch.device,
+    padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The explicit-mask form of ``flash_attn``'s: boolean (t, t_kv), or (B, 1, t, t_kv) with
-    ``documents`` (a layout, :meth:`OpSet.attention`). Query i (at kv position i + t_kv - t)
-    sees key j iff ``j <= i``, and, with documents, both are in the same document and key j is
-    in the trunk or i's branch; a ``window`` w keeps ``i - j < w``, with documents counted in
-    rope positions (``flash_attn``'s ``window``)."""
+    ``documents`` (a layout, :meth:`OpSet.attention`) or ``padding``. Query i (at kv position
+    i + t_kv - t) sees key j iff ``j <= i``, and, with documents, both are in the same document
+    and key j is in the trunk or i's branch; a ``window`` w keeps ``i - j < w``, with documents
+    counted in rope positions (``flash_attn``'s ``window``); a padding key j only when it is
+    the query's own position."""
+    visible = _causal_visible(t, t_kv, window, documents, device)
+    if padding is None:
+        return visible
+    own = torch.arange(t, device=device)[:, None] + (t_kv - t) == torch.arange(t_kv, device=device)
+    return visible & (~padding[:, None, None, :] | own)
+
+
+def _causal_visible(
+    t: int, t_kv: int, window: int | None, documents: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """:func:`_visible` without padding."""
     if documents is None:
         rows = torch.arange(t, device=device)[:, None] + (t_kv - t)
         cols = torch.arange(t_kv, device=device)[None, :]
@@ -374,13 +408,14 @@ def sdpa_attention(
     *,
     window: int | None = None,
     scale: float | None = None,
+    padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA with causal masking aligned to the end (queries are the last rows of the keys);
-    a sliding ``window`` is an explicit boolean mask."""
+    a sliding ``window``, documents or padding are an explicit boolean mask."""
     t, t_kv = q.shape[-2], k.shape[-2]
-    if window is None and documents is None and t == t_kv:
+    if window is None and documents is None and padding is None and t == t_kv:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
-    mask = _visible(t, t_kv, window, documents, q.device)
+    mask = _visible(t, t_kv, window, documents, q.device, padding)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
@@ -402,17 +437,19 @@ def ggml_softmax_attention(
     *,
     window: int | None = None,
     scale: float | None = None,
+    padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The 2023 graph without flash attention: KQ, diag_mask_inf, soft_max(scale), KQV.
 
-    Packed documents and a sliding window add soft_max's additive mask (-inf across
-    documents and left of the window), as ggml's ``soft_max_ext`` takes a KQ mask.
+    Packed documents, a sliding window and padding add soft_max's additive mask (-inf across
+    documents, left of the window and at padding keys), as ggml's ``soft_max_ext`` takes a
+    KQ mask (llama.cpp's hides a batch's other sequences so).
     """
     t, t_kv = q.shape[-2], k.shape[-2]
     masked = ggml.diag_mask_inf(_scores(q, k), n_past=t_kv - t)
     mask = None
-    if documents is not None or window is not None:
-        hidden = ~_visible(t, t_kv, window, documents, q.device)
+    if documents is not None or window is not None or padding is not None:
+        hidden = ~_visible(t, t_kv, window, documents, q.device, padding)
         mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
             hidden, float("-inf")
         )
@@ -429,12 +466,13 @@ def torch_softmax_attention(
     *,
     window: int | None = None,
     scale: float | None = None,
+    padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same graph in PyTorch: scores, a -inf mask, torch.softmax."""
     t, t_kv = q.shape[-2], k.shape[-2]
     scores = _scores(q, k) / math.sqrt(q.shape[-1]) if scale is None else _scores(q, k) * scale
-    if documents is not None or window is not None:
-        hidden = ~_visible(t, t_kv, window, documents, q.device)
+    if documents is not None or window is not None or padding is not None:
+        hidden = ~_visible(t, t_kv, window, documents, q.device, padding)
     else:
         hidden = torch.ones(t, t_kv, dtype=torch.bool, device=q.device).triu_(t_kv - t + 1)
     return _values(torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1), v)
