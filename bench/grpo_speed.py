@@ -215,6 +215,15 @@ def main() -> None:
     cpp = LlamaCppBatched(path, rows, span, args.prompt_tokens, args.threads)
     prompts = random_prompts(args.prompts, args.prompt_tokens, cpp.vocab_size())
     f32, _ = api.load_gguf(path)
+    figures: dict = {
+        "model": path.name, "batch": rows, "prompts": args.prompts,
+        "generations": args.generations, "prompt_tokens": args.prompt_tokens,
+        "tokens": args.tokens, "threads": args.threads, "load_before": load,
+    }  # fmt: skip
+    print(
+        f"{rows} rows ({args.prompts} prompts x {args.generations}), prompt "
+        f"{args.prompt_tokens} + {args.tokens} tokens, {args.threads} threads, {path.name}"
+    )
     with tempfile.TemporaryDirectory() as work:
         qlora = qlora_model(path, Path(work))
         timings: dict[str, list[float]] = {"llama.cpp": [], "ours f32": [], "ours qlora": []}
@@ -223,43 +232,42 @@ def main() -> None:
             timings["ours f32"].append(ours(f32.eval(), prompts, args.generations, args.tokens))
             timings["ours qlora"].append(ours(qlora, prompts, args.generations, args.tokens))
         cpp.close()
-        split = step_split(
+        figures |= rollout_figures(timings, rows * args.tokens)
+        save(figures, args.json)  # each figure as soon as it is measured: a long run's
+        split = step_split(  # early rows survive an interruption
             grpo_fit(path, Path(work) / "step", args.prompts, args.generations, args.tokens, 3)
         )
+    figures["grpo_step"] = split
+    print(
+        f"GRPO step (QLoRA): {split['step_s']:.2f} s = rollout {split['rollout_s']:.2f} s + "
+        f"training {split['train_s']:.2f} s"
+    )
+    save(figures, args.json)
     profiled_s, top = profile_ours(f32.eval(), prompts, args.generations, args.tokens)
-    tokens = rows * args.tokens
+    for name, ms, share in top:
+        print(f"  {name:<40}{ms:10.1f} ms {share:6.1%}")
+    figures["profile"] = {"seconds": profiled_s, "top_self_cpu": top}
+    figures["load_after"] = os.getloadavg()
+    print(f"load average {load[0]:.2f} -> {figures['load_after'][0]:.2f}")
+    save(figures, args.json)
+
+
+def rollout_figures(timings: dict[str, list[float]], tokens: int) -> dict:
+    """Each decoder's best time, tokens/s and speed over llama.cpp's, printed as a table."""
     best = {name: min(seconds) for name, seconds in timings.items()}
-    figures = {
-        "model": path.name,
-        "batch": rows,
-        "prompts": args.prompts,
-        "generations": args.generations,
-        "prompt_tokens": args.prompt_tokens,
-        "tokens": args.tokens,
-        "threads": args.threads,
+    print(f"{'decoder':<12}{'best s':>8}{'tokens/s':>10}{'x llama.cpp':>13}")
+    for name, s in best.items():
+        print(f"{name:<12}{s:8.2f}{tokens / s:10.1f}{best['llama.cpp'] / s:13.2f}", flush=True)
+    return {
         "seconds": timings,
         "tokens_per_s": {name: tokens / s for name, s in best.items()},
         "x_llama_cpp": {name: best["llama.cpp"] / s for name, s in best.items()},
-        "grpo_step": split,
-        "profile": {"seconds": profiled_s, "top_self_cpu": top},
-        "load_before": load,
-        "load_after": os.getloadavg(),
     }
-    print(
-        f"{rows} rows ({args.prompts} prompts x {args.generations}), prompt "
-        f"{args.prompt_tokens} + {args.tokens} tokens, {args.threads} threads, {path.name}"
-    )
-    print(f"{'decoder':<12}{'best s':>8}{'tokens/s':>10}{'x llama.cpp':>13}")
-    for name, s in best.items():
-        print(f"{name:<12}{s:8.2f}{tokens / s:10.1f}{best['llama.cpp'] / s:13.2f}")
-    print(
-        f"GRPO step (QLoRA): {split['step_s']:.2f} s = rollout {split['rollout_s']:.2f} s + "
-        f"training {split['train_s']:.2f} s; load {load[0]:.2f} -> {os.getloadavg()[0]:.2f}"
-    )
-    for name, ms, share in top:
-        print(f"  {name:<40}{ms:10.1f} ms {share:6.1%}")
-    args.json.parent.mkdir(exist_ok=True)
-    args.json.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def save(figures: dict, path: Path) -> None:
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":
