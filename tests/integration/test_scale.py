@@ -1,6 +1,8 @@
 """Runs at the sizes people finetune finish (issue 39): a QLoRA fit over a random GGUF of a real
-model's exact shape (``tests/real_shapes.py``) trains, writes its adapter and its merged model
-(q8_0, streamed a tensor at a time), and llama.cpp runs both as our model computes.
+model's exact shape (``tests/real_shapes.py``) and stored type (Llama-3.2-1B as Q4_0 and Q8_0,
+Qwen2.5-1.5B with its biases and 151k vocabulary as llama.cpp's Q4_K_M mix of Q4_K and Q6_K,
+Llama-2-7B as Q4_0) trains two steps, writes its adapter and its merged model (q8_0, streamed a
+tensor at a time), and llama.cpp runs both as our model computes.
 
 Each phase runs in a child process that reports its own peak resident memory (``VmHWM``), so
 the figures are the phase's, not the test process's: the fit (load, step, adapter, export) and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,24 +61,40 @@ def run_child(*args: str) -> int:
     return int(done.stderr.rsplit("VmHWM", 1)[1].split()[0])
 
 
-@pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-2-7b"])
+def timed_child(*args: str) -> tuple[int, float]:
+    """:func:`run_child` and its wall time in seconds."""
+    started = time.perf_counter()
+    return run_child(*args), time.perf_counter() - started
+
+
+@pytest.mark.parametrize(
+    ("shape", "type_name"),
+    [("llama-3.2-1b", "q4_0"), ("llama-3.2-1b", "q8_0"), ("qwen2.5-1.5b", "q4_k_m"),
+     ("llama-2-7b", "q4_0")],
+)  # fmt: skip
 def test_a_qlora_run_of_a_real_shape_finishes_with_outputs_llama_cpp_runs(
-    shape: str, tmp_path: Path, vocab_dir: Path
+    shape: str, type_name: str, tmp_path: Path, vocab_dir: Path
 ) -> None:
     import llama_cpp
 
-    base = write_real_shape(tmp_path / f"{shape}-q4_0.gguf", shape, "q4_0", vocab_dir)
+    started = time.perf_counter()
+    base = write_real_shape(tmp_path / f"{shape}-{type_name}.gguf", shape, type_name, vocab_dir)
+    written = time.perf_counter() - started
     run_dir = tmp_path / "run"
     overrides = [
         f'model.init_from="{base}"', "lora.rank=8", 'lora.base_dtype="quantized"',
-        "data.n_ctx=16", "train.n_batch=16", "train.steps=1", "train.eval_every=0",
+        "data.n_ctx=16", "train.n_batch=16", "train.steps=2", "train.eval_every=0",
         "train.sample_tokens=0", "train.save_every=0", f'output.dir="{run_dir}"',
         f'data.cache_dir="{tmp_path / "cache"}"',
     ]  # fmt: skip
-    fit_peak = run_child("fit", "--config", "tiny", *(f"--set={o}" for o in overrides))
+    fit_peak, fit_seconds = timed_child(
+        "fit", "--config", "tiny", *(f"--set={o}" for o in overrides)
+    )
     adapter, merged = run_dir / "adapter-f32.gguf", run_dir / "model-q8_0.gguf"
     assert adapter.is_file() and merged.is_file()
-    export_peak = run_child("export", str(run_dir), "-o", str(tmp_path / "again.gguf"))
+    export_peak, export_seconds = timed_child(
+        "export", str(run_dir), "-o", str(tmp_path / "again.gguf")
+    )
 
     cfg = load_config("tiny", overrides)
     types = read_gguf(base, tensor_data=False).tensor_types
@@ -83,7 +102,11 @@ def test_a_qlora_run_of_a_real_shape_finishes_with_outputs_llama_cpp_runs(
     bound = plan.framework + plan.weights + plan.export
     figures = {
         "shape": shape,
+        "type": type_name,
         "file_gb": base.stat().st_size / GB,
+        "write_s": written,
+        "fit_s": fit_seconds,
+        "export_s": export_seconds,
         "adapter_gb": adapter.stat().st_size / GB,
         "fit_peak_gb": fit_peak / GB,
         "export_peak_gb": export_peak / GB,
