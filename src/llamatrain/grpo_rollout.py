@@ -10,16 +10,18 @@ log-prob is the training forward's ``log_softmax(logits / temperature)`` (TRL's 
 A completion ends at its first stop token (EOS, or the chat template's end-of-turn token),
 included; one without is truncated at ``max_completion_length``.
 
-Rows of a prompt's token length decode in one batch, prompts and their groups together; prompts
-of different lengths decode one batch per length (the cached attention has no key mask for
-left padding yet). Each batch's sampler is seeded by ``(train.seed, step, its first row's index
-in the step)``, so a resumed run draws what the uninterrupted run drew, with no generator state
-to store, and a batch draws alike on any number of ranks.
+A step's rows (this rank's share) decode as one batch, prompts of every length and their
+groups together: the prompts are left-padded to the longest, each row's rope positions are its
+own and the padding is masked out of every attention (``generate_stream``), so each row's
+logits are its unpadded decode's, to float rounding. Each row's sampler is seeded by
+``(train.seed, step, its index in the step)``: a row draws what it would in any batch, so a
+resumed run draws what the uninterrupted run drew, with no generator state to store, and a row
+draws alike on any number of ranks.
 
 Under DDP (``train.parallel = "ddp"``) each rank samples, scores and trains on its contiguous
 share of the step's prompts, whole groups (TRL splits a generation batch's rows across its
 processes and gathers them for the advantages; whole groups keep a prompt's G completions in
-one decode batch and need no exchange before the rewards). The ranks' reward tables, completion
+one rank and need no exchange before the rewards). The ranks' reward tables, completion
 lengths and texts are gathered, so the advantages are over each whole group (and, with
 ``scale_rewards = "batch"``, the whole step), the reward and length metrics are the whole
 step's, and dapo divides by the step's counted tokens over all ranks (TRL's
@@ -151,33 +153,33 @@ def sample_completions(
     progress: bool = False,
 ) -> list[list[int]]:
     """Each prompt's completion: its sampled tokens up to and including its first stop token
-    (all ``max_new_tokens`` when none came). Prompts of one length decode as one batch,
-    seeded by ``seeds(i)``, i its first prompt's index; a progress bar counts finished
-    completions."""
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        by_length.setdefault(len(ids), []).append(i)
-    out: list[list[int]] = [[] for _ in prompts]
+    (all ``max_new_tokens`` when none came). The prompts, of any lengths, decode as one batch
+    (``generate_stream``'s ragged prompts), prompt i's sampler seeded by ``seeds(i)``; a
+    progress bar counts finished completions.
+
+    One batch, not batches of a bounded size: it holds every row's KV cache at once (rows x
+    (longest prompt + ``max_new_tokens``) positions) and its prompt pass the (rows, longest
+    prompt, vocab) logits, as a step whose prompts share one length always did; the training
+    step that follows holds the same rows' activations."""
+    if not prompts:
+        return []
     bar = tqdm(
         total=len(prompts), desc="rollout", unit="completion", leave=False, disable=not progress
     )
     device = next(model.parameters()).device
     stop_tensor = torch.tensor(sorted(stops), device=device)
+    row_seeds = [seeds(i) for i in range(len(prompts))]
     with _evaluating(model), autocast or contextlib.nullcontext(), bar:
-        for rows in by_length.values():
-            tokens = torch.tensor([list(prompts[i]) for i in rows], device=device)
-            stream = generate_stream(model, tokens, max_new_tokens, params, seeds(rows[0]), stops)
-            done, new = 0, []
-            for token in stream:
-                new.append(token)
-                finished = int(torch.isin(token, stop_tensor).sum())  # stopped rows repeat it
-                bar.update(max(finished - done, 0))
-                done = max(done, finished)
-            bar.update(len(rows) - done)
-            sampled = torch.stack(new, dim=1).tolist() if new else [[] for _ in rows]
-            for i, ids in zip(rows, sampled, strict=True):
-                out[i] = _until_stop(ids, stops)
-    return out
+        stream = generate_stream(model, prompts, max_new_tokens, params, row_seeds, stops)
+        done, new = 0, []
+        for token in stream:
+            new.append(token)
+            finished = int(torch.isin(token, stop_tensor).sum())  # stopped rows repeat it
+            bar.update(max(finished - done, 0))
+            done = max(done, finished)
+        bar.update(len(prompts) - done)
+    sampled = torch.stack(new, dim=1).tolist() if new else [[] for _ in prompts]
+    return [_until_stop(ids, stops) for ids in sampled]
 
 
 def _until_stop(ids: list[int], stops: frozenset[int]) -> list[int]:

@@ -6,10 +6,12 @@ the ranks' rewards are gathered so every advantage is over its whole group (and,
 give the same step: its metrics (rewards, lengths, loss, clip ratios, KL), its completions table
 (written by rank 0 alone, every rank's rows), its held-out reward and its weights after each step.
 
-The same completions: a decode batch's sampler is seeded by its first row's index in the step,
-and every prompt here has a token length of its own, so each prompt's group decodes as one
-batch of G rows on one process and on two ranks alike — the same rows, the same seed, the same
-tokens. The micro-batches are one group each (``n_ubatch``), so the ranks' micro-batches are the
+The same completions: each row's sampler is seeded by its index in the step and draws what it
+would in any batch, and every prompt here has a token length of its own, so the one process
+decodes a step's 16 rows as one ragged batch (left-padded to its longest prompt) and each rank
+its 8 (padded to its own longest) — the same rows, the same seeds, the same tokens: padding
+moves a row's logits by float32 rounding alone (``test_generate_ragged``), never a draw here.
+The micro-batches are one group each (``n_ubatch``), so the ranks' micro-batches are the
 one process's: rank r's two are its four in the same order.
 
 Tolerance: 1e-5 relative (1e-6 absolute beside metrics near 0), as ``test_distributed``'s, and
@@ -76,8 +78,8 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, Path]:
-    """The random tiny base, prompts of pairwise different token lengths ("Count: 0 1 2"),
-    the reward file."""
+    """The random tiny base, prompts of pairwise different token lengths ("Count: 0 1 2":
+    every decode batch ragged), the reward file."""
     folder = tmp_path_factory.mktemp("grpo-ddp")
     model, tokenizer = tiny_llama(cache_dir)
     base = api.export_gguf(model, tokenizer, folder / "base.gguf")

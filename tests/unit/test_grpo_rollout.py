@@ -1,0 +1,62 @@
+"""A GRPO rollout's decode (``grpo_rollout.sample_completions``): a step's prompts of different
+lengths, with their groups, decode as one batch, and each row draws what it draws alone with its
+own seed, so any split of the rows (DDP ranks' shares) samples the same completions.
+
+A float64 model, so the padded batch's rounding (see ``test_generate_ragged``) cannot move a
+sampled token across a boundary: the completions compare exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llamatrain import Llama, ModelConfig
+from llamatrain.grpo_rollout import sample_completions
+from llamatrain.sampling import SamplingParams
+
+SMALL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
+G = 2  # completions per prompt
+PROMPTS = [p for p in ([1, 9, 4], [1, 30, 31, 32, 33, 34], [1, 5], [1, 7, 7, 8]) for _ in range(G)]
+BUDGET, STOPS = 8, frozenset({2})
+PARAMS = SamplingParams(temperature=1.0, top_k=None, top_p=None, min_p=0.0)
+
+
+def model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(ModelConfig(**SMALL)).double()
+
+
+def seed_of(row: int) -> int:
+    """The step's seed of its row ``row`` (the trainer's is a hash of the run's seed, the step
+    and the row)."""
+    return 1000 + row
+
+
+def sample(m: Llama, first: int, end: int) -> list[list[int]]:
+    """The completions of rows [first, end) of the step, decoded on their own (a rank's share)."""
+    return sample_completions(
+        m, PROMPTS[first:end], BUDGET, PARAMS, STOPS, lambda i: seed_of(first + i)
+    )
+
+
+def test_a_rollouts_prompts_of_different_lengths_decode_as_one_batch():
+    m = model()
+    batches: list[int] = []
+    hook = m.register_forward_hook(lambda _m, args, _out: batches.append(args[0].shape[0]))
+    completions = sample(m, 0, len(PROMPTS))
+    hook.remove()
+    assert len({len(p) for p in PROMPTS}) == 4
+    # one forward per decoded position, every one over all the rows (not one batch per length)
+    assert batches == [len(PROMPTS)] * max(len(c) for c in completions)
+    assert any(c[-1] in STOPS for c in completions) and any(len(c) == BUDGET for c in completions)
+    for c in completions:  # each ends at its first stop, or runs the whole budget
+        assert all(t not in STOPS for t in c[:-1]) and (c[-1] in STOPS or len(c) == BUDGET)
+
+
+def test_each_row_draws_as_it_does_in_any_split_of_the_rows():
+    m = model()
+    whole = sample(m, 0, len(PROMPTS))
+    half = len(PROMPTS) // 2
+    assert sample(m, 0, half) + sample(m, half, len(PROMPTS)) == whole  # two ranks' shares
+    assert [sample(m, i, i + 1)[0] for i in range(len(PROMPTS))] == whole  # each row alone
+    assert whole[0] != whole[1]  # a group's rows draw apart (their own seeds)
