@@ -108,3 +108,40 @@ def test_unsupported_type_names_the_supported_ones() -> None:
 def test_wrong_byte_shape_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"need uint8 \(rows, 144\)"):
         dequantize(torch.zeros(2, 143, dtype=torch.uint8), "Q4_K", 256)
+
+
+@pytest.mark.parametrize("qtype", sorted(DEQUANTIZABLE))
+def test_decoding_into_a_reused_buffer(qtype: str) -> None:
+    """``out=``: the values land in the caller's buffer (returned as it is), and a second
+    decode into the same buffer overwrites every value of the first."""
+    first, second = (stored_rows(qtype, (4, 512), seed=seed) for seed in (3, 4))
+    buffer = torch.full((4, 512), float("nan"))
+    for stored in (first, second):
+        got = dequantize(torch.from_numpy(stored), qtype, 512, out=buffer)
+        assert got is buffer and torch.equal(buffer, reference(stored, qtype))
+
+
+@pytest.mark.parametrize("n_blocks", [1, 3, 5])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_odd_block_counts_split_as_narrower_words(qtype: str, n_blocks: int) -> None:
+    """A buffer of 1, 3 or 5 blocks of 18-24 bytes is no whole number of int64 words: the
+    bit fields are then split as int32/int16/byte words, to the same values."""
+    stored = stored_rows(qtype, (1, 32 * n_blocks), seed=n_blocks)
+    assert torch.equal(
+        dequantize(torch.from_numpy(stored), qtype, 32 * n_blocks), reference(stored, qtype)
+    )
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        torch.empty(4, 512, dtype=torch.float64),
+        torch.empty(4, 256),
+        torch.empty(512, 4).t(),
+    ],
+    ids=["float64", "wrong-shape", "not-contiguous"],
+)
+def test_an_unusable_out_buffer_is_refused(out: torch.Tensor) -> None:
+    stored = torch.from_numpy(stored_rows("Q4_0", (4, 512)))
+    with pytest.raises(ValueError, match=r"out must be a contiguous float32 \(4, 512\)"):
+        dequantize(stored, "Q4_0", 512, out=out)

@@ -20,7 +20,8 @@ import torch
 
 QK_K = 256  # values per K-quant super-block
 
-Decoder = Callable[[torch.Tensor], torch.Tensor]
+Decoder = Callable[[torch.Tensor, torch.Tensor], None]
+"""Writes ``(n, type_size)`` uint8 blocks' values into ``out``, float32 ``(n, block_size)``."""
 
 _BYTE_ONES = {torch.int64: 0x0101010101010101, torch.int32: 0x01010101, torch.int16: 0x0101}
 """An integer word with every byte 1: a byte mask times it masks every byte of the word."""
@@ -68,51 +69,102 @@ def _split_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return fields
 
 
+def _words(data: torch.Tensor) -> torch.Tensor:
+    """Contiguous bytes ``data`` as one run of the widest words they fill (a view), for byte-wise
+    operations that cannot carry across bytes (masks, flips, shifts of values kept in range)."""
+    flat = data.view(1, -1)
+    return flat.view(_word_dtype(flat)).view(-1)
+
+
 def _low_bits(packed: torch.Tensor) -> torch.Tensor:
     """Bit ``i`` of a little-endian bit field of ``(n, nbytes)`` bytes as value ``i``: bit
     ``k`` of byte ``j`` is value ``8j + k`` (split as the bytes' words, then transposed)."""
     return _split_bits(packed.unsqueeze(1), 1).squeeze(1).transpose(1, 2).flatten(1)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """A 32-value block's 16 nibble bytes -> the low nibbles, then the high ones."""
-    return _split_bits(qs.unsqueeze(1), 4).flatten(1)
+def _block_fields(blocks: torch.Tensor, bits: int) -> torch.Tensor:
+    """Every ``bits``-wide field of every byte of ``(n, size)`` contiguous blocks, scale bytes
+    included: ``(8 // bits, n, size)``. The whole buffer is split as one run of words, where
+    splitting only the quant bytes would first copy them out of the blocks: a strided copy of
+    16-byte runs (Q4_0's) costs more than the split itself."""
+    return _split_bits(blocks.reshape(1, -1), bits).view(8 // bits, *blocks.shape)
 
 
-# The decoders widen the quants to a new float32 tensor (``.to`` of an integer tensor always
-# copies) and finish in place on it, in ggml's order: d·q (+ m), one rounding per operation.
+def _in_block_order(fields: torch.Tensor, start: int) -> torch.Tensor:
+    """A 32-value block's ``(2, n, size)`` nibble fields (:func:`_block_fields`) -> ``(n, 2,
+    16)``: the low nibbles of its 16 bytes from ``start`` (values 0-15), then the high ones
+    (16-31). A view."""
+    return fields[:, :, start:].transpose(0, 1)
 
 
-def _decode_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks[:, 2:].view(torch.int8).to(torch.float32).mul_(_f16(blocks[:, :2]))
+def _centred(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``bits``-wide quants ``q`` (contiguous uint8) as int8 ``2**(8 - bits) * (q -
+    2**(bits - 1))``, in place: ``q``'s top bit flipped makes it the signed ``bits``-wide
+    ``q - 2**(bits - 1)``, and shifting it to the top of its byte sign-extends it.
+
+    Why: ggml subtracts the offset from the integer quant before the float product. Done
+    here on bytes (two word operations), the caller's only float pass is the product with
+    the scale divided by ``2**(8 - bits)``, which is exact (a power of two), so the value is
+    the one rounding of ``d * (q - offset)`` that ggml computes, bit for bit.
+    """
+    words = _words(fields)
+    flip = (1 << (bits - 1)) * _BYTE_ONES.get(words.dtype, 1)
+    words.bitwise_xor_(flip).bitwise_left_shift_(8 - bits)
+    return fields.view(torch.int8)
 
 
-def _decode_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _nibbles(blocks[:, 2:]).to(torch.float32).sub_(8).mul_(_f16(blocks[:, :2]))
+def _widen_halves(q: torch.Tensor, out: torch.Tensor) -> None:
+    """``(n, 2, 16)`` quants (:func:`_in_block_order`) into ``out`` as float32, a half at a
+    time: one copy from the transposed view runs ~20% slower than these two."""
+    halves = out.view_as(q)
+    for half in range(2):
+        halves[:, half].copy_(q[:, half])
 
 
-def _scale_min(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Q4_1/Q5_1: ``d * q + m`` with d and m the block's two leading float16 fields."""
+# The decoders widen the quants into ``out`` (float32, ``(blocks, values per block)``) and
+# finish in place on it, in ggml's order: d·q (+ m), one rounding per operation. Widening
+# into the caller's buffer rather than a new tensor is the point: a caller decoding chunk
+# after chunk (``ops.lora``) reuses one buffer that stays in cache, where a new tensor of a
+# few MiB is fresh pages to fault in and zero (~3x the time of the decode's own arithmetic).
+
+
+def _decode_q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(blocks[:, 2:].view(torch.int8)).mul_(_f16(blocks[:, :2]))
+
+
+def _decode_q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    _widen_halves(_in_block_order(_centred(_block_fields(blocks, 4), 4), 2), out)  # 16(q-8)
+    out.mul_(_f16(blocks[:, :2]).div_(16))
+
+
+def _scale_min(blocks: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
+    """Q4_1/Q5_1: ``d * q + m`` with d and m the block's two leading float16 fields, q
+    ``(n, 2, 16)``."""
     d_m = _f16(blocks[:, :4])
-    return q.to(torch.float32).mul_(d_m[:, :1]).add_(d_m[:, 1:])
+    _widen_halves(q, out)
+    out.mul_(d_m[:, :1]).add_(d_m[:, 1:])
 
 
-def _decode_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    return _scale_min(blocks, _nibbles(blocks[:, 4:]))
+def _decode_q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    _scale_min(blocks, _in_block_order(_block_fields(blocks, 4), 4), out)
 
 
-def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
-    """Q5_0/Q5_1 quants: low nibbles from ``qs`` with the fifth bit from the 32-bit ``qh``."""
-    return _nibbles(qs).bitwise_or_(_low_bits(qh).bitwise_left_shift_(4))
+def _five_bit(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """Q5_0/Q5_1's ``(2, n, size)`` nibble fields (:func:`_block_fields`), each block's fifth bits
+    (the 32-bit ``qh`` before byte ``start``) set in place as bit 4 of its 32 values."""
+    fields = _block_fields(blocks, 4)
+    high = _low_bits(blocks[:, start - 4 : start]).view(-1, 2, 16).bitwise_left_shift_(4)
+    _in_block_order(fields, start).bitwise_or_(high)
+    return fields
 
 
-def _decode_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = _five_bit(blocks[:, 2:6], blocks[:, 6:])
-    return q.to(torch.float32).sub_(16).mul_(_f16(blocks[:, :2]))
+def _decode_q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    _widen_halves(_in_block_order(_centred(_five_bit(blocks, 6), 5), 6), out)  # 8(q-16)
+    out.mul_(_f16(blocks[:, :2]).div_(8))
 
 
-def _decode_q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    return _scale_min(blocks, _five_bit(blocks[:, 4:8], blocks[:, 8:]))
+def _decode_q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    _scale_min(blocks, _in_block_order(_five_bit(blocks, 8), 8), out)
 
 
 def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,39 +179,40 @@ def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.to(torch.float32), mins.to(torch.float32)
 
 
-def _affine_k(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _affine_k(blocks: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
     """Q4_K/Q5_K: ``d * scale * q - dmin * min`` per 32-value sub-block."""
     scales, mins = _k_scales_mins(blocks[:, 4:16])
     d = (_f16(blocks[:, :2]) * scales).unsqueeze(-1)
     dm = (_f16(blocks[:, 2:4]) * mins).unsqueeze(-1)
-    return q.reshape(-1, 8, 32).to(torch.float32).mul_(d).sub_(dm).flatten(1)
+    out.view(-1, 8, 32).copy_(q.reshape(-1, 8, 32)).mul_(d).sub_(dm)
 
 
-def _decode_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    return _affine_k(blocks, _split_bits(blocks[:, 16:].reshape(-1, 4, 32), 4))
+def _decode_q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    _affine_k(blocks, _split_bits(blocks[:, 16:].reshape(-1, 4, 32), 4), out)
 
 
-def _decode_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+def _decode_q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     low = _split_bits(blocks[:, 48:].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
     high = _split_bits(blocks[:, 16:48].unsqueeze(1), 1).reshape(-1, 8, 32)
-    return _affine_k(blocks, low.bitwise_or_(high.bitwise_left_shift_(4)))
+    _affine_k(blocks, low.bitwise_or_(high.bitwise_left_shift_(4)), out)
 
 
-def _decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _decode_q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     low = _split_bits(blocks[:, :128].reshape(-1, 2, 64), 4).reshape(-1, 8, 32)
     high = _split_bits(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 8, 32)
-    q = low.bitwise_or_(high.bitwise_left_shift_(4)).reshape(-1, 16, 16)
+    _words(low).bitwise_or_(_words(high).bitwise_left_shift_(4))  # q = low | high << 4
+    q = _centred(low, 6)  # 4 * (q - 32)
     scales = blocks[:, 192:208].view(torch.int8).to(torch.float32)
-    d = (_f16(blocks[:, 208:]) * scales).unsqueeze(-1)
-    return q.to(torch.float32).sub_(32).mul_(d).flatten(1)
+    d = (_f16(blocks[:, 208:]) * scales).div_(4).unsqueeze(-1)
+    out.view(-1, 16, 16).copy_(q.view(-1, 16, 16)).mul_(d)
 
 
-def _decode_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+def _decode_q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     packed = blocks[:, :16]
     dl = (_f16(blocks[:, 80:82]) * (packed & 0x0F).to(torch.float32)).unsqueeze(-1)
     ml = (_f16(blocks[:, 82:]) * (packed >> 4).to(torch.float32)).unsqueeze(-1)
     q = _split_bits(blocks[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)
-    return q.to(torch.float32).mul_(dl).sub_(ml).flatten(1)
+    out.view(-1, 16, 16).copy_(q).mul_(dl).sub_(ml)
 
 
 def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
@@ -170,20 +223,20 @@ def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
     return ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
 
 
-def _decode_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def _decode_q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     dl = (_f16(blocks[:, 108:]) * _q3_k_scales(blocks[:, 96:108])).unsqueeze(-1)
     low = _split_bits(blocks[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)
     # ggml subtracts 4 where the hmask bit is *clear*.
     high = _split_bits(blocks[:, :32].unsqueeze(1), 1).reshape(-1, 16, 16) ^ 1
     q = low.to(torch.int8) - (high << 2).to(torch.int8)
-    return q.to(torch.float32).mul_(dl).flatten(1)
+    out.view(-1, 16, 16).copy_(q).mul_(dl)
 
 
 def _reinterpret(dtype: torch.dtype) -> Decoder:
     """Decoder of an unquantized type: the bytes viewed as ``dtype``, widened to float32."""
 
-    def decode(blocks: torch.Tensor) -> torch.Tensor:
-        return blocks.contiguous().view(dtype).to(torch.float32)
+    def decode(blocks: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(blocks.contiguous().view(dtype))
 
     return decode
 
@@ -224,12 +277,19 @@ def row_bytes(qtype: str, n_cols: int) -> int:
 
 
 def dequantize(
-    blocks: torch.Tensor, qtype: str, n_cols: int, *, dtype: torch.dtype = torch.float32
+    blocks: torch.Tensor,
+    qtype: str,
+    n_cols: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of ``qtype`` blocks (uint8 ``(rows, row_bytes)``) as ``(rows, n_cols)`` ``dtype``.
 
     Computed in float32 exactly as ggml does and cast last, so a half-precision result is
-    the float32 one rounded once.
+    the float32 one rounded once. ``out``: a contiguous float32 ``(rows, n_cols)`` tensor to
+    decode into (and return, cast to ``dtype``), for a caller that decodes chunk after chunk
+    into one buffer; None decodes into a new tensor.
     """
     block_size, type_size, decode = _format(qtype)
     expected = row_bytes(qtype, n_cols)
@@ -238,5 +298,13 @@ def dequantize(
             f"{qtype} rows of {n_cols} values need uint8 (rows, {expected}) bytes, "
             f"got {blocks.dtype} {tuple(blocks.shape)}"
         )
-    values = decode(blocks.reshape(-1, type_size))
-    return values.reshape(blocks.shape[0], n_cols).to(dtype)
+    shape = (blocks.shape[0], n_cols)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=blocks.device)
+    elif out.dtype != torch.float32 or out.shape != shape or not out.is_contiguous():
+        raise ValueError(
+            f"dequantize: out must be a contiguous float32 {shape} tensor, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    decode(blocks.reshape(-1, type_size), out.view(-1, block_size))
+    return out.to(dtype)
