@@ -124,8 +124,8 @@ def _widen_halves(q: torch.Tensor, out: torch.Tensor) -> None:
 # The decoders widen the quants into ``out`` (float32, ``(blocks, values per block)``) and
 # finish in place on it, in ggml's order: d·q (+ m), one rounding per operation. Widening
 # into the caller's buffer rather than a new tensor is the point: a caller decoding chunk
-# after chunk (``ops.lora``) reuses one buffer that stays in cache, where a new tensor of a
-# few MiB is fresh pages to fault in and zero (~3x the time of the decode's own arithmetic).
+# after chunk (``ops.lora``) reuses one buffer already paged in, where a new 16 MiB tensor
+# is fresh pages to fault in and zero: Q8_0's chunks (same arithmetic) decode 1.6-2.6x faster.
 
 
 def _decode_q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -167,21 +167,34 @@ def _decode_q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     _scale_min(blocks, _in_block_order(_five_bit(blocks, 8), 8), out)
 
 
-def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 8 six-bit scales and 8 six-bit mins from 12 packed bytes, as float32.
+def _k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 8 six-bit scales and 8 six-bit mins from the 12 bytes at 4-15, as float32.
 
-    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the
-    same for the mins; bytes 8-11 the low nibbles of scales 4-7 and (high nibble) mins 4-7.
+    Bytes 4-7 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 8-11 the
+    same for the mins; bytes 12-15 the low nibbles of scales 4-7 and (high nibble) mins 4-7.
+    Each four bytes are one int32 word of the block (144 or 176 bytes: whole words), masked
+    and shifted as a word: a dozen byte-wide operations on 4-byte runs cost a third of the
+    whole decode.
     """
-    d, m, low = packed.reshape(-1, 3, 4).unbind(1)
-    scales = torch.cat([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], dim=1)
-    mins = torch.cat([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return scales.to(torch.float32), mins.to(torch.float32)
+    whole = blocks if blocks.storage_offset() % 4 == 0 else blocks.clone()
+    d, m, low = whole.view(torch.int32)[:, 1:4].unbind(1)
+    six, top, nibble = 0x3F3F3F3F, 0x30303030, 0x0F0F0F0F
+    fields = torch.stack(
+        [
+            d & six,
+            (low & nibble) | ((d >> 2) & top),
+            m & six,
+            ((low >> 4) & nibble) | ((m >> 2) & top),
+        ],
+        dim=1,
+    )
+    values = fields.view(torch.uint8).to(torch.float32)  # (n, 16): 8 scales, then 8 mins
+    return values[:, :8], values[:, 8:]
 
 
 def _affine_k(blocks: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
     """Q4_K/Q5_K: ``d * scale * q - dmin * min`` per 32-value sub-block."""
-    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    scales, mins = _k_scales_mins(blocks)
     d = (_f16(blocks[:, :2]) * scales).unsqueeze(-1)
     dm = (_f16(blocks[:, 2:4]) * mins).unsqueeze(-1)
     out.view(-1, 8, 32).copy_(q.reshape(-1, 8, 32)).mul_(d).sub_(dm)
