@@ -215,16 +215,8 @@ class GgmlOps(OpSet):
             documents, branches = document_layout(documents)
         if window is None and scale is None and branches is None and padding is None:
             return ggml.flash_attn(q, k, v, documents=documents)
-        return ggml.flash_attn(
-            q,
-            k,
-            v,
-            documents=documents,
-            window=window,
-            scale=scale,
-            branches=branches,
-            padding=padding,
-        )
+        masks = dict(window=window, scale=scale, branches=branches, padding=padding)
+        return ggml.flash_attn(q, k, v, documents=documents, **masks)
 
     def softmax_attention(self, q, k, v, documents, *, window=None, scale=None, padding=None):
         return ggml_softmax_attention(
