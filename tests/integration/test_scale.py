@@ -10,8 +10,10 @@ a separate ``llamatrain export`` of the run (load and streamed merge alone). The
 is what streaming guarantees: the model as the run holds it (the file's blocks for the adapted
 projections and the vocabulary tables) plus two float32 copies of the largest merged weight,
 the process's framework and its vocabulary (``MemoryPlan.framework``). Measured at the 1B
-shape (0.65 GB Q4_0 file): fit 1.51 GB, export 1.31 GB; 2.56 and 2.16 GB when the tables were
-widened to float32.
+shape (0.65 GB Q4_0 file): fit 1.51-1.67 GB, export 1.31-1.33 GB; 2.56 and 2.16 GB when the
+tables were widened to float32. At the 7B shape (3.53 GB Q4_0, 32k vocabulary), the base mapped
+from its file and the tables kept as stored: fit 4.82 GB, export 4.26 GB = 1.18x file + adapter
+(5.68 and 5.23 GB with the tables widened and the base copied).
 """
 
 from __future__ import annotations
@@ -68,13 +70,15 @@ def timed_child(*args: str) -> tuple[int, float]:
 
 
 @pytest.mark.parametrize(
-    ("shape", "type_name"),
-    [("llama-3.2-1b", "q4_0"), ("llama-3.2-1b", "q8_0"), ("qwen2.5-1.5b", "q4_k_m"),
-     ("llama-2-7b", "q4_0")],
+    ("shape", "type_name", "over_file"),
+    [("llama-3.2-1b", "q4_0", None), ("llama-3.2-1b", "q8_0", None),
+     ("qwen2.5-1.5b", "q4_k_m", None), ("llama-2-7b", "q4_0", 1.2)],
 )  # fmt: skip
 def test_a_qlora_run_of_a_real_shape_finishes_with_outputs_llama_cpp_runs(
-    shape: str, type_name: str, tmp_path: Path, vocab_dir: Path
+    shape: str, type_name: str, over_file: float | None, tmp_path: Path, vocab_dir: Path
 ) -> None:
+    """``over_file``: issue 39's bound on the export's peak over file + adapter, for the 7B
+    (at 1-1.5B the process's own ~0.5 GB, PyTorch and a 128k-151k vocabulary, dominates)."""
     import llama_cpp
 
     started = time.perf_counter()
@@ -117,6 +121,8 @@ def test_a_qlora_run_of_a_real_shape_finishes_with_outputs_llama_cpp_runs(
     }
     print(json.dumps(figures))
     assert export_peak <= 1.1 * bound  # the plan's ~10%; a whole merged copy is +4x the file
+    if over_file is not None:
+        assert figures["export_over_file_and_adapter"] < over_file
 
     ours, tokenizer, _ = model_to_export(run_dir)  # the base as stored, the adapters on it
     ids = tokenizer.encode("Shall I compare thee to a summer's day?", bos=True)[:8]
