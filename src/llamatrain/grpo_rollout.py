@@ -59,7 +59,8 @@ from llamatrain.data.prompts import PromptRow
 from llamatrain.errors import ConfigError, DataError
 from llamatrain.generate import generate_stream
 from llamatrain.grpo import GRPOLoss, score_rewards
-from llamatrain.lora import adapters_disabled
+from llamatrain.lora import adapters_disabled, decoded_base
+from llamatrain.memory import available_memory
 from llamatrain.model import Llama
 from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.rewards import Reward, TrainerState, score, trl_completions
@@ -169,7 +170,8 @@ def sample_completions(
     device = next(model.parameters()).device
     stop_tensor = torch.tensor(sorted(stops), device=device)
     row_seeds = [seeds(i) for i in range(len(prompts))]
-    with _evaluating(model), autocast or contextlib.nullcontext(), bar:
+    decoded = decoded_base(model, _decoding_budget(device))
+    with _evaluating(model), decoded, autocast or contextlib.nullcontext(), bar:
         stream = generate_stream(model, prompts, max_new_tokens, params, row_seeds, stops)
         done, new = 0, []
         for token in stream:
@@ -180,6 +182,17 @@ def sample_completions(
         bar.update(len(prompts) - done)
     sampled = torch.stack(new, dim=1).tolist() if new else [[] for _ in prompts]
     return [_until_stop(ids, stops) for ids in sampled]
+
+
+def _decoding_budget(device: torch.device) -> int | None:
+    """What a rollout may spend holding its model's stored weights decoded
+    (``lora.decoded_base``): half the memory this process may still take, on the CPU, where a
+    decode per token costs most of a rollout; elsewhere none (a GPU decodes at its bandwidth,
+    and its memory is the training step's)."""
+    if device.type != "cpu":
+        return None
+    available = available_memory()
+    return None if available is None else available // 2
 
 
 def _until_stop(ids: list[int], stops: frozenset[int]) -> list[int]:

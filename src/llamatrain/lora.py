@@ -62,6 +62,7 @@ __all__ = [
     "LoraLinear",
     "adapters_disabled",
     "apply_lora",
+    "decoded_base",
     "load_lora_state_dict",
     "lora_modules",
     "lora_state_dict",
@@ -274,6 +275,54 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             module.disabled = False
+
+
+def _narrow_frozen(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """(module, columns) of each frozen weight kept narrower than float32: blocks (QLoRA's
+    projections and vocabulary tables) or bf16/f16 floats; a float32 one is as wide as it gets."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            columns = module.lora_a.shape[1]
+        elif isinstance(module, FrozenLinear):
+            columns = module.in_features
+        elif isinstance(module, FrozenTable):
+            columns = module.dim
+        else:
+            continue
+        stored = not isinstance(module.weight, nn.Parameter)  # a Linear's own: as trained
+        if stored and (module.qtype is not None or module.weight.dtype != torch.float32):
+            found.append((module, columns))
+    return found
+
+
+@contextlib.contextmanager
+def decoded_base(model: nn.Module, budget: int | None) -> Iterator[int]:
+    """Within it, the frozen weights kept narrower than float32 (:func:`_narrow_frozen`) are
+    held decoded to float32 — all of them if they fit in ``budget`` bytes, else none (None:
+    unknown, none) — and put back as stored on exit; yields the bytes held.
+
+    Why: decoding token by token (a GRPO rollout, generation) runs the model once per token,
+    and a stored weight is decoded again at every forward: for a QLoRA model that is a training
+    step's decoding paid per token (61% of a rollout's time over a Q4_1 SmolLM2). Decoded once,
+    each token is a float32 matmul. All or none, so the same machine always samples through
+    the same arithmetic (a float32 matmul and a chunked decode+matmul round differently in the
+    last bits). For no-grad use: the decoded weights are plain tensors, not the stored ones a
+    gradient or an export must see."""
+    narrow = _narrow_frozen(model)
+    size = sum(4 * m.weight.shape[0] * columns for m, columns in narrow)
+    if not narrow or budget is None or size > budget:
+        yield 0
+        return
+    kept = [(m, m.weight, m.qtype) for m, _ in narrow]
+    for module, columns in narrow:
+        module.weight = dense_weight(module.weight, module.qtype, columns)
+        module.qtype = None
+    try:
+        yield size
+    finally:
+        for module, weight, qtype in kept:
+            module.weight, module.qtype = weight, qtype
 
 
 def apply_lora(

@@ -27,16 +27,18 @@ import torch
 from llama_cpp_runs import cpp_logits
 from random_models import tiny_llama
 
-from llamatrain import api, build
+from llamatrain import api, build, grpo_rollout
 from llamatrain.build import build_lora_base
 from llamatrain.data import SONNETS_PATH
 from llamatrain.gguf.export_types import merged_export_type
 from llamatrain.gguf.file import read_gguf
-from llamatrain.lora import FrozenTable, LoraLinear, lora_modules
+from llamatrain.grpo_rollout import sample_completions
+from llamatrain.lora import FrozenTable, LoraLinear, decoded_base, lora_modules
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.ops import lora as ops_lora
+from llamatrain.sampling import SamplingParams
 from llamatrain.trainer import held_types
 
 STEPS = 4
@@ -197,6 +199,46 @@ def test_the_frozen_base_is_mapped_from_its_file_not_copied(q4_0_run, quantized_
 def our_logits(model: Llama, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model.eval()(torch.tensor([ids]))[0].double().numpy()
+
+
+def test_decoding_token_by_token_holds_the_stored_base_decoded_once(q4_0_run, monkeypatch):
+    """``lora.decoded_base``: within it every stored weight (projections and tables) is its
+    float32 decode, the model computes what it computes over the blocks (to float32 matmul
+    rounding), and on exit the very stored tensors are back; all or none by the budget. A
+    GRPO rollout samples through it: greedy completions are the same tokens either way."""
+    model = q4_0_run.model.eval()
+    stored = {name: (m.weight, m.qtype) for name, m in lora_modules(model)}
+    tables = [m for m in model.modules() if isinstance(m, FrozenTable)]  # embedding, head
+    ids = torch.tensor([[1, 5, 9, 42, 7, 3]])
+    with torch.no_grad():
+        over_blocks = model(ids)
+        with decoded_base(model, 1 << 40) as held:
+            decoded_tables = sum(4 * t.weight.numel() for t in tables)
+            assert (
+                held == sum(4 * m.weight.numel() for _, m in lora_modules(model)) + decoded_tables
+            )
+            for name, m in lora_modules(model):
+                assert m.qtype is None and m.weight.dtype == torch.float32
+                expected = ops_lora.dense_weight(*stored[name], m.lora_a.shape[1])
+                assert torch.equal(m.weight, expected)
+            decoded = model(ids)
+        with decoded_base(model, held - 1) as none:
+            assert none == 0 and all(m.qtype == "Q4_0" for _, m in lora_modules(model))
+    assert all(m.weight is stored[n][0] and m.qtype == stored[n][1] for n, m in lora_modules(model))
+    assert len(tables) == 2 and all(
+        t.qtype == "Q4_0" and t.weight.dtype == torch.uint8 for t in tables
+    )
+    torch.testing.assert_close(decoded, over_blocks, rtol=0, atol=1e-4)
+
+    prompts = [[1, 5, 9], [1, 42, 7, 3, 8]]
+    greedy = SamplingParams(temperature=0.0)
+
+    def rollout() -> list[list[int]]:
+        return sample_completions(model, prompts, 8, greedy, frozenset({2}), lambda i: i)
+
+    with_decoded = rollout()
+    monkeypatch.setattr(grpo_rollout, "_decoding_budget", lambda device: 0)
+    assert rollout() == with_decoded
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_k_m"])
