@@ -110,12 +110,14 @@ def row_chunks(
     Blocks are decoded into one float32 buffer, chunk after chunk, when no autograd graph is
     being recorded (grad mode off, as in an autograd Function's forward and backward): each
     chunk is then valid only until the next is yielded. Memory the previous chunk already
-    paged in is ~3x faster to decode into than a new tensor. With grad mode on, a product may
-    keep its chunk for its backward, so each chunk is a new tensor.
+    paged in is faster to decode into than a new tensor's fresh pages (a QLoRA product over
+    Q4_0 blocks ~1.5x, ``bench/dequantize.py``). With grad mode on, a product may keep its
+    chunk for its backward, so each chunk is a new tensor.
     """
     step = rows_per_chunk(n_in, chunk_rows)
     reuse = qtype is not None and not torch.is_grad_enabled()
-    buffer = torch.empty(step, n_in, device=weight.device) if reuse else None
+    held = min(step, weight.shape[0])  # rows: no more than W has
+    buffer = torch.empty(held, n_in, device=weight.device) if reuse else None
     for start in range(0, weight.shape[0], step):
         rows = slice(start, start + step)
         part = weight[rows]
