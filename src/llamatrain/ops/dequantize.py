@@ -210,14 +210,42 @@ def _decode_q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     _affine_k(blocks, low.bitwise_or_(high.bitwise_left_shift_(4)), out)
 
 
+_Q6_K_BITS = (slice(0, 128), slice(128, 192))
+"""Q6_K's ``ql`` bytes (four low bits of each quant) and ``qh`` bytes (its two high bits)."""
+
+
+def _q6_k_quants(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 256 six-bit quants per block as int8 ``4 * (q - 32)``, ``(n, 2, 4, 32)``: two
+    halves of four 32-value quarters, each value's six bits written straight to the top of
+    its byte (no unsigned ``q`` to combine and offset afterwards: ~13% of the decode).
+
+    Of each half's 64 ``ql`` bytes, the low nibbles are quarters 0-1 and the high ones
+    quarters 2-3 (bits 2-5 of the result); crumb ``i`` of its 32 ``qh`` bytes is quarter
+    ``i``'s top two bits (6-7), its own top bit flipped first: that flip is ``q - 32``
+    (:func:`_centred`'s trick), the shift to the top of the byte the factor 4.
+    """
+    n = blocks.shape[0]
+    ones = _BYTE_ONES[torch.int64]
+    # copies (a 1-block slice counts as contiguous, at any offset): whole int64 words
+    low, high = (
+        blocks[:, span].clone(memory_format=torch.contiguous_format) for span in _Q6_K_BITS
+    )
+    low, high = low.view(torch.int64).view(n, 2, 8), high.view(torch.int64).view(n, 2, 4)
+    quants = torch.empty(n, 2, 4, 32, dtype=torch.uint8, device=blocks.device)
+    words = quants.view(torch.int64)  # (n, 2, 4, 4)
+    nibbles = words.view(n, 2, 2, 8)
+    torch.bitwise_and(low, 0x0F * ones, out=nibbles[:, :, 0]).bitwise_left_shift_(2)
+    torch.bitwise_right_shift(low, 2, out=nibbles[:, :, 1]).bitwise_and_(0x3C * ones)
+    high.bitwise_xor_(0xAA * ones)
+    for i in range(4):
+        words[:, :, i].bitwise_or_((high << (6 - 2 * i)).bitwise_and_(0xC0 * ones))
+    return quants.view(torch.int8)
+
+
 def _decode_q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    low = _split_bits(blocks[:, :128].reshape(-1, 2, 64), 4).reshape(-1, 8, 32)
-    high = _split_bits(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 8, 32)
-    _words(low).bitwise_or_(_words(high).bitwise_left_shift_(4))  # q = low | high << 4
-    q = _centred(low, 6)  # 4 * (q - 32)
     scales = blocks[:, 192:208].view(torch.int8).to(torch.float32)
     d = (_f16(blocks[:, 208:]) * scales).div_(4).unsqueeze(-1)
-    out.view(-1, 16, 16).copy_(q.view(-1, 16, 16)).mul_(d)
+    out.view(-1, 16, 16).copy_(_q6_k_quants(blocks).view(-1, 16, 16)).mul_(d)
 
 
 def _decode_q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
