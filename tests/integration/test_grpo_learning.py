@@ -154,9 +154,10 @@ def rewards_spec(files: dict[str, Path], *names: str) -> str:
 
 
 def test_one_grpo_step_moves_the_weights_by_the_hand_computed_policy_gradient(files, tmp_path):
-    """AdamW's first step with a huge epsilon is -lr/eps times the gradient (m = g, v = g^2,
-    g/(|g| + eps) ~ g/eps): so the weights' change after one step, read from outside, is the
-    gradient the trainer fed. By hand from the completions table (prompt, completion,
+    """AdamW's first step moves a weight by -lr g/(|g| + eps) (m = g, v = g^2 after the bias
+    corrections), so the gradient the trainer fed is read back exactly from the change d:
+    g = d eps/(lr - |d|); with a huge epsilon the step (~ lr g/eps) is a smooth function of g,
+    well above float32's rounding of the weights. By hand from the completions table (prompt, completion,
     advantage): -sum_i A_i log softmax(logits_i / T)[completion_i] / (completion tokens), dapo's
     loss at temperature T, with the group advantages the table holds recomputed from its
     rewards. Two micro-batches, T = 0.7, two-token completions: the advantages' sign and order,
@@ -205,8 +206,9 @@ def test_one_grpo_step_moves_the_weights_by_the_hand_computed_policy_gradient(fi
 
     trained = dict(run.model.named_parameters())
     for name, weight in base.named_parameters():
-        step = (weight.detach() - trained[name].detach()) * (eps / lr)
-        assert (step - weight.grad).norm() <= 1e-5 * weight.grad.norm(), name
+        moved = weight.detach() - trained[name].detach()
+        fed = moved * eps / (lr - moved.abs())
+        assert (fed - weight.grad).norm() <= 1e-5 * weight.grad.norm(), name
 
 
 # ---- learning, and the controls ------------------------------------------------------------
