@@ -235,6 +235,7 @@ def test_export_loads_in_transformers_as_the_same_model(hf_models, variant, tmp_
     model, tokenizer = api.load(folder)
     out = api.export_hf(model, tokenizer, tmp_path / "out", inherited=base.inherited)
     assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",  # the model card (tests/integration/test_model_card.py reads it)
         "config.json",
         "generation_config.json",
         "model.safetensors",
