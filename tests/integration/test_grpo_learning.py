@@ -157,11 +157,12 @@ def test_one_grpo_step_moves_the_weights_by_the_hand_computed_policy_gradient(fi
     """AdamW's first step moves a weight by -lr g/(|g| + eps) (m = g, v = g^2 after the bias
     corrections), so the gradient the trainer fed is read back exactly from the change d:
     g = d eps/(lr - |d|); with a huge epsilon the step (~ lr g/eps) is a smooth function of g,
-    well above float32's rounding of the weights. By hand from the completions table (prompt, completion,
-    advantage): -sum_i A_i log softmax(logits_i / T)[completion_i] / (completion tokens), dapo's
-    loss at temperature T, with the group advantages the table holds recomputed from its
-    rewards. Two micro-batches, T = 0.7, two-token completions: the advantages' sign and order,
-    the mask, the temperature and the micro-batches' shares are the trainer's to get right."""
+    well above float32's rounding of the weights. By hand from the completions table (prompt,
+    completion, advantage): -sum_i A_i log softmax(logits_i / T)[completion_i] / (completion
+    tokens), dapo's loss at temperature T, with the group advantages the table holds
+    recomputed from its rewards. Two micro-batches, T = 0.7, two-token completions: the
+    advantages' sign and order, the mask, the temperature and the micro-batches' shares are
+    the trainer's to get right."""
     eps = 1e4
     lr = 100 * eps  # a step of 100 g: well above float32's rounding of the weights
     run = api.fit(
