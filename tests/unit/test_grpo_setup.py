@@ -40,6 +40,23 @@ def test_a_grpo_config_is_valid_and_its_beta_defaults_to_trls():
     assert load_config("tiny", orpo).train.beta == 0.1
 
 
+@pytest.mark.parametrize(("n_ctx", "derived"), [(64, 32), (128, 64), (512, 256), (4096, 256)])
+def test_an_unset_max_completion_length_is_trls_256_but_leaves_a_prompt_room(n_ctx, derived):
+    """The default n_ctx (128) is less than TRL's 256: unset, a completion gets at most half
+    the context; a value set is kept (and refused when it leaves no room)."""
+    unset = [o for o in GRPO if not o.startswith("train.max_completion_length")]
+    n_batch = f"train.n_batch={4 * n_ctx}"
+    cfg = load_config("tiny", [*unset, f"data.n_ctx={n_ctx}", n_batch])
+    assert cfg.train.max_completion_length == derived
+    assert cfg.origin("train.max_completion_length").startswith("the default")
+    cfg.data.n_ctx, cfg.train.n_batch = 2 * n_ctx, 8 * n_ctx  # a later validate follows n_ctx
+    assert validate(cfg).train.max_completion_length == min(256, n_ctx)
+    assert (
+        load_config("tiny", [*GRPO, f"data.n_ctx={n_ctx}", n_batch]).train.max_completion_length
+        == 16
+    )
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [

@@ -312,10 +312,11 @@ class TrainSection:
         "completions make a step, so it must divide that",
         ge=2,
     )
-    max_completion_length: int = setting(
-        256,
+    max_completion_length: int | None = setting(
+        None,
         "grpo: most tokens a completion may have; a prompt's tokens + this must fit "
-        "data.n_ctx + 1 (longer prompts are left out, counted)",
+        "data.n_ctx + 1 (longer prompts are left out, counted); unset = TRL's 256, or half "
+        "of data.n_ctx when that is less",
         gt=0,
     )
     temperature: float = setting(

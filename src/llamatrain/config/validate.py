@@ -51,6 +51,20 @@ def _default_beta(cfg: Config) -> None:
         cfg.origins["train.beta"] = _BETA_DERIVED
 
 
+_COMPLETION_DERIVED = "the default (256, at most half of data.n_ctx)"
+
+
+def _default_max_completion_length(cfg: Config) -> None:
+    """``train.max_completion_length`` unset: GRPOConfig's 256, but never more than half of
+    ``data.n_ctx``, so the defaults leave a prompt room (the default n_ctx is 128);
+    followed again when an earlier validate filled it and n_ctx changed."""
+    t = cfg.train
+    derived = cfg.origins.get("train.max_completion_length") == _COMPLETION_DERIVED
+    if t.max_completion_length is None or derived:
+        t.max_completion_length = max(1, min(256, cfg.data.n_ctx // 2))
+        cfg.origins["train.max_completion_length"] = _COMPLETION_DERIVED
+
+
 def _validate_model(cfg: Config) -> None:
     """The [model] section's own rules, plus what the export type needs of its shapes."""
     m = cfg.model
@@ -275,12 +289,14 @@ def _validate_sampling(cfg: Config) -> None:
 def validate(cfg: Config, rewards: Sequence[str | RewardFunction] | None = None) -> Config:
     """Check every value and the rules that tie fields together; fill derived defaults.
 
-    Filled here: ``train.n_ubatch`` (unset = ``train.n_batch``) and ``train.beta`` (unset =
-    the objective's default), so later code never meets ``None`` there. ``rewards``: GRPO's
+    Filled here: ``train.n_ubatch`` (unset = ``train.n_batch``), ``train.beta`` (unset =
+    the objective's default) and ``train.max_completion_length`` (unset = 256, at most half
+    of ``data.n_ctx``), so later code never meets ``None`` there. ``rewards``: GRPO's
     reward functions given in Python (``api.fit``'s and ``Trainer``'s ``rewards=``), which
     stand in for train.rewards. Returns ``cfg``.
     """
     _default_beta(cfg)
+    _default_max_completion_length(cfg)
     for sec_name in SECTIONS:
         if sec_name != "model":
             check_rules(getattr(cfg, sec_name), sec_name, lambda key: f" in {cfg.origin(key)}")
