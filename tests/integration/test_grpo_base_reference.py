@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from file_mappings import mapped_ranges
 from random_models import tiny_llama
 from user_errors import error_of
 
@@ -89,17 +90,6 @@ def overrides(files: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
         "output.export=false",
         *extra,
     ]
-
-
-def mapped_ranges(path: Path) -> list[tuple[int, int]]:
-    """The address ranges this process maps from ``path`` (Linux's /proc/self/maps)."""
-    ranges, inode = [], path.stat().st_ino
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and int(fields[4]) == inode and fields[5] == str(path.resolve()):
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            ranges.append((start, end))
-    return ranges
 
 
 def reference_config(files: dict[str, Path], tmp_path: Path, *extra: str):

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from file_mappings import mapped_ranges
 from llama_cpp_runs import cpp_logits
 from random_models import tiny_llama
 
@@ -166,17 +167,6 @@ def test_the_memory_plan_counts_the_weights_the_run_holds(q4_0_run) -> None:
     cfg = q4_0_run.config
     held = {t.data_ptr(): t.nbytes for n, t in model.state_dict().items() if "lora_" not in n}
     assert plan_memory(cfg, model.cfg, held_types(model)).weights == sum(held.values())
-
-
-def mapped_ranges(path: Path) -> list[tuple[int, int]]:
-    """The address ranges this process maps from ``path`` (Linux's /proc/self/maps)."""
-    ranges, inode = [], path.stat().st_ino
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and int(fields[4]) == inode and fields[5] == str(path.resolve()):
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            ranges.append((start, end))
-    return ranges
 
 
 def test_the_frozen_base_is_mapped_from_its_file_not_copied(q4_0_run, quantized_bases) -> None:
