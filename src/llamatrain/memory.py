@@ -57,6 +57,8 @@ VOCAB_BYTES_PER_TOKEN = 1536
 """The vocabulary as Python objects: a 128k byte-level BPE tokenizer measured 1.0 KB a token
 (its merges), a 32k SentencePiece one 0.24 KB, and the header's token lists beside them."""
 _FLOAT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+_FLOAT_TYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+"""The ggml float types a file may store a frozen weight in, and their bytes a value."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +179,8 @@ def _held_bytes(cfg: Config, name: str, shape: tuple[int, ...], stored: str | No
 
 def _stored_bytes(shape: tuple[int, ...], stored: str | None) -> int:
     """A matrix's bytes as its file stores it (``stored``, a ggml type)."""
-    if stored in ("F32", "F16", "BF16"):
-        return {"F32": 4, "F16": 2, "BF16": 2}[stored] * _count(shape)
+    if stored in _FLOAT_TYPE_BYTES:
+        return _FLOAT_TYPE_BYTES[stored] * _count(shape)
     if stored in DEQUANTIZABLE and shape[1] % 32 == 0:
         return shape[0] * row_bytes(stored, shape[1])
     return 4 * _count(shape)  # unknown: as float32, never an underestimate
@@ -346,7 +348,7 @@ def _alternatives(
 
 def _quantized(stored_types: Mapping[str, str] | None) -> bool:
     """Whether a base file stores its matrices in a type QLoRA keeps as its blocks."""
-    return any(t in DEQUANTIZABLE - {"F32", "F16", "BF16"} for t in (stored_types or {}).values())
+    return any(t in DEQUANTIZABLE - _FLOAT_TYPE_BYTES.keys() for t in (stored_types or {}).values())
 
 
 @contextlib.contextmanager
