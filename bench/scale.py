@@ -15,7 +15,11 @@ Method. For each shape and type, in turns (one command):
 * ``llama.cpp``: a fresh process opens the file with llama-cpp-python (``n_ctx`` = ``n_batch``
   = ``--tokens``, ``--threads`` threads, memory-mapped as llama.cpp does by default) and
   evaluates the same ``--tokens`` random token ids twice from an empty cache; the second
-  evaluation is timed (wall and the process's CPU time): the first pays the page faults;
+  evaluation is timed (wall and the process's CPU time): the first pays the page faults.
+  Then the same in a second context that keeps every token's logits (``cpp all s``), as
+  ``llama-perplexity`` scores text: a training step's forward needs them all (its loss is
+  over every token), where a prompt's evaluation multiplies the output matrix for the last
+  token only: at a 128k vocabulary that matrix is a fifth of a 1B's weights;
 * ``ours``: a fresh process runs ``llamatrain.api.fit`` as a user would: ``model.init_from`` =
   the file, one ``--tokens``-token sequence a step (the packaged sonnets), 2 steps, no
   evaluation, sample, checkpoints or export, trained as each of ``--modes`` says (``MODES``:
@@ -29,9 +33,10 @@ Method. For each shape and type, in turns (one command):
   refusal and the planned peak instead of figures.
 
 Each process's peak RSS is its own ``VmHWM``, so the peaks never mix; both include the pages
-of the mapped file they touched. ``x`` columns are ours over llama.cpp's (wall, CPU), ``x
-file`` our peak over the file's size. ``--rounds N`` repeats every row, llama.cpp first in odd
-rounds and ours first in even ones, and reports medians. Results: a table and
+of the mapped file they touched. ``x`` columns are ours over llama.cpp's (wall, CPU; ``x
+all``: wall over the every-logit evaluation), ``x file`` our peak over the file's size.
+``--rounds N`` repeats every row, llama.cpp first in odd rounds and ours first in even ones,
+and reports medians. Results: a table and
 ``bench/results/scale.json``.
 
 Usage: ``python bench/scale.py [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-2-7b]
@@ -79,7 +84,8 @@ MODES: dict[str, dict[str, object]] = {
 """How ``ours`` trains: the settings each ``--modes`` name adds to the run."""
 HEADER = (
     f"{'shape':<13} {'type':<6} {'mode':<9} {'file GB':>7} {'write s':>7} {'cpp s':>6} "
-    f"{'cpp cpu':>7} {'ours s':>7} {'ours cpu':>8} {'x wall':>6} {'x cpu':>6} {'s/1k tok':>8} "
+    f"{'cpp cpu':>7} {'cpp all s':>9} {'ours s':>7} {'ours cpu':>8} {'x wall':>6} {'x cpu':>6} "
+    f"{'x all':>5} {'s/1k tok':>8} "
     f"{'peak GB':>7} {'x file':>6} {'cpp GB':>6} {'to step 1 s':>11} {'load':>5}"
 )
 
@@ -88,29 +94,38 @@ HEADER = (
 
 
 def llama_cpp_eval(spec: dict) -> dict:
-    """llama.cpp's evaluation of ``tokens`` random ids over the file, the second one timed."""
+    """llama.cpp's evaluation of ``tokens`` random ids over the file, the second one timed:
+    first as ``llama-cli`` reads a prompt (the last token's logits only), then, in a second
+    context, with every token's logits as ``llama-perplexity`` scores text (and as a training
+    step's forward needs them: its loss is over every token)."""
     import llama_cpp
 
-    started = time.perf_counter()
-    llm = llama_cpp.Llama(
-        spec["path"], n_ctx=spec["tokens"], n_batch=spec["tokens"], n_ubatch=spec["tokens"],
-        n_threads=spec["threads"], n_threads_batch=spec["threads"], verbose=False,
-    )  # fmt: skip
-    load_seconds = time.perf_counter() - started
-    ids = np.random.default_rng(0).integers(0, llm.n_vocab(), spec["tokens"]).tolist()
-    times = []
-    for _ in range(2):
-        llm.reset()
-        wall, cpu = time.perf_counter(), time.process_time()
-        llm.eval(ids)
-        times.append((time.perf_counter() - wall, time.process_time() - cpu))
-    return {
-        "seconds": times[-1][0],
-        "cpu_seconds": times[-1][1],
-        "first_seconds": times[0][0],
-        "load_seconds": load_seconds,
-        "peak_bytes": peak_rss_bytes(),
-    }
+    ids = None
+    figures = {}
+    for key, logits_all in (("", False), ("all_", True)):
+        started = time.perf_counter()
+        llm = llama_cpp.Llama(
+            spec["path"], n_ctx=spec["tokens"], n_batch=spec["tokens"], n_ubatch=spec["tokens"],
+            n_threads=spec["threads"], n_threads_batch=spec["threads"], logits_all=logits_all,
+            verbose=False,
+        )  # fmt: skip
+        load_seconds = time.perf_counter() - started
+        ids = ids or np.random.default_rng(0).integers(0, llm.n_vocab(), spec["tokens"]).tolist()
+        times = []
+        for _ in range(2):
+            llm.reset()
+            wall, cpu = time.perf_counter(), time.process_time()
+            llm.eval(ids)
+            times.append((time.perf_counter() - wall, time.process_time() - cpu))
+        figures |= {f"{key}seconds": times[-1][0], f"{key}cpu_seconds": times[-1][1]}
+        if not logits_all:  # the peak of the plain evaluation, before the logits' table
+            figures |= {
+                "first_seconds": times[0][0],
+                "load_seconds": load_seconds,
+                "peak_bytes": peak_rss_bytes(),
+            }
+        llm.close()
+    return figures
 
 
 def ours_step(spec: dict) -> dict:
@@ -256,6 +271,7 @@ def summary(
     return row | {
         "x_wall": ours["seconds"] / cpp["seconds"],
         "x_cpu": ours["cpu_seconds"] / cpp["cpu_seconds"],
+        "x_wall_all_logits": ours["seconds"] / cpp["all_seconds"],
         "x_file": ours["peak_bytes"] / file_bytes,
         "seconds_per_1k_tokens": ours["seconds"] / args.tokens * 1000,
     }
@@ -266,12 +282,14 @@ def row_text(row: dict) -> str:
     start = (
         f"{row['shape']:<13} {row['type']:<6} {row['mode']:<9} {row['file_bytes'] / GB:>7.2f} "
         f"{row['write_seconds']:>7.1f} {cpp['seconds']:>6.2f} {cpp['cpu_seconds']:>7.2f} "
+        f"{cpp['all_seconds']:>9.2f} "
     )
     if "refused" in ours:
         return start + f"refused: needs {ours['planned_peak_bytes'] / GB:.1f} GB"
     return start + (
         f"{ours['seconds']:>7.2f} {ours['cpu_seconds']:>8.2f} {row['x_wall']:>6.2f} "
-        f"{row['x_cpu']:>6.2f} {row['seconds_per_1k_tokens']:>8.1f} "
+        f"{row['x_cpu']:>6.2f} {row['x_wall_all_logits']:>5.2f} "
+        f"{row['seconds_per_1k_tokens']:>8.1f} "
         f"{ours['peak_bytes'] / GB:>7.2f} {row['x_file']:>6.2f} "
         f"{cpp['peak_bytes'] / GB:>6.2f} {ours['to_first_step_seconds']:>11.1f} "
         f"{row['load'][0] if row['load'] else float('nan'):>5.2f}"
