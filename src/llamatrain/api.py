@@ -39,6 +39,7 @@ from llamatrain.config import validate as validate_config
 from llamatrain.data import ChatTemplate, build_train_data, resolve_inputs
 from llamatrain.data.chat_template import BUILTIN_TEMPLATES
 from llamatrain.data.examples import resolve_chat_template
+from llamatrain.denormals import denormals_flushed
 from llamatrain.device import configure_process, resolve_device, resolve_run_settings
 from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.evaluate import PerplexityResult, perplexity
@@ -149,7 +150,8 @@ def fit(
     device: on CUDA PyTorch's ops, SDPA and bf16 autocast; on the CPU ggml's ops, the blockwise
     flash attention and float32 (``llamatrain.device.resolve_run_settings``); the result's
     ``config`` and the run's ``config.toml`` hold the choices made.
-    Applies the device's process-wide settings (``llamatrain.device.configure_process``).
+    Applies the device's process-wide settings (``llamatrain.device.configure_process``);
+    the CPU flushes denormal floats while the trainer runs (``llamatrain.denormals``).
     One process at a time trains into a run folder: another's ``fit`` into the same
     ``output.dir`` raises RunInUseError naming this one's PID (``llamatrain.runlock``). A new
     run (no ``resume``) into a folder that holds one raises OutputError, unless ``overwrite``,
@@ -238,7 +240,10 @@ def _fit_locked(
     if run.checkpoint is not None:
         trainer.load_state(run.checkpoint)
     plan = trainer.memory_plan  # for an out-of-memory message: what the run holds
-    with out_of_memory_in("in a training step, an evaluation or a save", cfg, plan):
+    with (
+        out_of_memory_in("in a training step, an evaluation or a save", cfg, plan),
+        denormals_flushed(),
+    ):
         history = trainer.fit()
     model = parallel.whole_model(trainer.model)
     _release_training_state(trainer)

@@ -87,11 +87,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # every flag checked before the model is read
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
-    from llamatrain.device import flush_denormals
+    from llamatrain.denormals import denormals_flushed
     from llamatrain.memory import out_of_memory_in
 
-    flush_denormals()  # the process is the command's: attention's denormals cost 100x
-    with out_of_memory_in(**GENERATING):
+    with out_of_memory_in(**GENERATING), denormals_flushed():
         _generate(args, params, seed)
     return 0
 
@@ -136,11 +135,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
-    from llamatrain.device import flush_denormals
+    from llamatrain.denormals import denormals_flushed
     from llamatrain.memory import out_of_memory_in
 
-    flush_denormals()  # as generate's
-    with out_of_memory_in(**GENERATING):
+    with out_of_memory_in(**GENERATING), denormals_flushed():
         _chat(args, params, seed)
     return 0
 
@@ -236,11 +234,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "or left out for the model's context"
         )
     from llamatrain import api
-    from llamatrain.device import flush_denormals
+    from llamatrain.denormals import denormals_flushed
     from llamatrain.memory import out_of_memory_in
 
-    flush_denormals()  # as generate's
-    with out_of_memory_in(**SCORING):
+    with out_of_memory_in(**SCORING), denormals_flushed():
         model, tokenizer = api.load(args.checkpoint)
         result = api.perplexity(model, tokenizer, args.data, n_ctx=args.n_ctx)
     print(f"tokens:          {result.n_tokens}")

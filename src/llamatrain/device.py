@@ -5,10 +5,10 @@ settings that make training fast there.
 :func:`resolve_run_settings`, before anything reads them: on CUDA PyTorch's ops, its fused
 attention kernels and bf16 autocast; on the CPU ggml's semantics in float32.
 
-The process settings change the whole process (the C library's malloc, the CPU's handling
-of denormal floats, PyTorch's matmul precision), so no constructor applies them behind the
-caller's back: the entry points (``llamatrain fit``, ``llamatrain.fit``, the benchmarks)
-call :func:`configure_process` once, visibly.
+The process settings change the whole process (the C library's malloc, PyTorch's matmul
+precision), so no constructor applies them behind the caller's back: the entry points
+(``llamatrain fit``, ``llamatrain.fit``, the benchmarks) call :func:`configure_process`
+once, visibly.
 """
 
 from __future__ import annotations
@@ -74,32 +74,11 @@ def configure_process(device: torch.device, *, bf16: bool) -> None:
     """Process-wide speed settings for training on ``device``.
 
     On CPU, freed activations are kept for reuse instead of being page-faulted in again every
-    step (``llamatrain.allocator``), and denormal floats are flushed to zero
-    (:func:`flush_denormals`). On CUDA with bf16 autocast, the float32 matmuls autocast
+    step (``llamatrain.allocator``). On CUDA with bf16 autocast, the float32 matmuls autocast
     leaves (the fused lm head + loss computes in float32) may use TF32 tensor cores too: mixed
     precision was asked for.
     """
     if device.type == "cpu":
         retain_freed_memory()
-        flush_denormals()
     elif device.type == "cuda" and bf16:
         torch.backends.cuda.matmul.allow_tf32 = True
-
-
-def flush_denormals() -> bool:
-    """Have the CPU treat float32 values below 2^-126 (float64: 2^-1022) as zero, in and out.
-
-    Why: attention's softmax makes them by the thousand: every probability of a key scored
-    more than ~87 below the row's best is one, and the backward multiplies them on. x86 CPUs
-    take a microcode assist of ~100 cycles for each denormal an instruction reads or writes,
-    so a tile of them runs at a hundredth of the speed: in a QLoRA step of Llama-3.2-1B's
-    shape (256 tokens) attention's backward took 1.25 s of 7 s with them, 0.12 s without
-    (``bench/scale.py``). What is lost is below 1.2e-38 absolute in a float32 sum, far under
-    every tolerance the tests state.
-
-    The setting belongs to a thread (the MXCSR register), and PyTorch sets it for the calling
-    one only: the main thread, where the CPU autograd engine runs the backward and the small
-    element-wise ops of a step run; the pool's worker threads keep theirs. Returns whether the
-    CPU has the setting (x86 with SSE3, arm64), as :func:`torch.set_flush_denormal` does.
-    """
-    return torch.set_flush_denormal(True)

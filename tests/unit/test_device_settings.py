@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
 import sys
 import tomllib
 
@@ -20,9 +19,11 @@ import torch
 
 from llamatrain import api
 from llamatrain.config import Config
+from llamatrain.denormals import denormals_flushed, flushing
 from llamatrain.device import configure_process, resolve_run_settings
 from llamatrain.model import Llama
 from llamatrain.model_config import ModelConfig
+from llamatrain.ops.attention import flash_attn
 from llamatrain.ops.sets import GgmlOps, TorchOps, op_set
 from llamatrain.trainer import Trainer
 
@@ -152,54 +153,66 @@ def test_configure_process_on_cuda_allows_tf32_under_bf16_only():
     assert torch.backends.cuda.matmul.allow_tf32 is True
 
 
-_FLUSHED_ATTENTION = """
-import torch
-from llamatrain.device import configure_process
-from llamatrain.ops.attention import flash_attn
-
-torch.manual_seed(0)  # scores spread over ~±300: ~900 probabilities below 2^-126
-inputs = [torch.randn(1, 4, 96, 32, dtype=torch.float64) * s for s in (10.0, 10.0, 1.0)]
-
-def gradients(dtype):
+def _attention_gradients(inputs: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in inputs)
     (flash_attn(q, k, v, block_size=32) * v.detach().flip(2)).sum().backward()
     return [t.grad.double() for t in (q, k, v)]
 
-q, k, _ = (t.float() for t in inputs)
-p = (q @ k.transpose(-1, -2) / 32**0.5).softmax(-1)
-made = int(((p > 0) & (p < torch.finfo(torch.float32).tiny)).sum())
-kept = gradients(torch.float32)
-reference = gradients(torch.float64)
-configure_process(torch.device("cpu"), bf16=False)
-flushed_product = (torch.tensor([1e-30]) * torch.tensor([1e-10])).item()
-flushed = gradients(torch.float32)
-print(made, flushed_product)
-for a, b, r in zip(kept, flushed, reference):
-    scale = r.abs().max()
-    print(((a - b).abs().max() / scale).item(), ((b - r).abs().max() / scale).item())
-"""
+
+def _denormals_made() -> int:
+    """How many of a million float32 products below 2^-126 stay denormal: an element-wise op
+    that long is split over PyTorch's threads, so each thread's setting shows."""
+    return int(torch.count_nonzero(torch.full((1 << 20,), 1e-30) * 1e-10))
 
 
-def test_on_the_cpu_denormals_are_flushed_and_attention_gradients_keep_their_tolerance():
-    """``configure_process`` on the CPU makes a float32 product below 2^-126 an exact zero
-    (``flush_denormals``: attention's tail of tiny probabilities ran ~100x slower as
-    denormals). What that loses is invisible: flash attention's gradients over scores whose
-    softmax makes hundreds of denormals move by < 1e-10 of their largest entry (measured
-    6e-14; float32's own rounding is 1.2e-7) and stay within float32's 1e-5 of the float64
-    reference (measured 1e-5 with and without: the scores are huge). In a fresh interpreter:
-    the setting is the process's, and a ``fit`` earlier in the suite has already made it."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FLUSHED_ATTENTION], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    first, *rows = done.stdout.split("\n")[:4]
-    made, flushed_product = first.split()
-    assert int(made) > 500, "the setup must make denormal probabilities to flush"
-    assert float(flushed_product) == 0.0
-    for row in rows:
-        moved, relative = map(float, row.split())
-        assert moved < 1e-10
-        assert relative < 2e-5
+def test_denormals_are_flushed_inside_the_block_only_and_attention_keeps_its_tolerance():
+    """``denormals_flushed`` makes a float32 product below 2^-126 an exact zero while it runs,
+    in PyTorch's worker threads as in this one (attention's tail of tiny probabilities ran
+    ~100x slower as denormals), and puts the state back after, Python's own floats included
+    (a test framework's float strategies refuse to run without subnormals). What flushing
+    loses is invisible: flash attention's gradients over scores whose softmax makes hundreds
+    of denormals move by < 1e-10 of their largest entry (measured 6e-14; float32's own
+    rounding is 1.2e-7) and stay within 2e-5 of the float64 reference (measured 1e-5 with
+    and without: the scores are huge)."""
+    torch.manual_seed(0)  # scores spread over ~±300: ~900 probabilities below 2^-126
+    inputs = [torch.randn(1, 4, 96, 32, dtype=torch.float64) * s for s in (10.0, 10.0, 1.0)]
+    q, k, _ = (t.float() for t in inputs)
+    p = (q @ k.transpose(-1, -2) / 32**0.5).softmax(-1)
+    assert int(((p > 0) & (p < torch.finfo(torch.float32).tiny)).sum()) > 500
+    assert _denormals_made() == 1 << 20
+    kept = _attention_gradients(inputs, torch.float32)
+    reference = _attention_gradients(inputs, torch.float64)
+    with denormals_flushed():
+        assert _denormals_made() == 0 and flushing()
+        flushed = _attention_gradients(inputs, torch.float32)
+    assert _denormals_made() == 1 << 20 and not flushing() and sys.float_info.min / 2 > 0.0
+    for a, b, r in zip(kept, flushed, reference, strict=True):
+        scale = r.abs().max()
+        assert (a - b).abs().max() / scale < 1e-10
+        assert (b - r).abs().max() / scale < 2e-5
+
+
+def test_a_runs_steps_flush_denormals_and_the_process_keeps_them_after(tiny_overrides, monkeypatch):
+    """``fit``'s trainer runs inside ``denormals_flushed``; the caller's process is as before
+    once it returns."""
+    seen = []
+    step = Trainer.train_step
+
+    def recording(self, *args, **kwargs):
+        seen.append(_denormals_made())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", recording)
+    overrides = {
+        "train.steps": 2,
+        "train.eval_every": 0,
+        "train.save_every": 0,
+        "train.sample_tokens": 0,
+        "output.export": "false",
+    }
+    api.fit("tiny", overrides=tiny_overrides(**overrides), progress=False)
+    assert seen == [0, 0]
+    assert _denormals_made() == 1 << 20
 
 
 def test_torch_ops_sdpa_and_bf16_autocast_train_on_the_cpu(tiny_overrides):
