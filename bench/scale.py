@@ -23,7 +23,9 @@ Method. For each shape and type, in turns (one command):
 * ``ours``: a fresh process runs ``llamatrain.api.fit`` as a user would: ``model.init_from`` =
   the file, one ``--tokens``-token sequence a step (the packaged sonnets), 2 steps, no
   evaluation, sample, checkpoints or export, trained as each of ``--modes`` says (``MODES``:
-  ``qlora``, the default, is ``lora.rank = 8`` over the file's blocks; ``lora-bf16`` and
+  ``qlora``, the default, is ``lora.rank = 8`` over the file's blocks, ``qlora-bf16`` the same
+  under bf16 autocast (``train.dtype = "bfloat16"``: the blocks decoded to bf16, the products
+  on the CPU's bf16 matrix units where it has them, AMX); ``lora-bf16`` and
   ``lora-f32`` the same adapters over a base widened to bf16 / float32; ``full`` the whole
   model, float32 with AdamW); ``Trainer.train_step`` is wrapped to time each step (wall and
   process CPU) and the second step is reported (the first runs allocations and caches once);
@@ -77,6 +79,7 @@ DEFAULT_WORK = HERE / ".cache" / "scale"
 GB = 1e9
 MODES: dict[str, dict[str, object]] = {
     "qlora": {"lora.rank": 8, "lora.base_dtype": "quantized"},
+    "qlora-bf16": {"lora.rank": 8, "lora.base_dtype": "quantized", "train.dtype": "bfloat16"},
     "lora-bf16": {"lora.rank": 8, "lora.base_dtype": "bf16"},
     "lora-f32": {"lora.rank": 8, "lora.base_dtype": "f32"},
     "full": {"lora.rank": 0},

@@ -289,6 +289,43 @@ def test_no_float_copy_of_a_quantized_base_is_whole() -> None:
     assert (16, 64) in created.shapes
 
 
+class _Casts(TorchDispatchMode):
+    """The bf16 tensors cast from float32 while active (autocast's casts and the op's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16:
+            self.made.append(out)
+        return out
+
+    def shapes(self, n_cols: int) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in self.made if t.shape[-1] == n_cols]
+
+
+def test_under_bf16_autocast_each_chunk_is_rounded_to_bf16_once() -> None:
+    """Each widened chunk of W goes to the bf16 matmul as the float32 decode rounded once, and
+    x is cast once for all the forward's chunks, not once per chunk. 5 chunks of a (24, 64)
+    Q4_0 W: forward, x cast for the adapter's product and once for the base's, each chunk
+    once, bit for bit gguf-py's float32 dequantization rounded to bf16; backward, each chunk
+    once again."""
+    blocks, dense = quantized_base("Q4_0", 24, 64)
+    _, a, b = operands(64, 24, 4, dtype=torch.float32)
+    x = randn(3, 64, seed=0, dtype=torch.float32)
+    chunks = [(5, 64)] * 4 + [(4, 64)]
+    with _Casts() as casts, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lora_linear(x, blocks, a, b, 0.5, qtype="Q4_0", chunk_rows=5)
+        assert casts.shapes(64) == [(3, 64)] * 2 + chunks
+        decoded = torch.cat(casts.made[-len(chunks) - 1 : -1])  # the last: B for its product
+        assert torch.equal(decoded, dense.to(torch.bfloat16))
+        casts.made.clear()
+        out.float().sum().backward()
+    assert [s for s in casts.shapes(64) if s[0] != 3] == chunks + [(4, 64)]  # and A
+
+
 def test_quantized_base_under_bf16_autocast() -> None:
     """Training with ``train.dtype = bfloat16`` over Q4_0 blocks in chunks of 5 rows: output
     bf16, gradients float32, within bf16 rounding of the float32 op on the dequantized W

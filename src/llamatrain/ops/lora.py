@@ -133,6 +133,15 @@ def _whole(
     return qtype is None and weight.dtype == x.dtype and chunk_rows is None
 
 
+def _in_matmul_dtype(operand: torch.Tensor) -> torch.Tensor:
+    """``operand`` in the dtype its matmuls with widened chunks of W run in: autocast's, if
+    on, else its own: cast once here, where autocast would cast it again for each chunk's
+    product; the chunks are then widened straight to that dtype (the float32 decode rounded
+    once, as autocast's cast of a float32 chunk gives)."""
+    dtype = autocast_dtype(operand.device.type)
+    return operand if dtype is None else operand.to(dtype)
+
+
 def base_forward(
     rows: torch.Tensor, weight: torch.Tensor, qtype: str | None, n_in: int, chunk_rows: int | None
 ) -> torch.Tensor:
@@ -140,6 +149,7 @@ def base_forward(
     (one chunk when W fits in one: its product is y, not copied into y)."""
     if _whole(weight, qtype, rows, chunk_rows):
         return torch.mm(rows, weight.t())
+    rows = _in_matmul_dtype(rows)
     if weight.shape[0] <= rows_per_chunk(n_in, chunk_rows):
         return torch.mm(rows, dense_weight(weight, qtype, n_in, rows.dtype).t())
     y = None
@@ -172,6 +182,7 @@ def _base_backward(
     chunk's product is made in G's precision and added in float32."""
     if _whole(weight, qtype, g, chunk_rows):
         return torch.mm(g, weight)
+    g = _in_matmul_dtype(g)
     total = torch.promote_types(g.dtype, torch.float32)
     fused = g.dtype == total and not torch.is_autocast_enabled(g.device.type)
     dx = None
