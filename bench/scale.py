@@ -42,9 +42,10 @@ and reports medians. Results: a table and
 ``bench/results/scale.json``.
 
 Usage: ``python bench/scale.py [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-2-7b]
-[--types q4_0,q8_0,q4_k_m] [--modes qlora,lora-bf16,lora-f32,full] [--tokens 64] [--threads 2]
-[--rounds 1] [--work DIR] [--keep] [--json PATH]``. Needs llama-cpp-python and llama.cpp's
-vocabulary files (``pytest tests/integration/test_llama_cpp_vocabs.py`` fetches them once).
+[--types q4_0,q8_0,q4_k_m] [--modes qlora,qlora-bf16,lora-bf16,lora-f32,full] [--tokens 64]
+[--threads 2] [--rounds 1] [--work DIR] [--keep] [--json PATH]``. Needs llama-cpp-python and
+llama.cpp's vocabulary files (``pytest tests/integration/test_llama_cpp_vocabs.py`` fetches
+them once).
 The 7B rows need ~8 GB of memory and, for Q4_K_M, ~17 GB of disk (its f16 source); the
 ``full`` and ``lora-f32`` modes of 1B-8B shapes up to 20 GB (or a refusal); not part of the
 test suite.
