@@ -24,6 +24,7 @@ from llamatrain.build import (
     RunModel,
     build_base_reference,
     build_model,
+    export_type_of,
     fresh_run,
     load_tokenizer,
     model_to_export,
@@ -399,18 +400,23 @@ EXPORT_FORMATS = ("gguf", "hf")
 """``export``'s formats: a GGUF llama.cpp runs, or an HF folder transformers loads."""
 
 
-def export(source: str | Path, path: str | Path, type: str = "f32", format: str = "gguf") -> Path:
+def export(
+    source: str | Path, path: str | Path, type: str = AUTO_EXPORT_TYPE, format: str = "gguf"
+) -> Path:
     """Export a run folder (its latest checkpoint), a checkpoint, a GGUF model or an HF folder
     as a GGUF llama.cpp runs (its tensors stored as ``type``) or, with ``format="hf"``, as an
     HF folder (float32), keeping the keys of the model it was finetuned from; what the run did
     goes into the GGUF's ``general.*`` keys or the folder's README.md model card
-    (``llamatrain.model_card``)."""
+    (``llamatrain.model_card``). ``type="auto"``: the type a run chose for its own export (q8_0
+    for a QLoRA run), f32 for anything else (``build.export_type_of``)."""
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
-    if format == "hf" and type != "f32":
+    if format == "hf" and type not in ("f32", AUTO_EXPORT_TYPE):
         raise ConfigError(
             f"an HF export stores float32 safetensors; the type {type!r} is for GGUF exports"
         )
+    if type == AUTO_EXPORT_TYPE:
+        type = "f32" if format == "hf" else export_type_of(source)
     require_quantizer(type)
     model, tokenizer, inherited = model_to_export(source)
     card = export_card(source, inherited)

@@ -40,6 +40,7 @@ from llamatrain.checkpoint import (
     CheckpointManager,
     check_compatible,
     load_checkpoint,
+    recorded_export_type,
 )
 from llamatrain.config import Config
 from llamatrain.data import TrainData
@@ -47,6 +48,7 @@ from llamatrain.data.cache import sha256_file
 from llamatrain.device import resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
 from llamatrain.gguf.adapter import target_suffixes
+from llamatrain.gguf.export_types import ALL_EXPORT_TYPES
 from llamatrain.gguf.file import map_stored, read_gguf, read_tensors_into, verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_vocab
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, read_hf_folder
@@ -94,6 +96,7 @@ __all__ = [
     "fresh_run",
     "load_tokenizer",
     "lora_run_model",
+    "export_type_of",
     "model_to_export",
     "prepare",
     "read_model_source",
@@ -180,6 +183,22 @@ def model_to_export(path: str | Path) -> tuple[Llama, Tokenizer, dict[str, Any]]
         return build_model(opened), opened.tokenizer, dict(opened.inherited)
     checkpoint, base = opened
     return lora_run_model(checkpoint, base), checkpoint.tokenizer, checkpoint.state.inherited
+
+
+def export_type_of(path: str | Path) -> str:
+    """The ggml type ``export`` writes ``path`` as when none is named (``--type auto``).
+
+    A run's checkpoint (or run folder): the type the run chose for its own export, which its
+    config records (``gguf.export_types.merged_export_type``: q8_0 over a quantized base, the
+    base's float type, f32 for a model trained whole), so a QLoRA run exported later is not
+    silently widened to float32 (27 GB for a 7B over a 3.5 GB Q4_0 base). Anything else (a
+    GGUF model, an HF folder, a checkpoint from before runs recorded it): f32, its weights as
+    they are computed.
+    """
+    if is_hf_folder(path):
+        return "f32"
+    recorded = recorded_export_type(read_gguf(model_file(path), tensor_data=False).metadata)
+    return recorded if recorded in ALL_EXPORT_TYPES else "f32"
 
 
 def _open_source(path: str | Path) -> LlamaFile | tuple[Checkpoint, LlamaFile]:

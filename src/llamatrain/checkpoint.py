@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -455,6 +457,16 @@ def _counter(meta: dict, key: str) -> int:
     if not _is_count(value):
         raise _damaged_key(key, "is not a non-negative integer")
     return value
+
+
+def recorded_export_type(meta: Mapping[str, Any]) -> str | None:
+    """The ``output.export_type`` a checkpoint's run recorded (already made concrete from
+    ``auto`` when the run started), or None: not a checkpoint, or none recorded."""
+    if "training.config" not in meta:
+        return None
+    output = _json_state(dict(meta), "training.config").get("output")
+    chosen = output.get("export_type") if isinstance(output, dict) else None
+    return chosen if isinstance(chosen, str) else None
 
 
 def _json_state(meta: dict, key: str) -> dict:

@@ -17,7 +17,12 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from llamatrain.errors import ConfigError, GGUFError, LlamatrainError, shown
-from llamatrain.gguf.export_types import ALL_EXPORT_TYPES, EXPORT_TYPES, QUANTIZER_TYPES
+from llamatrain.gguf.export_types import (
+    AUTO_EXPORT_TYPE,
+    EXPORT_TYPES,
+    QUANTIZER_TYPES,
+    RUN_EXPORT_TYPES,
+)
 from llamatrain.sampling import SamplingError, SamplingParams
 
 GENERATING = {
@@ -262,7 +267,7 @@ def _export(args: argparse.Namespace) -> None:
     from llamatrain import api
 
     if args.adapter:
-        if args.type != "f32":
+        if args.type not in ("f32", AUTO_EXPORT_TYPE):
             raise ConfigError("--adapter writes the adapter in float32; drop --type")
         path = api.export_adapter(args.checkpoint, args.output, format=args.format)
         if args.format == "hf":
@@ -273,8 +278,13 @@ def _export(args: argparse.Namespace) -> None:
     path = api.export(args.checkpoint, args.output, type=args.type, format=args.format)
     if args.format == "hf":
         print(f"wrote {path}/ (HF checkpoint folder, float32)")
-    else:
-        print(f"wrote {path} ({path.stat().st_size:,} bytes, {args.type})")
+        return
+    chosen = args.type
+    if chosen == AUTO_EXPORT_TYPE:  # what api.export chose
+        from llamatrain.build import export_type_of
+
+        chosen = export_type_of(args.checkpoint)
+    print(f"wrote {path} ({path.stat().st_size:,} bytes, {chosen})")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -408,11 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument(
         "--type",
-        choices=ALL_EXPORT_TYPES,
-        default="f32",
+        choices=RUN_EXPORT_TYPES,
+        default=AUTO_EXPORT_TYPE,
         metavar="TYPE",
-        help=f"{', '.join(EXPORT_TYPES)} (default f32), or through llama.cpp's quantizer "
-        f"(pip install 'llamatrain[quantize]') {', '.join(QUANTIZER_TYPES)}",
+        help=f"{', '.join(EXPORT_TYPES)}, or through llama.cpp's quantizer (pip install "
+        f"'llamatrain[quantize]') {', '.join(QUANTIZER_TYPES)}; default auto: a run's as its "
+        "own export chose (q8_0 over a quantized base, the base's float type, f32 for a model "
+        "trained whole), f32 for a model file or HF folder",
     )
     ex.add_argument(
         "--adapter",

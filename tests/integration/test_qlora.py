@@ -30,6 +30,7 @@ from random_models import tiny_llama
 
 from llamatrain import api, build, grpo_rollout
 from llamatrain.build import build_lora_base
+from llamatrain.cli import main
 from llamatrain.data import SONNETS_PATH
 from llamatrain.gguf.export_types import merged_export_type
 from llamatrain.gguf.file import read_gguf
@@ -353,9 +354,25 @@ def test_exporting_a_lora_run_merges_over_the_base_as_its_file_stores_it(
         build, "build_lora_base", lambda *a, **k: built.append(a[1]) or build_lora_base(*a, **k)
     )
     merged = MergedWeights(monkeypatch)
-    path = api.export(q4_0_run.run_dir, tmp_path / "merged.gguf")
+    path = api.export(q4_0_run.run_dir, tmp_path / "merged.gguf", type="f32")
     assert built == ["quantized"] and merged.peak == 1 and merged.live == 0
     exported = read_gguf(path).tensors
     loaded, _ = api.load(q4_0_run.run_dir)
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_exporting_a_quantized_run_names_no_type_and_gets_the_runs_own_q8_0(
+    q4_0_run, tmp_path, capsys
+) -> None:
+    """``llamatrain export RUN`` with no ``--type`` writes what the run chose for its own export
+    (its config.toml's ``output.export_type``: q8_0 over a Q4_0 base), never a silent float32
+    4x the base's size; a model file with no type stays f32."""
+    out = tmp_path / "merged.gguf"
+    assert main(["export", str(q4_0_run.run_dir), "-o", str(out)]) == 0
+    assert "q8_0)" in capsys.readouterr().out
+    types = read_gguf(out, tensor_data=False).tensor_types
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.ffn_down.weight"] == "Q8_0"
+    again = tmp_path / "again.gguf"
+    assert main(["export", str(out), "-o", str(again)]) == 0
+    assert read_gguf(again, tensor_data=False).tensor_types["blk.0.attn_q.weight"] == "F32"
