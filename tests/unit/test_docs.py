@@ -110,7 +110,7 @@ def test_cli_reference_lists_every_argument_of_every_command():
             shown = action.option_strings[-1] if action.option_strings else action.dest
             assert f"`{shown}" in section or f", {shown}" in section, (name, shown)
     assert "| `--resume PATH|latest` |  | continue from a checkpoint" in block
-    assert "| `--type TYPE` | `f32` |" in block
+    assert "| `--type TYPE` | `auto` |" in block
     assert "| `--data DATA` | required | text file to score |" in block
 
 
