@@ -265,8 +265,12 @@ def _kept(key: str) -> bool:
 def read_lora_adapter(source: GGUFSource) -> LoraAdapter:
     """Read a LoRA adapter GGUF (ours or llama.cpp's converter's) back; GGUFError for a file
     that is not one, holds tensors other than A/B pairs, or pairs that do not fit. A LoRA
-    checkpoint's state tensors (``CHECKPOINT_TENSOR_PREFIXES``) stay in ``contents``."""
-    contents = load_tensor_data(source) if isinstance(source, GGUFContents) else read_gguf(source)
+    checkpoint's state tensors (``CHECKPOINT_TENSOR_PREFIXES``) stay in ``contents``, unread
+    when ``source`` is a parsed header (the checkpoint reads what it needs of them)."""
+    if isinstance(source, GGUFContents):
+        contents = load_tensor_data(source, skip=CHECKPOINT_TENSOR_PREFIXES)
+    else:
+        contents = read_gguf(source)
     meta, p = contents.metadata, contents.path
     kind = (meta.get("general.type"), meta.get("adapter.type"))
     if kind != ("adapter", "lora"):

@@ -548,10 +548,13 @@ def read_gguf(path: str | os.PathLike[str], *, tensor_data: bool = True) -> GGUF
     return contents
 
 
-def load_tensor_data(contents: GGUFContents) -> GGUFContents:
+def load_tensor_data(contents: GGUFContents, *, skip: tuple[str, ...] = ()) -> GGUFContents:
     """Read the data of every tensor of a header-only ``contents`` still left as a meta
-    placeholder (none for one read whole), in place; returns ``contents``."""
-    missing = {name: t for name, t in contents.tensors.items() if t.is_meta}
+    placeholder (none for one read whole), in place; returns ``contents``. Tensors whose
+    names start with one of ``skip`` stay placeholders (for a later call to read)."""
+    missing = {
+        name: t for name, t in contents.tensors.items() if t.is_meta and not name.startswith(skip)
+    }
     if missing:
         data = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in missing.items()}
         _read_all_into(contents.path, [contents.infos[name] for name in data], data)
