@@ -236,14 +236,16 @@ class LoraLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """W + s·B·A in the adapters' dtype, summed in float32 at least (one rounding): a
-        Linear's own dtype; float32 over a bf16/f16/quantized base, which is widened, so
-        the merged model is a plain float32 one. One addmm: no weight-sized B·A beside the
-        base and the result (a merge streams a tensor at a time, so this is its peak)."""
+    def merged_weight(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` (all by default) of W + s·B·A in the adapters' dtype, summed in
+        float32 at least (one rounding): a Linear's own dtype; float32 over a bf16/f16/quantized
+        base, which is widened, so the merged model is a plain float32 one. One addmm: no
+        weight-sized B·A beside the base and the result. Rows, because a streaming writer
+        encodes a chunk of them at a time: a 7B's largest merged weight is 180 MB of float32,
+        twice that while summed, the export's peak when produced whole."""
         dtype = torch.promote_types(self.lora_a.dtype, torch.float32)
-        base = dense_weight(self.weight, self.qtype, self.lora_a.shape[1], dtype)
-        a, b = self.lora_a.to(dtype), self.lora_b.to(dtype)
+        base = dense_weight(self.weight[start:stop], self.qtype, self.lora_a.shape[1], dtype)
+        a, b = self.lora_a.to(dtype), self.lora_b[start:stop].to(dtype)
         return torch.addmm(base, b, a, alpha=self.scale).to(self.lora_a.dtype)
 
     def extra_repr(self) -> str:
@@ -405,9 +407,9 @@ def load_lora_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) 
 def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor | DeferredTensor]:
     """Every tensor of the plain model ``model`` stands for, in its state-dict order, without
     building it: an adapted weight as a :class:`DeferredTensor` whose ``read()`` computes
-    W + s·B·A then (:meth:`LoraLinear.merged_weight`), every other tensor as it is (detached,
-    not copied); the adapter factors are left out. A model without adapters gives its own
-    tensors.
+    W + s·B·A then (:meth:`LoraLinear.merged_weight`; its ``rows`` a chunk of rows of it),
+    every other tensor as it is (detached, not copied); the adapter factors are left out. A
+    model without adapters gives its own tensors.
 
     Why deferred: merged weights are float32 over any base, so merging a 7B model at once
     would hold 27 GB beside the base; a streaming writer (``llamatrain.gguf.file.write_gguf``)
@@ -428,7 +430,8 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor | DeferredTensor]
         if name in adapted:
             module = adapted[name]
             shape = (module.lora_b.shape[0], module.lora_a.shape[1])
-            tensors[name] = DeferredTensor(shape, module.lora_a.dtype, module.merged_weight)
+            merged = module.merged_weight
+            tensors[name] = DeferredTensor(shape, module.lora_a.dtype, merged, merged)
         elif name in tables:
             table = tables[name]
             shape = (table.weight.shape[0], table.dim)

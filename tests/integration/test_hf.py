@@ -302,7 +302,9 @@ def test_a_large_export_is_written_a_shard_at_a_time(hf_models, tmp_path, monkey
     for _, module in lora_modules(model):
         torch.nn.init.normal_(module.lora_b, std=0.05)
     read, merged_weight = [], LoraLinear.merged_weight
-    monkeypatch.setattr(LoraLinear, "merged_weight", lambda m: read.append(m) or merged_weight(m))
+    monkeypatch.setattr(
+        LoraLinear, "merged_weight", lambda m, *rows: read.append(m) or merged_weight(m, *rows)
+    )
     out = api.export_hf(model, tokenizer, tmp_path / "out")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))

@@ -20,6 +20,8 @@ from gguf import quants as gguf_quants
 from llamatrain import activation_checkpointing as ac
 from llamatrain.build import build_lora_base
 from llamatrain.errors import ConfigError, GGUFError
+from llamatrain.gguf import file as gguf_file
+from llamatrain.gguf.file import DeferredTensor, write_gguf
 from llamatrain.gguf.llama import LlamaFile
 from llamatrain.lora import (
     ALL_TARGETS,
@@ -29,6 +31,7 @@ from llamatrain.lora import (
     lora_modules,
     lora_state_dict,
     merge_lora,
+    merged_tensors,
     store_frozen_targets,
     stored_type,
     trainable_parameter_count,
@@ -297,6 +300,30 @@ def test_a_frozen_narrow_base_is_the_float32_model_on_its_stored_values(qtype: s
     merged, merged_reference = merge_lora(narrow).state_dict(), merge_lora(reference).state_dict()
     for name, tensor in merged_reference.items():
         assert merged[name].dtype == torch.float32 and torch.allclose(merged[name], tensor), name
+
+
+def test_a_merged_weight_is_written_a_chunk_of_rows_at_a_time(tmp_path, monkeypatch) -> None:
+    """A merged weight of a Q8_0 base is encoded 8 rows at a time from its ``rows`` (never
+    merged whole: a 7B's largest is 180 MB of float32, twice that while summed) to the bytes
+    of the whole merged weight written at once; each chunk is that weight's rows."""
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(**{**SMALL, **QUANT_SHAPES}))
+    narrow = adapted_alike(with_frozen_targets(model, q8_0, "Q8_0"))
+    monkeypatch.setattr(gguf_file, "CHUNK_VALUES", 8 * QUANT_SHAPES["dim"])
+    tensors = merged_tensors(narrow)
+    whole = merge_lora(narrow).state_dict()
+    for name in ("blk.0.attn_q.weight", "blk.2.ffn_down.weight"):
+        merged = tensors[name]
+        assert isinstance(merged, DeferredTensor) and merged.rows is not None
+        assert torch.equal(merged.rows(8, 16), whole[name][8:16])
+
+        def never() -> torch.Tensor:
+            raise AssertionError("the merged weight was produced whole")
+
+        streamed = DeferredTensor(merged.shape, merged.dtype, never, merged.rows)
+        a = write_gguf(tmp_path / "a.gguf", "llama", {}, {name: (streamed, "q8_0")})
+        b = write_gguf(tmp_path / "b.gguf", "llama", {}, {name: (whole[name], "q8_0")})
+        assert a.read_bytes() == b.read_bytes()
 
 
 def test_quantized_keeps_only_types_it_can_read_and_needs_a_gguf_base() -> None:
