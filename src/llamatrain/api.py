@@ -62,6 +62,7 @@ from llamatrain.model_card.general_keys import with_general_keys
 from llamatrain.model_card.readme import readme
 from llamatrain.model_config import tensor_shapes
 from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
+from llamatrain.ops.decode_kernels import compiled_decoding
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
 from llamatrain.rewards import RewardFunction
 from llamatrain.runlock import run_lock, set_aside_previous_run
@@ -244,6 +245,7 @@ def _fit_locked(
     with (
         out_of_memory_in("in a training step, an evaluation or a save", cfg, plan),
         denormals_flushed(),
+        compiled_decoding(cfg.lora.decode, prepared.device),
     ):
         history = trainer.fit()
     model = parallel.whole_model(trainer.model)

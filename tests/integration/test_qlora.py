@@ -39,6 +39,7 @@ from llamatrain.lora import FrozenTable, LoraLinear, decoded_base, lora_modules
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_config import VOCAB_TABLES
+from llamatrain.ops import decode_kernels
 from llamatrain.ops import lora as ops_lora
 from llamatrain.sampling import SamplingParams
 from llamatrain.trainer import held_types
@@ -135,6 +136,24 @@ def test_the_quantized_base_trains_like_its_dequantized_f32_copy(
     ours, theirs = losses(q4_0_run), losses(f32_run)
     assert len(ours) == STEPS and ours[-1] < ours[0]  # it trains
     np.testing.assert_allclose(ours, theirs, rtol=LOSS_RTOL)
+
+
+def test_compiled_decoders_train_the_same_run_bit_for_bit(
+    q4_0_run, quantized_bases, cache_dir, tmp_path, monkeypatch
+) -> None:
+    """``lora.decode = "compiled"`` (the blocks decoded by inductor's kernels, ``ops.
+    decode_kernels``) gives the run of the eager decoders exactly: the same values, the same
+    products. Its losses equal ``q4_0_run``'s (``"auto"``: eager at this size)."""
+    traced = []  # a kernel's Python body runs when dynamo traces it
+    arguments, kernel = decode_kernels._KERNELS["Q4_0"]
+    monkeypatch.setitem(
+        decode_kernels._KERNELS, "Q4_0", (arguments, lambda *a: traced.append(1) or kernel(*a))
+    )
+    overrides = qlora_overrides(cache_dir, tmp_path / "run", quantized_bases["q4_0"], "quantized")
+    monkeypatch.setattr(ops_lora, "CHUNK_BYTES", 1 << 16)  # as q4_0_run's
+    compiled = api.fit("tiny", overrides=[*overrides, 'lora.decode="compiled"'], progress=False)
+    assert traced  # the Q4_0 blocks went through the compiled kernel
+    np.testing.assert_array_equal(losses(compiled), losses(q4_0_run))
 
 
 def test_the_adapted_projections_are_held_at_the_files_size(q4_0_run, quantized_bases) -> None:
@@ -279,8 +298,8 @@ class MergedWeights:
         self.live = self.peak = 0
         merged_weight = LoraLinear.merged_weight
 
-        def counted(module: LoraLinear) -> torch.Tensor:
-            weight = merged_weight(module)
+        def counted(module: LoraLinear, *rows: int | None) -> torch.Tensor:
+            weight = merged_weight(module, *rows)
             self.live += 1
             self.peak = max(self.peak, self.live)
             weakref.finalize(weight, self._dropped)

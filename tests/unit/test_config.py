@@ -176,6 +176,16 @@ def test_type_errors(tmp_path, text, key, expected):
         (["lora.targets=['attn_q', 'wq']"], ["lora.targets", "'wq'", "attn_output, ffn_gate"]),
         (["lora.targets=['ffn_up', 'ffn_up']"], ["lora.targets", "each projection once"]),
         (["lora.targets=[]"], ["lora.targets", "at least one"]),
+        (["lora.decode=fast"], ["lora.decode", "'compiled'", "'fast'"]),
+        (
+            [
+                "lora.rank=8",
+                "model.init_from=base.gguf",
+                "lora.base_dtype=quantized",
+                "train.compile=true",
+            ],
+            ["train.compile = true", "lora.base_dtype = 'quantized'", "set train.compile = false"],
+        ),
     ],
 )
 def test_impossible_values(overrides, fragments):

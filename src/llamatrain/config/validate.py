@@ -84,7 +84,8 @@ def _validate_model(cfg: Config) -> None:
 
 def _validate_lora(cfg: Config) -> None:
     """A LoRA run adapts a trained base; its targets are projections a block has, once each
-    (unset: all of them)."""
+    (unset: all of them); a base kept as blocks is not traced by train.compile (the blocks'
+    byte views are beyond what AOTAutograd takes)."""
     lora = cfg.lora
     if lora.rank > 0 and cfg.model.init_from is None:
         raise ConfigError(
@@ -94,6 +95,13 @@ def _validate_lora(cfg: Config) -> None:
         )
     if lora.targets is not None and (problem := lora_settings_problem(targets=lora.targets)):
         raise ConfigError(f"{problem} {_set_in(cfg, 'lora.targets')}")
+    if lora.rank > 0 and lora.base_dtype == "quantized" and cfg.train.compile:
+        raise ConfigError(
+            f"train.compile = true {_set_in(cfg, 'train.compile', 'lora.base_dtype')} cannot "
+            "trace a base kept as its GGUF blocks (lora.base_dtype = 'quantized'); set "
+            "train.compile = false: the blocks' decoders are compiled on their own "
+            "(lora.decode)"
+        )
 
 
 def _validate_parallel(cfg: Config) -> None:

@@ -301,6 +301,20 @@ _FORMATS: dict[str, tuple[int, int, Decoder]] = {
 
 DEQUANTIZABLE: frozenset[str] = frozenset(_FORMATS)
 
+FastDecoder = Callable[[torch.Tensor, str, torch.dtype], "torch.Tensor | None"]
+"""Decodes ``(n, type_size)`` blocks of a type straight to ``(n, block values)`` of a dtype,
+or returns None to leave them to the decoders here: ``ops.decode_kernels``' compiled ones."""
+
+_fast_decoder: FastDecoder | None = None
+
+
+def set_fast_decoder(decoder: FastDecoder | None) -> FastDecoder | None:
+    """Install ``decoder`` (None: none) to be tried first by :func:`dequantize`; returns the
+    one it replaces, for the caller to put back (``ops.decode_kernels.compiled_decoding``)."""
+    global _fast_decoder
+    before, _fast_decoder = _fast_decoder, decoder
+    return before
+
 
 def _format(qtype: str) -> tuple[int, int, Decoder]:
     if qtype not in _FORMATS:
@@ -330,7 +344,9 @@ def dequantize(
     Computed in float32 exactly as ggml does and cast last, so a half-precision result is
     the float32 one rounded once. ``out``: a contiguous float32 ``(rows, n_cols)`` tensor to
     decode into (and return, cast to ``dtype``), for a caller that decodes chunk after chunk
-    into one buffer; None decodes into a new tensor.
+    into one buffer; None decodes into a new tensor. An installed fast decoder
+    (:func:`set_fast_decoder`) that takes the blocks returns the same values in a new tensor,
+    ``out`` unused.
     """
     block_size, type_size, decode = _format(qtype)
     expected = row_bytes(qtype, n_cols)
@@ -340,6 +356,10 @@ def dequantize(
             f"got {blocks.dtype} {tuple(blocks.shape)}"
         )
     shape = (blocks.shape[0], n_cols)
+    if _fast_decoder is not None:
+        values = _fast_decoder(blocks.reshape(-1, type_size), qtype, dtype)
+        if values is not None:
+            return values.view(shape)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=blocks.device)
     elif out.dtype != torch.float32 or out.shape != shape or not out.is_contiguous():

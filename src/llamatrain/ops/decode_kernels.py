@@ -1,0 +1,147 @@
+"""GGUF blocks decoded in one compiled pass per chunk (``torch.compile``), for QLoRA at real sizes.
+
+Why: the eager decoders (:mod:`llamatrain.ops.dequantize`) are several PyTorch ops over every
+chunk of a frozen weight (bit fields split, widened, scaled, cast), each a pass through memory:
+~0.8 ns a weight on this project's 2-core machine, where the bf16 product of a 64-token step
+costs ~0.15 ns a weight. A QLoRA step decodes every base weight twice (forward and backward),
+so decoding was over half of a 64-token step at Llama-3.2-1B's shape. Inductor turns the
+per-value work into one loop that reads the bytes once and writes the values once, in the
+compute dtype: ~0.3 ns a weight (``bench/dequantize.py``).
+
+Same values, bit for bit: each kernel is its eager decoder's arithmetic, in ggml's order (the
+integer quant, then ``d·q`` and ``+ m`` / ``- m``, each rounded to float32), cast once at the
+end; the small per-block fields (float16 scales, the K-quants' 6-bit scales) are read by the
+eager helpers first (a sixteenth of the data or less). Formats without a kernel here decode
+eagerly.
+
+When (:func:`compiled_decoding`, entered by ``api.fit`` from ``lora.decode``): "compiled"
+always; "auto" on the CPU, for chunks of at least :data:`AUTO_MIN_VALUES` values — real sizes,
+where a compile of a few seconds per format (cached on disk by inductor across runs) is repaid
+within a step; "eager" never. A machine where inductor cannot build (no C++ compiler) decodes
+eagerly after one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+
+from llamatrain.errors import LlamatrainWarning
+from llamatrain.ops.dequantize import _f16, _format, set_fast_decoder
+
+__all__ = ["AUTO_MIN_VALUES", "DECODE_MODES", "KERNEL_TYPES", "compiled_decoding"]
+
+DECODE_MODES = ("auto", "compiled", "eager")
+
+AUTO_MIN_VALUES = 1 << 20
+"""Values a chunk needs for ``"auto"`` to decode it compiled: a 1024-wide weight's 1024 rows.
+Below that a model is small enough that its eager decoding is cheap next to a compile."""
+
+Kernel = Callable[..., torch.Tensor]
+
+
+def _q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.to(torch.float32) * d).to(dtype)
+
+
+def _fields(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The ``bits``-wide fields of every byte, field ``i`` (bits ``bits·i`` up) as index ``i``
+    of a new dimension ``dim`` (negative), as int32.
+
+    Written as a broadcast shift, not a stack of shifted copies: inductor then makes the
+    decode one loop over the values, whose inner run is a row of bytes, vectorized (a stack
+    is materialized first, and a flat index into repeated bytes defeats vectorization)."""
+    shape = [1] * (packed.dim() + 1)
+    shape[dim] = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device).view(shape)
+    return (packed.to(torch.int32).unsqueeze(dim) >> shifts) & ((1 << bits) - 1)
+
+
+def _q4_0(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q = _fields(qs, 4, -2) - 8  # (n, 2, 16): the low nibbles are values 0-15
+    return (q.to(torch.float32) * d.unsqueeze(-1)).to(dtype)
+
+
+def _q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q = _fields(qs, 4, -2).to(torch.float32)
+    return (q * d.unsqueeze(-1) + m.unsqueeze(-1)).to(dtype)
+
+
+def _f16_scale(blocks: torch.Tensor, start: int = 0) -> torch.Tensor:
+    return _f16(blocks[:, start : start + 2])
+
+
+def _args_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return blocks[:, 2:].view(torch.int8), _f16_scale(blocks)
+
+
+def _args_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return blocks[:, 2:], _f16_scale(blocks)
+
+
+def _args_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return blocks[:, 4:], _f16_scale(blocks), _f16_scale(blocks, 2)
+
+
+_KERNELS: dict[str, tuple[Callable[[torch.Tensor], tuple[torch.Tensor, ...]], Kernel]] = {
+    "Q8_0": (_args_q8_0, _q8_0),
+    "Q4_0": (_args_q4_0, _q4_0),
+    "Q4_1": (_args_q4_1, _q4_1),
+}
+"""ggml type -> (its blocks' arguments for the kernel, read eagerly; the kernel)."""
+
+KERNEL_TYPES: frozenset[str] = frozenset(_KERNELS)
+
+
+class _Decoders:
+    """The compiled kernels, made on first use; off for good after a compile fails."""
+
+    def __init__(self, min_values: int) -> None:
+        self.min_values = min_values
+        self.compiled: dict[str, Kernel] = {}
+        self.failed = False
+
+    def decode(self, blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """``(n, type_size)`` blocks as ``(n, block values)`` ``dtype``, or None where this
+        chunk is left to the eager decoder (no kernel, too small, or no compiler)."""
+        block_size, _, _ = _format(qtype)
+        if self.failed or qtype not in _KERNELS or blocks.shape[0] * block_size < self.min_values:
+            return None
+        arguments, kernel = _KERNELS[qtype]
+        if qtype not in self.compiled:
+            self.compiled[qtype] = torch.compile(kernel, dynamic=True)
+        try:
+            values = self.compiled[qtype](*arguments(blocks), dtype)
+        except Exception as e:  # inductor's errors have no common base: a missing compiler,
+            self.failed = True  # a failed build, a backend error
+            warnings.warn(
+                f"the compiled GGUF decoders are unavailable here ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); decoding with PyTorch ops, "
+                'slower; lora.decode = "eager" skips the attempt',
+                LlamatrainWarning,
+                stacklevel=2,
+            )
+            return None
+        return values.reshape(blocks.shape[0], block_size)
+
+
+@contextlib.contextmanager
+def compiled_decoding(mode: str, device: torch.device | str) -> Iterator[None]:
+    """Within it, :func:`llamatrain.ops.dequantize.dequantize` decodes the formats of
+    :data:`KERNEL_TYPES` with the compiled kernels as ``mode`` says (see the module
+    docstring); the decoders in place before are put back after."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode mode must be one of {DECODE_MODES}, got {mode!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    if mode == "eager" or (mode == "auto" and not on_cpu):
+        yield
+        return
+    decoders = _Decoders(0 if mode == "compiled" else AUTO_MIN_VALUES)
+    before = set_fast_decoder(decoders.decode)
+    try:
+        yield
+    finally:
+        set_fast_decoder(before)
