@@ -8,6 +8,9 @@ it runs, on one matrix of a real model's size (default 2048 x 8192, Llama-3.2-1B
 * ``decode``: ``dequantize`` of the whole matrix into a new tensor;
 * ``decode chunks``: the matrix in ``ops.lora``'s row chunks (``CHUNK_BYTES`` of float32),
   as a QLoRA matmul decodes it (no autograd graph: each chunk into one reused buffer);
+  ``bf16 chunks`` the same decoded to bf16 (a step under bf16 autocast);
+* ``compiled …``: the rows above with the compiled kernels (``ops.decode_kernels``) for the
+  types that have one, checked to decode the same values;
 * ``x.W^T`` / ``G.W``: the base product of the forward and of the backward (``--tokens``
   rows of x / G), chunk decode included;
 * ``f32 x.W^T`` / ``f32 G.W``: the same products over the matrix already in float32: the
@@ -39,6 +42,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from llamatrain.ops.decode_kernels import KERNEL_TYPES, compiled_decoding
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -87,12 +92,31 @@ def cases(
         for _ in lora.row_chunks(blocks, qtype, n_in, torch.float32, None):
             pass
 
+    def bf16_chunks() -> None:
+        for _ in lora.row_chunks(blocks, qtype, n_in, torch.bfloat16, None):
+            pass
+
     return {
         f"{label} decode": lambda: dequantize.dequantize(blocks, qtype, n_in),
         f"{label} decode chunks": chunks,
+        f"{label} bf16 chunks": bf16_chunks,
         f"{label} x.W^T": lambda: lora.base_forward(x, blocks, qtype, n_in, None),
         f"{label} G.W": lambda: lora._base_backward(g, blocks, qtype, n_in, None),
     }
+
+
+def compiled(fns: dict[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
+    """The same rows with the blocks decoded by the compiled kernels (``lora.decode =
+    "compiled"``, ``ops.decode_kernels``)."""
+
+    def within(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            with compiled_decoding("compiled", "cpu"):
+                return fn()
+
+        return run
+
+    return {f"{name.replace('tree', 'compiled', 1)}": within(fn) for name, fn in fns.items()}
 
 
 def cpu_medians(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -116,6 +140,11 @@ def measure(qtype: str, shape: tuple[int, int], args: argparse.Namespace, revisi
     x, g = torch.randn(args.tokens, shape[1]), torch.randn(args.tokens, shape[0])
     dense = tree_dequantize.dequantize(blocks, qtype, shape[1])
     fns = cases("tree", tree_dequantize, tree_lora, blocks, qtype, x, g)
+    if qtype in KERNEL_TYPES:
+        with compiled_decoding("compiled", "cpu"):
+            if not torch.equal(tree_dequantize.dequantize(blocks, qtype, shape[1]), dense):
+                raise SystemExit(f"{qtype}: the compiled kernel decodes other values")
+        fns |= compiled(fns)
     if revision is not None:
         if not torch.equal(revision[0].dequantize(blocks, qtype, shape[1]), dense):
             raise SystemExit(f"{qtype}: this tree decodes other values than {args.against}")

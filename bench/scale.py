@@ -25,7 +25,9 @@ Method. For each shape and type, in turns (one command):
   evaluation, sample, checkpoints or export, trained as each of ``--modes`` says (``MODES``:
   ``qlora``, the default, is ``lora.rank = 8`` over the file's blocks, ``qlora-bf16`` the same
   under bf16 autocast (``train.dtype = "bfloat16"``: the blocks decoded to bf16, the products
-  on the CPU's bf16 matrix units where it has them, AMX); ``lora-bf16`` and
+  on the CPU's bf16 matrix units where it has them, AMX); ``qlora-eager`` and
+  ``qlora-bf16-eager`` the same two with the blocks decoded by PyTorch ops (``lora.decode =
+  "eager"``) instead of the compiled kernels that ``"auto"`` takes at these sizes; ``lora-bf16`` and
   ``lora-f32`` the same adapters over a base widened to bf16 / float32; ``full`` the whole
   model, float32 with AdamW); ``Trainer.train_step`` is wrapped to time each step (wall and
   process CPU) and the second step is reported (the first runs allocations and caches once);
@@ -81,13 +83,20 @@ GB = 1e9
 MODES: dict[str, dict[str, object]] = {
     "qlora": {"lora.rank": 8, "lora.base_dtype": "quantized"},
     "qlora-bf16": {"lora.rank": 8, "lora.base_dtype": "quantized", "train.dtype": "bfloat16"},
+    "qlora-eager": {"lora.rank": 8, "lora.base_dtype": "quantized", "lora.decode": "eager"},
+    "qlora-bf16-eager": {
+        "lora.rank": 8,
+        "lora.base_dtype": "quantized",
+        "train.dtype": "bfloat16",
+        "lora.decode": "eager",
+    },
     "lora-bf16": {"lora.rank": 8, "lora.base_dtype": "bf16"},
     "lora-f32": {"lora.rank": 8, "lora.base_dtype": "f32"},
     "full": {"lora.rank": 0},
 }
 """How ``ours`` trains: the settings each ``--modes`` name adds to the run."""
 HEADER = (
-    f"{'shape':<13} {'type':<6} {'mode':<9} {'file GB':>7} {'write s':>7} {'cpp s':>6} "
+    f"{'shape':<13} {'type':<6} {'mode':<16} {'file GB':>7} {'write s':>7} {'cpp s':>6} "
     f"{'cpp cpu':>7} {'cpp all s':>9} {'ours s':>7} {'ours cpu':>8} {'x wall':>6} {'x cpu':>6} "
     f"{'x all':>5} {'s/1k tok':>8} "
     f"{'peak GB':>7} {'x file':>6} {'cpp GB':>6} {'to step 1 s':>11} {'load':>5}"
@@ -284,7 +293,7 @@ def summary(
 def row_text(row: dict) -> str:
     cpp, ours = row["llama_cpp"], row["ours"]
     start = (
-        f"{row['shape']:<13} {row['type']:<6} {row['mode']:<9} {row['file_bytes'] / GB:>7.2f} "
+        f"{row['shape']:<13} {row['type']:<6} {row['mode']:<16} {row['file_bytes'] / GB:>7.2f} "
         f"{row['write_seconds']:>7.1f} {cpp['seconds']:>6.2f} {cpp['cpu_seconds']:>7.2f} "
         f"{cpp['all_seconds']:>9.2f} "
     )

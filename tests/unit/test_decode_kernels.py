@@ -5,7 +5,8 @@
   (gguf-py's quantization of random rows) and on blocks of every byte value with scales of
   both signs, tiny and large;
 * ``"auto"`` compiles only chunks of real size and only on the CPU; ``"eager"`` never;
-* a machine where inductor cannot build decodes eagerly after one warning, the same values;
+* a machine where inductor cannot build decodes eagerly after one warning, the same values,
+  for the rest of the process;
 * the scope puts back what was installed before.
 
 Each kernel compiles in seconds the first time (inductor caches it on disk for later runs).
@@ -56,8 +57,10 @@ class Calls:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
-        for qtype, (arguments, kernel) in list(decode_kernels._KERNELS.items()):
-            monkeypatch.setitem(decode_kernels._KERNELS, qtype, (arguments, self._counted(kernel)))
+        monkeypatch.setattr(decode_kernels, "_compiled", {})  # compiled again, counted
+        for qtype, (arguments, kernel, runs) in list(decode_kernels._KERNELS.items()):
+            counted = (arguments, self._counted(kernel), runs)
+            monkeypatch.setitem(decode_kernels._KERNELS, qtype, counted)
 
     def _counted(self, kernel):
         def counted(*args):
@@ -70,14 +73,20 @@ class Calls:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
 def test_a_compiled_decode_is_the_eager_one_bit_for_bit(qtype: str, dtype: torch.dtype) -> None:
+    """Into a new tensor, and into the memory of a caller's float32 buffer (chunk after chunk
+    into one buffer, as ``ops.lora`` decodes)."""
     for blocks in (real_blocks(qtype), every_byte_blocks(qtype)):
         want = dequantize(blocks, qtype, COLS, dtype=dtype)
+        buffer = torch.empty(ROWS, COLS)
         with warnings.catch_warnings():
             warnings.simplefilter("error", LlamatrainWarning)  # no fallback to eager
             with compiled_decoding("compiled", "cpu"):
-                got = dequantize(blocks, qtype, COLS, dtype=dtype, out=torch.empty(ROWS, COLS))
-        assert got.dtype == dtype and got.shape == (ROWS, COLS)
-        assert torch.equal(got, want)
+                new = dequantize(blocks, qtype, COLS, dtype=dtype)
+                into = dequantize(blocks, qtype, COLS, dtype=dtype, out=buffer)
+        for got in (new, into):
+            assert got.dtype == dtype and got.shape == (ROWS, COLS)
+            assert torch.equal(got, want)
+        assert into.data_ptr() == buffer.data_ptr()
 
 
 def test_auto_compiles_real_sizes_on_the_cpu_only(monkeypatch) -> None:
@@ -107,6 +116,8 @@ def test_without_a_compiler_it_decodes_eagerly_after_one_warning(monkeypatch) ->
         return fails
 
     monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(decode_kernels, "_compiled", {})
+    monkeypatch.setattr(decode_kernels, "_failed", [])  # this process's state, put back after
     blocks = real_blocks("Q4_0")
     want = dequantize(blocks, "Q4_0", COLS, dtype=torch.bfloat16)
     with compiled_decoding("compiled", "cpu"):
@@ -116,6 +127,9 @@ def test_without_a_compiler_it_decodes_eagerly_after_one_warning(monkeypatch) ->
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once: the kernels stay off
             assert torch.equal(dequantize(blocks, "Q4_0", COLS, dtype=torch.bfloat16), want)
+    with compiled_decoding("compiled", "cpu"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # and off for the next run in this process
+        assert torch.equal(dequantize(blocks, "Q4_0", COLS, dtype=torch.bfloat16), want)
 
 
 def installed():

@@ -301,9 +301,12 @@ _FORMATS: dict[str, tuple[int, int, Decoder]] = {
 
 DEQUANTIZABLE: frozenset[str] = frozenset(_FORMATS)
 
-FastDecoder = Callable[[torch.Tensor, str, torch.dtype], "torch.Tensor | None"]
-"""Decodes ``(n, type_size)`` blocks of a type straight to ``(n, block values)`` of a dtype,
-or returns None to leave them to the decoders here: ``ops.decode_kernels``' compiled ones."""
+FastDecoder = Callable[
+    [torch.Tensor, str, torch.dtype, "torch.Tensor | None"], "torch.Tensor | None"
+]
+"""Decodes ``(n, type_size)`` blocks of a type straight to ``(n, block values)`` of a dtype (in
+the memory of a float32 buffer, if one is given), or returns None to leave them to the
+decoders here: ``ops.decode_kernels``' compiled ones."""
 
 _fast_decoder: FastDecoder | None = None
 
@@ -345,8 +348,8 @@ def dequantize(
     the float32 one rounded once. ``out``: a contiguous float32 ``(rows, n_cols)`` tensor to
     decode into (and return, cast to ``dtype``), for a caller that decodes chunk after chunk
     into one buffer; None decodes into a new tensor. An installed fast decoder
-    (:func:`set_fast_decoder`) that takes the blocks returns the same values in a new tensor,
-    ``out`` unused.
+    (:func:`set_fast_decoder`) that takes the blocks returns the same values, ``dtype`` in
+    ``out``'s memory (its first bytes).
     """
     block_size, type_size, decode = _format(qtype)
     expected = row_bytes(qtype, n_cols)
@@ -356,16 +359,18 @@ def dequantize(
             f"got {blocks.dtype} {tuple(blocks.shape)}"
         )
     shape = (blocks.shape[0], n_cols)
-    if _fast_decoder is not None:
-        values = _fast_decoder(blocks.reshape(-1, type_size), qtype, dtype)
-        if values is not None:
-            return values.view(shape)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=blocks.device)
-    elif out.dtype != torch.float32 or out.shape != shape or not out.is_contiguous():
+    if out is not None and (
+        out.dtype != torch.float32 or out.shape != shape or not out.is_contiguous()
+    ):
         raise ValueError(
             f"dequantize: out must be a contiguous float32 {shape} tensor, "
             f"got {out.dtype} {tuple(out.shape)}"
         )
+    if _fast_decoder is not None:
+        values = _fast_decoder(blocks.reshape(-1, type_size), qtype, dtype, out)
+        if values is not None:
+            return values.view(shape)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=blocks.device)
     decode(blocks.reshape(-1, type_size), out.view(-1, block_size))
     return out.to(dtype)
