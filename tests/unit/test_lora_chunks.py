@@ -9,6 +9,8 @@ backward, and a buffer overwritten by the next chunk would hand it another chunk
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
@@ -42,6 +44,20 @@ def chunk_pointers(grad: bool) -> list[int]:
 def test_without_grad_every_chunk_is_decoded_into_one_buffer() -> None:
     pointers = chunk_pointers(grad=False)
     assert len(pointers) == 4 and len(set(pointers)) == 1  # 3 + 3 + 3 + 1 rows
+
+
+def test_every_product_of_a_thread_decodes_into_the_same_buffer() -> None:
+    """One buffer for all products (per thread and device, grown as needed): a buffer per
+    product fragmented a 7B step's heap (``ops.lora._scratch``)."""
+    first = chunk_pointers(grad=False)
+    between = torch.empty(N_ROWS * N_COLS)  # would take a freed buffer's place
+    assert chunk_pointers(grad=False) == first
+    del between
+    other: list[list[int]] = []
+    worker = threading.Thread(target=lambda: other.append(chunk_pointers(grad=False)))
+    worker.start()
+    worker.join()
+    assert other and set(other[0]).isdisjoint(first)  # another thread: a buffer of its own
 
 
 def test_with_grad_every_chunk_is_a_new_tensor() -> None:

@@ -38,6 +38,7 @@ the reference, not the memory-lean path.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,20 +110,40 @@ def row_chunks(
 
     Blocks are decoded into one float32 buffer, chunk after chunk, when no autograd graph is
     being recorded (grad mode off, as in an autograd Function's forward and backward): each
-    chunk is then valid only until the next is yielded. Memory the previous chunk already
-    paged in is faster to decode into than a new tensor's fresh pages (a QLoRA product over
-    Q4_0 blocks ~1.5x, ``bench/dequantize.py``). With grad mode on, a product may keep its
-    chunk for its backward, so each chunk is a new tensor.
+    chunk is then valid only until the next is yielded, here or by any other call in this
+    thread (:func:`_scratch`). Memory the previous chunk already paged in is faster to decode
+    into than a new tensor's fresh pages (a QLoRA product over Q4_0 blocks ~1.5x,
+    ``bench/dequantize.py``). With grad mode on, a product may keep its chunk for its
+    backward, so each chunk is a new tensor.
     """
     step = rows_per_chunk(n_in, chunk_rows)
     reuse = qtype is not None and not torch.is_grad_enabled()
     held = min(step, weight.shape[0])  # rows: no more than W has
-    buffer = torch.empty(held, n_in, device=weight.device) if reuse else None
+    buffer = _scratch(held * n_in, weight.device).view(held, n_in) if reuse else None
     for start in range(0, weight.shape[0], step):
         rows = slice(start, start + step)
         part = weight[rows]
         out = None if buffer is None else buffer[: part.shape[0]]
         yield rows, dense_weight(part, qtype, n_in, dtype, out)
+
+
+_scratches = threading.local()
+
+
+def _scratch(n_values: int, device: torch.device) -> torch.Tensor:
+    """``n_values`` float32 of this thread's one decode buffer for ``device``, grown when a
+    chunk needs more (:data:`CHUNK_BYTES`: 16 MiB as a rule) and kept for the process.
+
+    Why one buffer, not one per product: a QLoRA step asks for a chunk buffer twice per
+    projection, and 16 MiB blocks freed and asked for again between the step's other tensors
+    fragment the heap, whose free pages then stay resident: a Llama-2-7B-shape step (Q4_0,
+    16 tokens) held 2.2 GB of anonymous memory where its tensors in use were 0.43 GB; with
+    the one buffer, 0.88 GB (and its steps ran ~25% faster, no pages faulted in again)."""
+    buffers = _scratches.__dict__.setdefault("by_device", {})
+    held = buffers.get(device)
+    if held is None or held.numel() < n_values:
+        held = buffers[device] = torch.empty(n_values, device=device)
+    return held[:n_values]
 
 
 def _whole(
