@@ -12,9 +12,9 @@ projections and the vocabulary tables) plus two float32 copies of the largest me
 the process's framework and its vocabulary (``MemoryPlan.framework``). Measured at the 1B
 shape (0.65 GB Q4_0 file): fit 1.51-1.67 GB, export 1.31-1.33 GB; 2.56 and 2.16 GB when the
 tables were widened to float32. At the 7B shape (3.53 GB Q4_0, 32k vocabulary), the base mapped
-from its file and the tables kept as stored: fit 4.41 GiB = 1.15x file + trained state +
+from its file and the tables kept as stored: fit 4.41-4.42 GiB = 1.14x file + trained state +
 activations (issue 39's bound on the whole run: 1.2x; 4.8-5.4 GiB before every product shared
-one decode buffer), export 4.08 GiB = 1.13x file + adapter (4.26-4.33 before the merged
+one decode buffer), export 4.08-4.09 GiB = 1.13x file + adapter (4.26-4.33 before the merged
 weights were encoded a chunk of rows at a time; 5.68 and 5.23 GB with the tables widened and
 the base copied).
 """
