@@ -116,7 +116,7 @@ def compiled(fns: dict[str, Callable[[], object]]) -> dict[str, Callable[[], obj
 
         return run
 
-    return {f"{name.replace('tree', 'compiled', 1)}": within(fn) for name, fn in fns.items()}
+    return {name.replace("tree", "compiled", 1): within(fn) for name, fn in fns.items()}
 
 
 def cpu_medians(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
