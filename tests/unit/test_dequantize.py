@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from llamatrain.ops.dequantize import DEQUANTIZABLE, dequantize, row_bytes
+from llamatrain.ops.dequantize import DEQUANTIZABLE, _f16_fields, dequantize, row_bytes
 
 QUANTIZED_BY_GGUF = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 # Byte offsets of each K-quant block's float16 scale fields (ggml-common.h block_q*_K).
@@ -78,6 +78,29 @@ def test_row_sliced_view(qtype: str) -> None:
     assert torch.equal(dequantize(chunk, qtype, 512), reference(stored[5:11], qtype))
     every_other = torch.from_numpy(stored)[::2]  # not contiguous: rows stride two rows
     assert torch.equal(dequantize(every_other, qtype, 512), reference(stored[::2], qtype))
+
+
+@pytest.mark.parametrize("qtype", sorted(DEQUANTIZABLE - {"F32", "F16", "BF16"}))
+def test_blocks_at_an_odd_byte_offset(qtype: str) -> None:
+    """Blocks starting at an odd byte (no float16 view of their scales is possible) decode to
+    the same values through a copy of the scales. (GGUF aligns its data, so only a caller's
+    own bytes can be odd; a float table's rows are whole values.)"""
+    stored = stored_rows(qtype, (4, 512), seed=3)
+    shifted = torch.zeros(stored.size + 1, dtype=torch.uint8)
+    shifted[1:] = torch.from_numpy(stored.reshape(-1))
+    odd = shifted[1:].view(stored.shape)
+    assert odd.storage_offset() == 1
+    assert torch.equal(dequantize(odd, qtype, 512), reference(stored, qtype))
+
+
+def test_float16_scales_are_read_in_place() -> None:
+    """Blocks of an even size at an even offset (every GGUF row) give their float16 scales as
+    a strided view of the bytes: copying them out was a strided byte copy as slow as the
+    decode."""
+    blocks = torch.from_numpy(stored_rows("Q4_0", (8, 512))).view(-1, 18)[3:]
+    scales = _f16_fields(blocks[:, :2])
+    assert scales.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr()
+    assert torch.equal(scales, blocks[:, :2].contiguous().view(torch.float16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

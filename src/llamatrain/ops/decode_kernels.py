@@ -10,7 +10,7 @@ of CPU where the eager decoders take 31 (float32; bf16 14 against 32; ``bench/de
 
 Same values, bit for bit: each kernel is its eager decoder's arithmetic, in ggml's order (the
 integer quant, then ``d·q`` and ``+ m``, each rounded to float32), cast once at the end; the
-blocks' float16 scales are read by eager ops first (a sixteenth of the data). Formats without
+blocks' float16 scales come in as strided views of the blocks, widened inside. Formats without
 a kernel here decode eagerly: the K-quants' kernels, written the same way, measured no faster
 in bf16 than their eager decoders (Q4_K 0.9 against 1.2 ns a weight, Q6_K slower) and were
 not kept.
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from llamatrain.errors import LlamatrainWarning
-from llamatrain.ops.dequantize import FastDecoder, _f16, _format, set_fast_decoder
+from llamatrain.ops.dequantize import FastDecoder, _f16_fields, _format, set_fast_decoder
 
 __all__ = ["AUTO_MIN_VALUES", "DECODE_MODES", "KERNEL_TYPES", "compiled_decoding"]
 
@@ -52,7 +52,7 @@ Kernel = Callable[..., None]
 
 def _q8_0(out: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> None:
     """``out`` (n, 32)."""
-    out.copy_(q.to(torch.float32) * d)
+    out.copy_(q.to(torch.float32) * d.to(torch.float32))
 
 
 def _fields(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -70,17 +70,20 @@ def _fields(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def _q4_0(out: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> None:
     """``out`` (n, 2, 16): the low nibbles are values 0-15."""
-    out.copy_((_fields(qs, 4, -2) - 8).to(torch.float32) * d.unsqueeze(-1))
+    out.copy_((_fields(qs, 4, -2) - 8).to(torch.float32) * d.to(torch.float32).unsqueeze(-1))
 
 
 def _q4_1(out: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
     """``out`` (n, 2, 16), as Q4_0's."""
     q = _fields(qs, 4, -2).to(torch.float32)
+    d, m = d.to(torch.float32), m.to(torch.float32)
     out.copy_(q * d.unsqueeze(-1) + m.unsqueeze(-1))
 
 
 def _f16_scale(blocks: torch.Tensor, start: int = 0) -> torch.Tensor:
-    return _f16(blocks[:, start : start + 2])
+    """The float16 scale at byte ``start`` of every block, ``(n, 1)``, a view of the blocks
+    (widened to float32 inside the kernel, exactly)."""
+    return _f16_fields(blocks[:, start : start + 2])
 
 
 def _args_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
