@@ -11,7 +11,8 @@ compute (themselves checked against the full logits):
 * each scored row's entropy (``table_logps_and_entropy``) equal to the dense head's over the
   decoded table, computed in float64 from the full logits, with maxima that grow from chunk to
   chunk (the running rescale) and logits large enough for absolute sums to cancel;
-* logits equal to the decoded table's product; all rows ignored: loss 0, gradient 0.
+* logits equal to the decoded table's product; all rows ignored: loss 0, gradient 0;
+* under bf16 autocast, the log-probs of the bf16-rounded logits (the products run in bf16).
 
 float32 tolerance ``TOL`` (relative to the largest |value| of each compared tensor): the
 products are the same, but the log-sum-exp is summed a vocabulary chunk at a time and the
@@ -21,6 +22,8 @@ relative; a formula error (a wrong row, a missing cap factor) moves them by > 1e
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -42,6 +45,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # small tensors (conftest
 
 F64 = torch.float64
 TOL = 2e-6
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -156,3 +160,37 @@ def test_a_table_of_another_shape_is_refused() -> None:
     h, t = hidden(2, 3, 32, vocab=50)
     with pytest.raises(ValueError, match=r"Q4_0 blocks \(vocab, 18\), got \(50, 36\)"):
         table_logps(h, table, t, qtype="Q4_0")
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize(("qtype", "dim", "chunk"), [("Q4_0", 64, 7), ("Q8_0", 256, None)])
+def test_bf16_autocast_runs_the_products_in_bf16(qtype, dim, chunk, softcap) -> None:
+    """Under bf16 autocast the two products with the table run in bf16, as autocast runs a
+    linear lm head: ``h`` and the decoded rows rounded to bf16, float32 accumulation, each
+    product rounded to bf16 once; the softmax and its sums stay float32.
+
+    The log-probs are then those of the bf16-rounded logits, to float32 rounding (measured
+    <= 4.7e-6 with logits up to 60; the float32 head's differ from them by up to 2^-9 of the
+    largest logit: 1e-3 to 4e-3 of the largest log-prob here). dH: against the float32 head,
+    within 2^-6 of its largest value (the softmax moved by the logits' rounding, and bf16's
+    roundings of its weights and of their product with the rows; measured <= 1.0e-2)."""
+    table, w = stored(50, dim, qtype)
+    h, t = hidden(3, 9, dim, vocab=50)
+    h = (h.detach() * 32 / dim**0.5).requires_grad_(True)  # logits up to ~60: peaked rows
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = table_logps(h, table, t, qtype=qtype, chunk_rows=chunk, softcap=softcap)
+    (got_dh,) = torch.autograd.grad(got.sum(), h)
+    f32 = table_logps(h, table, t, qtype=qtype, chunk_rows=chunk, softcap=softcap)
+    (f32_dh,) = torch.autograd.grad(f32.sum(), h)
+
+    bf16 = torch.bfloat16
+    z2 = (h.detach() * LOG2E).to(bf16).double() @ w.to(bf16).double().t()
+    z2 = z2.to(bf16).double()  # base 2, as the head scores
+    if softcap is not None:
+        z2 = torch.tanh(z2 / (softcap * LOG2E)) * (softcap * LOG2E)
+    logp = (z2 * LN2).log_softmax(-1).gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    want = torch.where(t == -100, 0.0, logp)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert relative(f32, want) > 1e-4  # the float32 head is not what ran
+    assert relative(got_dh, f32_dh) <= 2**-6

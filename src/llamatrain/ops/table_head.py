@@ -33,11 +33,20 @@ objective's log-probs share one head. ``table_logits`` gives the logits a chunk 
 at a time (generation, evaluation), through ``ops.lora.base_forward``.
 
 Scores are in base 2, as ``ops.fused``'s (h pre-scaled by log2(e), ``exp2``). Precision:
-float32 for float32 / float16 / bfloat16 inputs (autocast off inside), float64 for float64,
-the table decoded to that dtype. Against the dense head over the decoded table the products
-are the same; the log-sum-exp is summed per chunk and combined, another order than one sum
-over the whole vocabulary, so values and dH agree to float32 rounding (~1e-7 relative), not
-bit for bit. Double backward is not supported.
+float32 for float32 / float16 / bfloat16 inputs, float64 for float64, the table decoded to
+that dtype. Against the dense head over the decoded table the products are the same; the
+log-sum-exp is summed per chunk and combined, another order than one sum over the whole
+vocabulary, so values and dH agree to float32 rounding (~1e-7 relative), not bit for bit.
+
+Under bf16 (or f16) autocast the two products with the table run in that dtype, as autocast
+runs a linear lm head: h and the decoded rows rounded to it, float32 accumulation, each
+product rounded once; the softmax, its running sums and the returned log-probs stay float32.
+Why, where the dense heads (``ops.fused``, ``ops.logps``) keep float32 under autocast: this
+head serves QLoRA, whose base is 4-8 bits a weight and whose other products already run in
+bf16, and its two float32 products were a fifth of a Llama-3.2-1B-shape 64-token step (128k
+vocabulary; 0.3 of 1.9 s, 1.65 s with them in bf16). The cost: the log-probs are those of
+bf16-rounded logits (off by up to 2^-9 of the largest logit; tests/unit/test_table_head.py),
+the price of a bf16 run that asked for autocast. Double backward is not supported.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from llamatrain.ops.dequantize import row_bytes
-from llamatrain.ops.dtypes import compute_dtype
+from llamatrain.ops.dtypes import autocast_dtype, compute_dtype
 from llamatrain.ops.logps import to_all_rows
 from llamatrain.ops.lora import base_forward, row_chunks, rows_per_chunk
 
@@ -74,6 +83,8 @@ class _Scored:
     table: torch.Tensor
     qtype: str | None
     chunk_rows: int
+    low: torch.Tensor | None
+    """``h2`` in the bf16/f16 the products with the table run in under autocast, else None."""
 
     @classmethod
     def of(
@@ -85,6 +96,7 @@ class _Scored:
         ignore_index: int,
         softcap: float | None,
         chunk_rows: int | None,
+        low: torch.dtype | None,
     ) -> _Scored:
         flat = targets.reshape(-1)
         rows = (flat != ignore_index).nonzero().squeeze(-1)
@@ -92,7 +104,13 @@ class _Scored:
         cap2 = None if softcap is None else softcap * _LOG2E
         # vocabulary rows a chunk: CHUNK_BYTES of decoded rows and of logits, at most
         step = rows_per_chunk(max(h.shape[-1], h2.shape[0]), chunk_rows)
-        return cls(h2, rows, flat[rows].long(), cap2, table, qtype, step)
+        h2_low = None if low is None or h2.dtype == torch.float64 else h2.to(low)
+        return cls(h2, rows, flat[rows].long(), cap2, table, qtype, step, h2_low)
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` in the products' dtype, as ``h2``'s (float32: accumulated in float32 and
+        rounded to the low dtype once, under autocast)."""
+        return torch.mm(a, b).to(self.h2.dtype)
 
     def chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Per chunk of the table: each row's local target index and whether the target is in
@@ -100,11 +118,11 @@ class _Scored:
         tanh(Z/cap) under a cap (else None)."""
         if not len(self.rows):
             return
-        dim = self.h2.shape[1]
-        for cols, w in row_chunks(self.table, self.qtype, dim, self.h2.dtype, self.chunk_rows):
+        dim, h2 = self.h2.shape[1], self.h2 if self.low is None else self.low
+        for cols, w in row_chunks(self.table, self.qtype, dim, h2.dtype, self.chunk_rows):
             local = self.targets - cols.start
             inside = (local >= 0) & (local < w.shape[0])
-            z = torch.mm(self.h2, w.t())
+            z = self.product(h2, w.t())
             t = None
             if self.cap2 is not None:  # softcap forward: Z' = cap·tanh(Z/cap)
                 t = z.div_(self.cap2).tanh_()
@@ -167,12 +185,17 @@ def _one_pass(scored: _Scored, with_grad: bool, with_entropy: bool) -> _Pass:
         high = top
         if spread is not None and own is not None:
             hit = chunk.inside.nonzero().squeeze(1)  # rows whose target is in this chunk
-            target_rows = chunk.w[chunk.local[hit, 0]]
+            target_rows = chunk.w[chunk.local[hit, 0]].to(own.dtype)
             if chunk.t is not None:  # softcap backward: dZ = dZ'·(1 − t²)
                 slope = chunk.t.square_().neg_().add_(1.0)
                 weights.mul_(slope)
                 target_rows.mul_(slope[hit].gather(1, chunk.local[hit]))
-            spread.mul_(rescale.unsqueeze(1)).addmm_(weights, chunk.w)
+            if scored.low is None:
+                spread.mul_(rescale.unsqueeze(1)).addmm_(weights, chunk.w)
+            else:
+                spread.mul_(rescale.unsqueeze(1)).add_(
+                    scored.product(weights.to(chunk.w.dtype), chunk.w)
+                )
             own.index_copy_(0, hit, target_rows)
     entropy = None if mixed is None else mixed.div_(total).add_(total.log())
     lse2 = total.log2().add_(high)
@@ -195,8 +218,9 @@ class _TableLogps(torch.autograd.Function):
         with_grad: bool,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        low = autocast_dtype(h.device.type)
         with torch.autocast(h.device.type, enabled=False):
-            scored = _Scored.of(h, table, qtype, targets, ignore_index, softcap, chunk_rows)
+            scored = _Scored.of(h, table, qtype, targets, ignore_index, softcap, chunk_rows, low)
             done = _one_pass(scored, with_grad, with_entropy)
             logps = done.picked.sub_(done.lse2).mul_(_LN2)  # base 2 to nats
             logps, entropies = (to_all_rows(x, scored.rows, targets) for x in (logps, done.entropy))
