@@ -225,7 +225,7 @@ def finetune_and_score(
     if mode == "qlora":
         values.update({
             "lora.rank": 8, "lora.alpha": 16.0, "lora.base_dtype": '"quantized"',
-            "optim.lr": 3e-2,
+            "optim.lr": 3e-2, "train.dtype": '"float32"',  # MERGED_TOL's runs (auto: bf16 on AMX)
         })  # fmt: skip
     result = api.fit("tiny", overrides=tiny_overrides(**values), progress=False)
     assert result.model.cfg.arch == arch

@@ -71,7 +71,8 @@ def qlora_overrides(cache_dir: Path, run_dir: Path, base: Path, base_dtype: str)
         "lora.rank=4",
         "lora.alpha=8.0",
         f'lora.base_dtype="{base_dtype}"',
-        f"train.steps={STEPS}",
+        'train.dtype="float32"',  # compared value for value with float32 LoRA runs; a
+        f"train.steps={STEPS}",  # QLoRA run's "auto" is bf16 on a CPU with AMX
         "train.n_batch=128",
         "train.save_every=2",
         "train.eval_every=0",

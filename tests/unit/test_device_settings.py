@@ -39,7 +39,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch):
     return make
 
 
-def resolved(**settings: str) -> tuple[str, str, str]:
+def resolved(**settings: object) -> tuple[str, str, str]:
     """(ops, attention, dtype) that a Config with ``settings`` (``section__key``) trains with."""
     cfg = Config()
     for key, value in settings.items():
@@ -57,6 +57,20 @@ def test_the_defaults_are_auto():
 def test_auto_on_the_cpu_is_the_ggml_path_in_float32(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolved() == ("ggml", "flash", "float32")
+
+
+@pytest.mark.parametrize(
+    ("amx", "base_dtype", "dtype"),
+    [(True, "quantized", "bfloat16"), (False, "quantized", "float32"), (True, "bf16", "float32")],
+)
+def test_auto_on_the_cpu_is_bf16_for_qlora_where_amx_multiplies_it(
+    monkeypatch, amx, base_dtype, dtype
+):
+    """QLoRA's usual compute dtype where the CPU has bf16 tiles; LoRA over a float base, and
+    a CPU that would emulate bf16, keep float32."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert resolved(lora__rank=8, lora__base_dtype=base_dtype) == ("ggml", "flash", dtype)
 
 
 def test_auto_on_cuda_picks_torch_ops_sdpa_and_bf16(gpu):

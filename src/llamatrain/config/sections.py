@@ -222,9 +222,10 @@ class TrainSection:
     dtype: str = setting(
         "auto",
         "compute dtype; 'bfloat16' = autocast (fast on CUDA and on CPUs with bf16 matrix "
-        "units, AMX: a QLoRA step ~0.7x float32's; slow on other CPUs); 'auto' = "
+        "units, AMX: a QLoRA step ~0.5-0.7x float32's; slow on other CPUs); 'auto' = "
         "'bfloat16' on a CUDA GPU with native bf16 running the torch ops (model.ops 'torch' "
-        "or 'auto'), else 'float32'",
+        "or 'auto') and for QLoRA (lora.base_dtype 'quantized') on a CPU with AMX, else "
+        "'float32'",
         choices=("float32", "bfloat16", "auto"),
     )
     compile: bool = setting(
