@@ -23,13 +23,15 @@ Method. For each shape and type, in turns (one command):
 * ``ours``: a fresh process runs ``llamatrain.api.fit`` as a user would: ``model.init_from`` =
   the file, one ``--tokens``-token sequence a step (the packaged sonnets), 2 steps, no
   evaluation, sample, checkpoints or export, trained as each of ``--modes`` says (``MODES``:
-  ``qlora``, the default, is ``lora.rank = 8`` over the file's blocks, ``qlora-bf16`` the same
-  under bf16 autocast (``train.dtype = "bfloat16"``: the blocks decoded to bf16, the products
-  on the CPU's bf16 matrix units where it has them, AMX); ``qlora-eager`` and
-  ``qlora-bf16-eager`` the same two with the blocks decoded by PyTorch ops (``lora.decode =
-  "eager"``) instead of the compiled kernels that ``"auto"`` takes at these sizes; ``lora-bf16`` and
-  ``lora-f32`` the same adapters over a base widened to bf16 / float32; ``full`` the whole
-  model, float32 with AdamW); ``Trainer.train_step`` is wrapped to time each step (wall and
+  ``qlora``, the default, is ``lora.rank = 8`` over the file's blocks with every other
+  setting a user leaves alone: its compute dtype is ``train.dtype = "auto"``'s, bf16 on a CPU
+  with AMX, float32 elsewhere (column ``dtype``); ``qlora-f32`` and ``qlora-bf16`` the same
+  with the dtype set (bf16: the blocks decoded to bf16, the products on the CPU's bf16 matrix
+  units where it has them); ``qlora-f32-eager`` and ``qlora-bf16-eager`` those two with the
+  blocks decoded by PyTorch ops (``lora.decode = "eager"``) instead of the compiled kernels
+  that ``"auto"`` takes at these sizes; ``lora-bf16`` and ``lora-f32`` the same adapters over
+  a base widened to bf16 / float32 (float32 compute); ``full`` the whole model, float32 with
+  AdamW); ``Trainer.train_step`` is wrapped to time each step (wall and
   process CPU) and the second step is reported (the first runs allocations and caches once);
   ``to step 1 s`` is the time from the call to the first step (reading the file, building the
   model); ``s/1k tok`` the step's wall time per 1,000 of its tokens. A mode the machine cannot
@@ -44,7 +46,7 @@ and reports medians. Results: a table and
 ``bench/results/scale.json``.
 
 Usage: ``python bench/scale.py [--shapes llama-3.2-1b,qwen2.5-1.5b,llama-2-7b]
-[--types q4_0,q8_0,q4_k_m] [--modes qlora,qlora-bf16,lora-bf16,lora-f32,full] [--tokens 64]
+[--types q4_0,q8_0,q4_k_m] [--modes qlora,qlora-f32,lora-bf16,lora-f32,full] [--tokens 64]
 [--threads 2] [--rounds 1] [--work DIR] [--keep] [--json PATH]``. Needs llama-cpp-python and
 llama.cpp's vocabulary files (``pytest tests/integration/test_llama_cpp_vocabs.py`` fetches
 them once).
@@ -80,23 +82,26 @@ from real_shapes import SHAPES, TYPES, shape_names, stored_bytes, write_real_sha
 DEFAULT_JSON = HERE / "results" / "scale.json"
 DEFAULT_WORK = HERE / ".cache" / "scale"
 GB = 1e9
+_QLORA = {"lora.rank": 8, "lora.base_dtype": "quantized"}
+_F32, _BF16, _EAGER = (
+    {"train.dtype": "float32"},
+    {"train.dtype": "bfloat16"},
+    {"lora.decode": "eager"},
+)
 MODES: dict[str, dict[str, object]] = {
-    "qlora": {"lora.rank": 8, "lora.base_dtype": "quantized"},
-    "qlora-bf16": {"lora.rank": 8, "lora.base_dtype": "quantized", "train.dtype": "bfloat16"},
-    "qlora-eager": {"lora.rank": 8, "lora.base_dtype": "quantized", "lora.decode": "eager"},
-    "qlora-bf16-eager": {
-        "lora.rank": 8,
-        "lora.base_dtype": "quantized",
-        "train.dtype": "bfloat16",
-        "lora.decode": "eager",
-    },
+    "qlora": _QLORA,
+    "qlora-f32": _QLORA | _F32,
+    "qlora-bf16": _QLORA | _BF16,
+    "qlora-f32-eager": _QLORA | _F32 | _EAGER,
+    "qlora-bf16-eager": _QLORA | _BF16 | _EAGER,
     "lora-bf16": {"lora.rank": 8, "lora.base_dtype": "bf16"},
     "lora-f32": {"lora.rank": 8, "lora.base_dtype": "f32"},
     "full": {"lora.rank": 0},
 }
 """How ``ours`` trains: the settings each ``--modes`` name adds to the run."""
 HEADER = (
-    f"{'shape':<13} {'type':<6} {'mode':<16} {'file GB':>7} {'write s':>7} {'cpp s':>6} "
+    f"{'shape':<13} {'type':<6} {'mode':<16} {'dtype':<8} {'file GB':>7} {'write s':>7} "
+    f"{'cpp s':>6} "
     f"{'cpp cpu':>7} {'cpp all s':>9} {'ours s':>7} {'ours cpu':>8} {'x wall':>6} {'x cpu':>6} "
     f"{'x all':>5} {'s/1k tok':>8} "
     f"{'peak GB':>7} {'x file':>6} {'cpp GB':>6} {'to step 1 s':>11} {'load':>5}"
@@ -176,12 +181,13 @@ def ours_step(spec: dict) -> dict:
     }
     started = time.perf_counter()
     try:
-        api.fit(
+        result = api.fit(
             None, overrides=[f"{k}={json.dumps(v)}" for k, v in settings.items()], progress=False
         )
     except MemoryBudgetError as e:
         return {"refused": str(e), "planned_peak_bytes": planned_bytes(str(e))}
     return {
+        "dtype": result.config.train.dtype,
         "seconds": steps[-1][1],
         "cpu_seconds": steps[-1][2],
         "first_seconds": steps[0][1],
@@ -262,10 +268,14 @@ def one_row(row: str, path: Path, args: argparse.Namespace) -> dict:
 
 
 def medians(rounds: list[dict]) -> dict:
-    """Each figure's median over the rounds (a refusal: the first round's, all alike)."""
+    """Each figure's median over the rounds (a refusal, the dtype: the first round's, all
+    alike)."""
     if "refused" in rounds[0]:
         return rounds[0]
-    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    return {
+        key: value if isinstance(value, str) else statistics.median(r[key] for r in rounds)
+        for key, value in rounds[0].items()
+    }
 
 
 def summary(
@@ -293,7 +303,8 @@ def summary(
 def row_text(row: dict) -> str:
     cpp, ours = row["llama_cpp"], row["ours"]
     start = (
-        f"{row['shape']:<13} {row['type']:<6} {row['mode']:<16} {row['file_bytes'] / GB:>7.2f} "
+        f"{row['shape']:<13} {row['type']:<6} {row['mode']:<16} {ours.get('dtype', ''):<8} "
+        f"{row['file_bytes'] / GB:>7.2f} "
         f"{row['write_seconds']:>7.1f} {cpp['seconds']:>6.2f} {cpp['cpu_seconds']:>7.2f} "
         f"{cpp['all_seconds']:>9.2f} "
     )
