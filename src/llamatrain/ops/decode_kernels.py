@@ -138,10 +138,13 @@ def _decoder(min_values: int) -> FastDecoder:
             return None
         arguments, _, runs = _KERNELS[qtype]
         values = _buffer(out, n_values, dtype, blocks.device)
+        # autocast off: it changes nothing here, but dynamo compiles a kernel once for each
+        # autocast state it is called under (a bf16 run's projections and its lm head)
         try:
-            _compiled_kernel(qtype)(
-                values.view(-1, runs, block_size // runs).squeeze(1), *arguments(blocks)
-            )
+            with torch.autocast(blocks.device.type, enabled=False):
+                _compiled_kernel(qtype)(
+                    values.view(-1, runs, block_size // runs).squeeze(1), *arguments(blocks)
+                )
         except Exception as e:  # inductor's errors have no common base: a missing compiler,
             _failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             warnings.warn(  # a failed build, a backend error
