@@ -1,9 +1,10 @@
 """The compiled GGUF decoders (``llamatrain.ops.decode_kernels``).
 
-* each kernel (Q8_0, Q4_0, Q4_1; float32 and bf16 out) gives the eager decoder's values bit for
-  bit — and so gguf-py's, which ``test_dequantize`` holds the eager ones to — on real blocks
-  (gguf-py's quantization of random rows) and on blocks of every byte value with scales of
-  both signs, tiny and large;
+* each kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; float32 and bf16 out) gives the eager decoder's
+  values bit for bit — and so gguf-py's, which ``test_dequantize`` holds the eager ones to — on
+  real blocks (gguf-py's quantization of random rows, where it has a quantizer) and on blocks
+  of every byte value with scales of both signs, tiny and large (for the K-quants, their
+  packed six-bit and int8 sub-block scales random bytes too);
 * ``"auto"`` compiles only chunks of real size and only on the CPU; ``"eager"`` never;
 * a machine where inductor cannot build decodes eagerly after one warning, the same values,
   for the rest of the process;
@@ -28,12 +29,13 @@ from llamatrain.ops.decode_kernels import KERNEL_TYPES, compiled_decoding
 from llamatrain.ops.dequantize import _format, dequantize, set_fast_decoder
 
 ROWS, COLS = 48, 256
-SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}
+SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 """Where each type's float16 fields lie in its block."""
 
 
 def real_blocks(qtype: str) -> torch.Tensor:
-    """gguf-py's quantization of random rows, (ROWS, row bytes) uint8."""
+    """gguf-py's quantization of random rows, (ROWS, row bytes) uint8 (Q8_0, Q4_0, Q4_1: it
+    has no K-quant quantizer)."""
     values = np.random.default_rng(0).normal(0, 0.02, (ROWS, COLS)).astype(np.float32)
     blocks = gguf_quants.quantize(values, GGMLQuantizationType[qtype])
     return torch.from_numpy(blocks)
@@ -75,7 +77,8 @@ class Calls:
 def test_a_compiled_decode_is_the_eager_one_bit_for_bit(qtype: str, dtype: torch.dtype) -> None:
     """Into a new tensor, and into the memory of a caller's float32 buffer (chunk after chunk
     into one buffer, as ``ops.lora`` decodes)."""
-    for blocks in (real_blocks(qtype), every_byte_blocks(qtype)):
+    kinds = (every_byte_blocks,) if qtype.endswith("_K") else (real_blocks, every_byte_blocks)
+    for blocks in (kind(qtype) for kind in kinds):
         want = dequantize(blocks, qtype, COLS, dtype=dtype)
         buffer = torch.empty(ROWS, COLS)
         with warnings.catch_warnings():
@@ -87,6 +90,20 @@ def test_a_compiled_decode_is_the_eager_one_bit_for_bit(qtype: str, dtype: torch
             assert got.dtype == dtype and got.shape == (ROWS, COLS)
             assert torch.equal(got, want)
         assert into.data_ptr() == buffer.data_ptr()
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
+def test_blocks_at_an_odd_byte_offset_decode_the_same(qtype: str) -> None:
+    """The scales are views of the blocks where their offsets allow (every GGUF row); blocks
+    starting at an odd byte take copies of them instead, to the same values."""
+    blocks = every_byte_blocks(qtype)
+    shifted = torch.zeros(blocks.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = blocks.reshape(-1)
+    odd = shifted[1:].view(blocks.shape)
+    want = dequantize(blocks, qtype, COLS)
+    with warnings.catch_warnings(), compiled_decoding("compiled", "cpu"):
+        warnings.simplefilter("error", LlamatrainWarning)  # no fallback to eager
+        assert torch.equal(dequantize(odd, qtype, COLS), want)
 
 
 def test_auto_compiles_real_sizes_on_the_cpu_only(monkeypatch) -> None:

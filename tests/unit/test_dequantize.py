@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from llamatrain.ops.dequantize import DEQUANTIZABLE, _f16_fields, dequantize, row_bytes
+from llamatrain.ops.dequantize import DEQUANTIZABLE, _viewed_as, dequantize, row_bytes
 
 QUANTIZED_BY_GGUF = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 # Byte offsets of each K-quant block's float16 scale fields (ggml-common.h block_q*_K).
@@ -98,7 +98,7 @@ def test_float16_scales_are_read_in_place() -> None:
     a strided view of the bytes: copying them out was a strided byte copy as slow as the
     decode."""
     blocks = torch.from_numpy(stored_rows("Q4_0", (8, 512))).view(-1, 18)[3:]
-    scales = _f16_fields(blocks[:, :2])
+    scales = _viewed_as(blocks[:, :2], torch.float16)
     assert scales.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr()
     assert torch.equal(scales, blocks[:, :2].contiguous().view(torch.float16))
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from llamatrain.errors import LlamatrainWarning
-from llamatrain.ops.dequantize import FastDecoder, _f16_fields, _format, set_fast_decoder
+from llamatrain.ops.dequantize import FastDecoder, _format, _viewed_as, set_fast_decoder
 
 __all__ = ["AUTO_MIN_VALUES", "DECODE_MODES", "KERNEL_TYPES", "compiled_decoding"]
 
@@ -80,10 +80,48 @@ def _q4_1(out: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor)
     out.copy_(q * d.unsqueeze(-1) + m.unsqueeze(-1))
 
 
+def _q4_k(
+    out: torch.Tensor, qs: torch.Tensor, words: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+) -> None:
+    """``out`` (n, 4, 2, 32): of each 32 ``qs`` bytes, the low nibbles are sub-block ``2j``
+    and the high ones ``2j + 1``; sub-block ``i``'s values are ``d·scale_i·q − dmin·min_i``
+    (ggml's ``d1 = d·sc``, ``m1 = min·m``, each rounded to float32, then ``d1·q − m1``).
+    ``words``: the block's bytes 4-15 as three int32, its six-bit scales and mins packed as
+    :func:`llamatrain.ops.dequantize._k_scales_mins` unpacks them (the same word masks)."""
+    dw, mw, low = words.unbind(1)
+    six, top, nibble = 0x3F3F3F3F, 0x30303030, 0x0F0F0F0F
+    packed = torch.stack(
+        [
+            dw & six,
+            (low & nibble) | ((dw >> 2) & top),
+            mw & six,
+            ((low >> 4) & nibble) | ((mw >> 2) & top),
+        ],
+        dim=1,
+    )  # (n, 4) words: scales 0-3, scales 4-7, mins 0-3, mins 4-7, a byte each
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=words.device)
+    fields = ((packed.unsqueeze(-1) >> shifts) & 0xFF).reshape(-1, 2, 4, 2).to(torch.float32)
+    scale = (d.to(torch.float32).view(-1, 1, 1) * fields[:, 0]).unsqueeze(-1)
+    low_end = (dmin.to(torch.float32).view(-1, 1, 1) * fields[:, 1]).unsqueeze(-1)
+    out.copy_(_fields(qs, 4, -2).to(torch.float32) * scale - low_end)
+
+
+def _q6_k(
+    out: torch.Tensor, ql: torch.Tensor, qh: torch.Tensor, scales: torch.Tensor, d: torch.Tensor
+) -> None:
+    """``out`` (n, 2, 4, 2, 16): two halves of four 32-value quarters, each quarter two runs
+    of 16 with a scale each. Quarter ``k`` of a half: the low nibbles (``k`` < 2) or high ones
+    of its ``ql`` bytes ``32·(k mod 2)`` on, with crumb ``k`` of its 32 ``qh`` bytes as bits
+    4-5; ``(d·scale)·(q − 32)`` as ggml orders it."""
+    low = _fields(ql, 4, -3).reshape(-1, 2, 4, 32)  # (n, half, nibble, k mod 2, 32) as k
+    q = ((low | (_fields(qh, 2, -2) << 4)) - 32).to(torch.float32).view(-1, 2, 4, 2, 16)
+    out.copy_((d.to(torch.float32).view(-1, 1, 1, 1) * scales.to(torch.float32)).unsqueeze(-1) * q)
+
+
 def _f16_scale(blocks: torch.Tensor, start: int = 0) -> torch.Tensor:
     """The float16 scale at byte ``start`` of every block, ``(n, 1)``, a view of the blocks
     (widened to float32 inside the kernel, exactly)."""
-    return _f16_fields(blocks[:, start : start + 2])
+    return _viewed_as(blocks[:, start : start + 2], torch.float16)
 
 
 def _args_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -98,13 +136,28 @@ def _args_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return blocks[:, 4:], _f16_scale(blocks), _f16_scale(blocks, 2)
 
 
-_KERNELS: dict[str, tuple[Callable[[torch.Tensor], tuple[torch.Tensor, ...]], Kernel, int]] = {
-    "Q8_0": (_args_q8_0, _q8_0, 1),
-    "Q4_0": (_args_q4_0, _q4_0, 2),
-    "Q4_1": (_args_q4_1, _q4_1, 2),
+def _args_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    words = _viewed_as(blocks[:, 4:16], torch.int32)
+    return blocks[:, 16:].view(-1, 4, 32), words, _f16_scale(blocks), _f16_scale(blocks, 2)
+
+
+def _args_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    scales = blocks[:, 192:208].view(torch.int8).view(-1, 2, 4, 2)
+    ql, qh = blocks[:, :128].view(-1, 2, 2, 32), blocks[:, 128:192].view(-1, 2, 32)
+    return ql, qh, scales, _f16_scale(blocks, 208)
+
+
+_KERNELS: dict[
+    str, tuple[Callable[[torch.Tensor], tuple[torch.Tensor, ...]], Kernel, tuple[int, ...]]
+] = {
+    "Q8_0": (_args_q8_0, _q8_0, (32,)),
+    "Q4_0": (_args_q4_0, _q4_0, (2, 16)),
+    "Q4_1": (_args_q4_1, _q4_1, (2, 16)),
+    "Q4_K": (_args_q4_k, _q4_k, (4, 2, 32)),
+    "Q6_K": (_args_q6_k, _q6_k, (2, 4, 2, 16)),
 }
-"""ggml type -> (its blocks' arguments for the kernel, read eagerly; the kernel; the runs its
-``out`` splits a block's values into)."""
+"""ggml type -> (its blocks' arguments for the kernel, views of the blocks; the kernel; the
+shape its ``out`` gives a block's values)."""
 
 KERNEL_TYPES: frozenset[str] = frozenset(_KERNELS)
 
@@ -136,15 +189,13 @@ def _decoder(min_values: int) -> FastDecoder:
         n_values = blocks.shape[0] * block_size
         if _failed or qtype not in _KERNELS or n_values < min_values:
             return None
-        arguments, _, runs = _KERNELS[qtype]
+        arguments, _, block_shape = _KERNELS[qtype]
         values = _buffer(out, n_values, dtype, blocks.device)
         # autocast off: it changes nothing here, but dynamo compiles a kernel once for each
         # autocast state it is called under (a bf16 run's projections and its lm head)
         try:
             with torch.autocast(blocks.device.type, enabled=False):
-                _compiled_kernel(qtype)(
-                    values.view(-1, runs, block_size // runs).squeeze(1), *arguments(blocks)
-                )
+                _compiled_kernel(qtype)(values.view(-1, *block_shape), *arguments(blocks))
         except Exception as e:  # inductor's errors have no common base: a missing compiler,
             _failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             warnings.warn(  # a failed build, a backend error

@@ -27,20 +27,21 @@ _BYTE_ONES = {torch.int64: 0x0101010101010101, torch.int32: 0x01010101, torch.in
 """An integer word with every byte 1: a byte mask times it masks every byte of the word."""
 
 
-def _f16_fields(field: torch.Tensor) -> torch.Tensor:
-    """Little-endian float16 fields of every block (``(n, 2k)`` bytes) as float16 ``(n, k)``:
-    a strided view of the blocks where their byte offsets are even (every GGUF row of blocks
-    of an even size), else a copy. Why a view: copying two bytes of every block into a
-    contiguous tensor was a strided byte copy as slow as the decode around it."""
-    aligned = all(
-        n % 2 == 0 for n in (field.shape[-1], field.storage_offset(), *field.stride()[:-1])
+def _viewed_as(field: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``(n, k·size)`` bytes of every block as ``(n, k)`` ``dtype`` values: a strided view
+    of the blocks where their offsets are whole values (every GGUF row of blocks whose size is
+    a multiple of ``size``), else a copy. Why a view: copying a few bytes of every block into
+    a contiguous tensor was a strided byte copy as slow as the decode around it."""
+    size = dtype.itemsize
+    aligned = field.stride(-1) == 1 and all(
+        n % size == 0 for n in (field.shape[-1], field.storage_offset(), *field.stride()[:-1])
     )
-    return (field if aligned and field.stride(-1) == 1 else field.contiguous()).view(torch.float16)
+    return (field if aligned else field.clone(memory_format=torch.contiguous_format)).view(dtype)
 
 
 def _f16(field: torch.Tensor) -> torch.Tensor:
-    """:func:`_f16_fields` as float32."""
-    return _f16_fields(field).to(torch.float32)
+    """Little-endian float16 fields of every block (``(n, 2k)`` bytes) as float32 ``(n, k)``."""
+    return _viewed_as(field, torch.float16).to(torch.float32)
 
 
 def _word_dtype(packed: torch.Tensor) -> torch.dtype:
