@@ -414,10 +414,10 @@ class LoraSection:
     decode: str = setting(
         "auto",
         "how a quantized base's blocks are turned into floats in every step: 'compiled' = "
-        "kernels torch.compile builds for Q4_0, Q4_1 and Q8_0 (one pass, ~2-3x faster than "
-        "PyTorch ops; needs a C++ compiler; seconds to build, cached across runs; other types "
-        "decode as 'eager'), 'eager' = PyTorch ops, 'auto' = compiled on the CPU for real "
-        "sizes (chunks of 1M values or more), eager otherwise; the values are the same",
+        "kernels torch.compile builds for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (one pass, ~2-4x "
+        "faster than PyTorch ops; needs a C++ compiler; seconds to build, cached across runs; "
+        "other types decode as 'eager'), 'eager' = PyTorch ops, 'auto' = compiled on the CPU "
+        "for real sizes (chunks of 1M values or more), eager otherwise; the values are the same",
         choices=("auto", "compiled", "eager"),
     )
 
