@@ -188,8 +188,7 @@ def _k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     and shifted as a word: a dozen byte-wide operations on 4-byte runs cost a third of the
     whole decode.
     """
-    whole = blocks if blocks.storage_offset() % 4 == 0 else blocks.clone()
-    d, m, low = whole.view(torch.int32)[:, 1:4].unbind(1)
+    d, m, low = _viewed_as(blocks[:, 4:16], torch.int32).unbind(1)
     six, top, nibble = 0x3F3F3F3F, 0x30303030, 0x0F0F0F0F
     fields = torch.stack(
         [

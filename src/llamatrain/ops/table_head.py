@@ -190,12 +190,8 @@ def _one_pass(scored: _Scored, with_grad: bool, with_entropy: bool) -> _Pass:
                 slope = chunk.t.square_().neg_().add_(1.0)
                 weights.mul_(slope)
                 target_rows.mul_(slope[hit].gather(1, chunk.local[hit]))
-            if scored.low is None:
-                spread.mul_(rescale.unsqueeze(1)).addmm_(weights, chunk.w)
-            else:
-                spread.mul_(rescale.unsqueeze(1)).add_(
-                    scored.product(weights.to(chunk.w.dtype), chunk.w)
-                )
+            spread.mul_(rescale.unsqueeze(1))
+            spread.add_(scored.product(weights.to(chunk.w.dtype), chunk.w))
             own.index_copy_(0, hit, target_rows)
     entropy = None if mixed is None else mixed.div_(total).add_(total.log())
     lse2 = total.log2().add_(high)
