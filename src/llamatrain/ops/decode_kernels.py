@@ -33,7 +33,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from llamatrain.errors import LlamatrainWarning
-from llamatrain.ops.dequantize import FastDecoder, _format, _viewed_as, set_fast_decoder
+from llamatrain.ops.dequantize import (
+    FastDecoder,
+    _format,
+    _viewed_as,
+    k_scale_words,
+    set_fast_decoder,
+)
 
 __all__ = ["AUTO_MIN_VALUES", "DECODE_MODES", "KERNEL_TYPES", "compiled_decoding"]
 
@@ -88,19 +94,9 @@ def _q4_k(
     """``out`` (n, 4, 2, 32): of each 32 ``qs`` bytes, the low nibbles are sub-block ``2j``
     and the high ones ``2j + 1``; sub-block ``i``'s values are ``d·scale_i·q − dmin·min_i``
     (ggml's ``d1 = d·sc``, ``m1 = min·m``, each rounded to float32, then ``d1·q − m1``).
-    ``words``: the block's bytes 4-15 as three int32, its six-bit scales and mins packed as
-    :func:`llamatrain.ops.dequantize._k_scales_mins` unpacks them (the same word masks)."""
-    dw, mw, low = words.unbind(1)
-    six, top, nibble = 0x3F3F3F3F, 0x30303030, 0x0F0F0F0F
-    packed = torch.stack(
-        [
-            dw & six,
-            (low & nibble) | ((dw >> 2) & top),
-            mw & six,
-            ((low >> 4) & nibble) | ((mw >> 2) & top),
-        ],
-        dim=1,
-    )  # (n, 4) words: scales 0-3, scales 4-7, mins 0-3, mins 4-7, a byte each
+    ``words``: the block's bytes 4-15 as three int32, its six-bit scales and mins, unpacked by
+    the eager decoder's :func:`llamatrain.ops.dequantize.k_scale_words`."""
+    packed = k_scale_words(words)  # (n, 4) words: scales 0-3, 4-7, mins 0-3, 4-7, a byte each
     shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=words.device)
     fields = ((packed.unsqueeze(-1) >> shifts) & 0xFF).reshape(-1, 2, 4, 2).to(torch.float32)
     scale = (d.to(torch.float32).view(-1, 1, 1) * fields[:, 0]).unsqueeze(-1)

@@ -179,18 +179,19 @@ def _decode_q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     _scale_min(blocks, _in_block_order(_five_bit(blocks, 8), 8), out)
 
 
-def _k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 8 six-bit scales and 8 six-bit mins from the 12 bytes at 4-15, as float32.
+def k_scale_words(words: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K's 8 six-bit scales and 8 six-bit mins, packed in a block's bytes 4-15 (given
+    as three int32 words, ``(n, 3)``), as four words ``(n, 4)`` of one value a byte: scales
+    0-3, scales 4-7, mins 0-3, mins 4-7 (little-endian).
 
     Bytes 4-7 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 8-11 the
     same for the mins; bytes 12-15 the low nibbles of scales 4-7 and (high nibble) mins 4-7.
-    Each four bytes are one int32 word of the block (144 or 176 bytes: whole words), masked
-    and shifted as a word: a dozen byte-wide operations on 4-byte runs cost a third of the
-    whole decode.
+    Masked and shifted a word at a time: a dozen byte-wide operations on 4-byte runs cost a
+    third of the whole eager decode. (The compiled Q4_K kernel unpacks them the same way.)
     """
-    d, m, low = _viewed_as(blocks[:, 4:16], torch.int32).unbind(1)
+    d, m, low = words.unbind(1)
     six, top, nibble = 0x3F3F3F3F, 0x30303030, 0x0F0F0F0F
-    fields = torch.stack(
+    return torch.stack(
         [
             d & six,
             (low & nibble) | ((d >> 2) & top),
@@ -199,7 +200,12 @@ def _k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ],
         dim=1,
     )
-    values = fields.view(torch.uint8).to(torch.float32)  # (n, 16): 8 scales, then 8 mins
+
+
+def _k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 8 scales and 8 mins (:func:`k_scale_words`) as float32 ``(n, 8)`` each."""
+    words = k_scale_words(_viewed_as(blocks[:, 4:16], torch.int32))
+    values = words.view(torch.uint8).to(torch.float32)  # (n, 16): 8 scales, then 8 mins
     return values[:, :8], values[:, 8:]
 
 
