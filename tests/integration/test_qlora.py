@@ -32,6 +32,7 @@ from llamatrain import api, build, grpo_rollout
 from llamatrain.build import build_lora_base
 from llamatrain.cli import main
 from llamatrain.data import SONNETS_PATH
+from llamatrain.device import amx_bf16
 from llamatrain.gguf.export_types import merged_export_type
 from llamatrain.gguf.file import read_gguf
 from llamatrain.grpo_rollout import sample_completions
@@ -62,17 +63,22 @@ test_quantized_import's LOGIT_BOUND_VS_FILE). Measured (48 tokens, logits up to 
 that."""
 
 
-def qlora_overrides(cache_dir: Path, run_dir: Path, base: Path, base_dtype: str) -> list[str]:
-    """A few steps of rank-4 LoRA on every projection of ``base``, a checkpoint every 2."""
+def qlora_overrides(
+    cache_dir: Path, run_dir: Path, base: Path, base_dtype: str, dtype: str | None = "float32"
+) -> list[str]:
+    """A few steps of rank-4 LoRA on every projection of ``base``, a checkpoint every 2, in
+    float32 (compared value for value with float32 LoRA runs), or ``dtype`` (None: the run's
+    own choice, ``train.dtype = "auto"``: a QLoRA run's is bf16 on a CPU with AMX)."""
+    pinned = [] if dtype is None else [f'train.dtype="{dtype}"']
     return [
+        *pinned,
         f'data.cache_dir="{cache_dir}"',
         f'output.dir="{run_dir}"',
         f'model.init_from="{base}"',
         "lora.rank=4",
         "lora.alpha=8.0",
         f'lora.base_dtype="{base_dtype}"',
-        'train.dtype="float32"',  # compared value for value with float32 LoRA runs; a
-        f"train.steps={STEPS}",  # QLoRA run's "auto" is bf16 on a CPU with AMX
+        f"train.steps={STEPS}",
         "train.n_batch=128",
         "train.save_every=2",
         "train.eval_every=0",
@@ -260,11 +266,11 @@ def test_llama_cpp_runs_the_adapter_over_the_quantized_file_like_we_do(
 
     if qtype == "q4_0":
         run = q4_0_run
-    else:
-        overrides = qlora_overrides(
-            cache_dir, tmp_path / "run", quantized_bases[qtype], "quantized"
-        )
+    else:  # as a user starts it: bf16 compute on a CPU with AMX, float32 elsewhere
+        base = quantized_bases[qtype]
+        overrides = qlora_overrides(cache_dir, tmp_path / "run", base, "quantized", dtype=None)
         run = api.fit("tiny", overrides=overrides, progress=False)
+        assert run.config.train.dtype == ("bfloat16" if amx_bf16() else "float32")
     ids = run.tokenizer.encode(SONNETS_PATH.read_text()[:400], bos=True)[:48]
     ours = our_logits(run.model, ids)
     theirs = cpp_logits(llama_cpp, quantized_bases[qtype], ids, lora=run.adapter_path)
