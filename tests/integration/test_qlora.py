@@ -152,8 +152,8 @@ def test_compiled_decoders_train_the_same_run_bit_for_bit(
     decode_kernels``) gives the run of the eager decoders exactly: the same values, the same
     products. Its losses equal ``q4_0_run``'s (``"auto"``: eager at this size)."""
     traced = []  # a kernel's Python body runs when dynamo traces it
-    arguments, kernel, runs = decode_kernels._KERNELS["Q4_0"]
-    counted = (arguments, lambda *a: traced.append(1) or kernel(*a), runs)
+    arguments, kernel, shape = decode_kernels._KERNELS["Q4_0"]
+    counted = (arguments, lambda *a: traced.append(1) or kernel(*a), shape)
     monkeypatch.setitem(decode_kernels._KERNELS, "Q4_0", counted)
     monkeypatch.setattr(decode_kernels, "_compiled", {})  # compiled again, counted
     overrides = qlora_overrides(cache_dir, tmp_path / "run", quantized_bases["q4_0"], "quantized")

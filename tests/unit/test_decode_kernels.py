@@ -60,8 +60,8 @@ class Calls:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
         monkeypatch.setattr(decode_kernels, "_compiled", {})  # compiled again, counted
-        for qtype, (arguments, kernel, runs) in list(decode_kernels._KERNELS.items()):
-            counted = (arguments, self._counted(kernel), runs)
+        for qtype, (arguments, kernel, shape) in list(decode_kernels._KERNELS.items()):
+            counted = (arguments, self._counted(kernel), shape)
             monkeypatch.setitem(decode_kernels._KERNELS, qtype, counted)
 
     def _counted(self, kernel):
