@@ -27,15 +27,20 @@ _BYTE_ONES = {torch.int64: 0x0101010101010101, torch.int32: 0x01010101, torch.in
 """An integer word with every byte 1: a byte mask times it masks every byte of the word."""
 
 
+def _whole_words(field: torch.Tensor, size: int) -> bool:
+    """Whether the bytes ``field`` can be viewed as ``size``-byte values: its row length,
+    storage offset and outer strides (of size-1 dims too) whole words."""
+    return all(
+        n % size == 0 for n in (field.shape[-1], field.storage_offset(), *field.stride()[:-1])
+    )
+
+
 def _viewed_as(field: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The ``(n, k·size)`` bytes of every block as ``(n, k)`` ``dtype`` values: a strided view
     of the blocks where their offsets are whole values (every GGUF row of blocks whose size is
     a multiple of ``size``), else a copy. Why a view: copying a few bytes of every block into
     a contiguous tensor was a strided byte copy as slow as the decode around it."""
-    size = dtype.itemsize
-    aligned = field.stride(-1) == 1 and all(
-        n % size == 0 for n in (field.shape[-1], field.storage_offset(), *field.stride()[:-1])
-    )
+    aligned = field.stride(-1) == 1 and _whole_words(field, dtype.itemsize)
     return (field if aligned else field.clone(memory_format=torch.contiguous_format)).view(dtype)
 
 
@@ -45,16 +50,8 @@ def _f16(field: torch.Tensor) -> torch.Tensor:
 
 
 def _word_dtype(packed: torch.Tensor) -> torch.dtype:
-    """The widest integer type whose words the (contiguous) bytes ``packed`` can be viewed as:
-    its row length, storage offset and strides (of size-1 dims too) whole words."""
-    for dtype in _BYTE_ONES:
-        size = dtype.itemsize
-        if all(
-            n % size == 0
-            for n in (packed.shape[-1], packed.storage_offset(), *packed.stride()[:-1])
-        ):
-            return dtype
-    return torch.uint8
+    """The widest integer type whose words the (contiguous) bytes ``packed`` can be viewed as."""
+    return next((d for d in _BYTE_ONES if _whole_words(packed, d.itemsize)), torch.uint8)
 
 
 def _split_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
