@@ -13,7 +13,7 @@ Method, in turns in one process (``--rounds`` rounds, the best of each side repo
   both) and G = ``--generations`` completions of each, so B = P x G rows, each sampled for
   exactly ``--tokens`` tokens (no stop token: both decode the same number of tokens),
   temperature 1 and nothing else (GRPO's rollout sampler);
-- ``ours``: ``llamatrain.grpo_rollout.sample_completions`` over the model as ``load_gguf``
+- ``ours``: ``objectives.grpo.rollout.sample_completions`` over the model as ``load_gguf``
   builds it (float32 weights: what a LoRA run over a float base decodes with), and again over
   the QLoRA model a GRPO run builds (``lora.base_dtype = "quantized"``: Q4_1 blocks kept,
   dequantized per matmul) — both with ``--threads`` torch threads;
@@ -52,8 +52,9 @@ sys.path.insert(0, str(HERE))
 from lora import smollm2_file  # noqa: E402
 
 from llamatrain import api  # noqa: E402
-from llamatrain.config import TrainSection, rollout_params  # noqa: E402
-from llamatrain.grpo_rollout import sample_completions  # noqa: E402
+from llamatrain.config import TrainSection  # noqa: E402
+from llamatrain.objectives.grpo.rollout import sample_completions  # noqa: E402
+from llamatrain.objectives.grpo.rules import rollout_params  # noqa: E402
 
 ROLLOUT = rollout_params(TrainSection(temperature=1.0))
 """GRPO's rollout sampler: temperature 1 only."""

@@ -13,7 +13,7 @@ replies of the same pairs, the way ``llamatrain fit`` runs both. Every row times
   then a branch per reply from that token), so it costs prompt + chosen + rejected + 1 tokens
   (``mid``: 177 against SFT's 80), and both replies are scored: three times the scored tokens;
 * ``full``: every weight trains. DPO's reference is then the run's cached table
-  (``llamatrain.preference.reference_table``, computed once before training, outside the
+  (``objectives.preference.reference.reference_table``, computed once before training, outside the
   timing, as a run does), read per step: no extra forward;
 * ``lora``: rank-16 adapters on all seven projections (``lora.alpha`` 32). DPO's reference is
   the same model with its adapters off: one more forward a step, without gradients.
@@ -74,7 +74,7 @@ from llamatrain.device import configure_process  # noqa: E402
 from llamatrain.lora import trainable_parameter_count  # noqa: E402
 from llamatrain.model import Llama  # noqa: E402
 from llamatrain.model_config import ModelConfig  # noqa: E402
-from llamatrain.preference import reference_table  # noqa: E402
+from llamatrain.objectives.preference.reference import reference_table
 from llamatrain.trainer import Trainer  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "preference.json"

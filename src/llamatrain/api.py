@@ -21,8 +21,8 @@ import torch
 from llamatrain import parallel
 from llamatrain.allocator import release_freed_memory
 from llamatrain.build import (
+    PreparedModel,
     RunModel,
-    build_base_reference,
     build_model,
     export_type_of,
     fresh_run,
@@ -30,14 +30,13 @@ from llamatrain.build import (
     model_to_export,
     prepare,
     read_model_source,
-    reference_of,
     resumed_run,
     with_base,
 )
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, read_config
 from llamatrain.config import validate as validate_config
-from llamatrain.data import ChatTemplate, build_train_data, resolve_inputs
+from llamatrain.data import ChatTemplate, TrainData, build_train_data, resolve_inputs
 from llamatrain.data.chat_template import BUILTIN_TEMPLATES
 from llamatrain.data.examples import resolve_chat_template
 from llamatrain.denormals import denormals_flushed
@@ -62,9 +61,11 @@ from llamatrain.model_card.general_keys import with_general_keys
 from llamatrain.model_card.readme import readme
 from llamatrain.model_config import tensor_shapes
 from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
+from llamatrain.objectives import Objective, ObjectiveInputs, objective_for
+from llamatrain.objectives import check as check_objective
+from llamatrain.objectives.grpo.rewards import RewardFunction
 from llamatrain.ops.decode_kernels import compiled_decoding
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
-from llamatrain.rewards import RewardFunction
 from llamatrain.runlock import run_lock, set_aside_previous_run
 from llamatrain.tokenizer import (
     Tokenizer,
@@ -118,10 +119,12 @@ def _configure(
     overrides: Sequence[str],
     dotted: Mapping,
     rewards: Sequence[str | RewardFunction] | None = None,
+    custom: bool = False,
 ) -> Config:
     """The run's validated config: a file, a built-in name or a Config, plus overrides and
-    keywords, validated once as a whole (with ``rewards``, GRPO's functions given in Python,
-    in place of train.rewards), with its ``auto`` choices made for the device
+    keywords, validated once as a whole with its objective's rules (``rewards``: GRPO's
+    functions given in Python, in place of train.rewards; ``custom``: a notebook's own
+    objective, whose rules are its own), with its ``auto`` choices made for the device
     (``llamatrain.device.resolve_run_settings``) before anything reads them."""
     values = {key.replace("__", "."): value for key, value in dotted.items()}
     if isinstance(config, Config):
@@ -129,7 +132,8 @@ def _configure(
     else:
         cfg = read_config(config, overrides)
     cfg = apply_values(cfg, values, "fit(...) keyword")
-    return resolve_run_settings(validate_config(cfg, rewards=rewards))
+    cfg = validate_config(cfg)
+    return resolve_run_settings(cfg if custom else check_objective(cfg, rewards))
 
 
 def fit(
@@ -140,6 +144,7 @@ def fit(
     overwrite: bool = False,
     progress: bool = True,
     rewards: Sequence[str | RewardFunction] | None = None,
+    objective: Objective | None = None,
     **dotted: object,
 ) -> FitResult:
     """Train a model as the config says; evaluate, sample, save and export it.
@@ -168,8 +173,13 @@ def fit(
     its ``__name__`` (``rewards/correct/mean``), ``train.reward_weights`` weighs them in
     order. The run's config.toml cannot name a Python object, so it records no rewards: a
     resume passes the same ``rewards`` again.
+
+    ``objective``: a notebook's own training objective (``llamatrain.objectives.Objective``,
+    e.g. a subclass of ``ObjectiveBase`` with ``step`` and ``accumulate``) in place of
+    ``train.objective``'s; it gets the same batching, DDP, checkpoints, stop/resume and
+    trackers. A resume passes it again.
     """
-    cfg = _configure(config, overrides, dotted, rewards)
+    cfg = _configure(config, overrides, dotted, rewards, custom=objective is not None)
     device = resolve_device(cfg.train.device)
     with parallel.process_group(cfg.train.parallel, device, cfg.train.dist_timeout_s):
         with parallel.main_first():  # rank 0 fetches a corpus the others then find in the cache
@@ -178,7 +188,8 @@ def fit(
         with lock:
             if parallel.is_main() and not resume:
                 _claim_run_folder(Path(cfg.output.dir), overwrite)
-            return _fit_locked(cfg, paths, resume, progress and parallel.is_main(), rewards)
+            shown = progress and parallel.is_main()
+            return _fit_locked(cfg, paths, resume, shown, rewards, objective)
 
 
 def _claim_run_folder(run_dir: Path, overwrite: bool) -> None:
@@ -202,6 +213,7 @@ def _fit_locked(
     resume: str | Path | None,
     progress: bool,
     rewards: Sequence[str | RewardFunction] | None,
+    objective: Objective | None,
 ) -> FitResult:
     """``fit``'s run, while it holds the run folder's lock."""
     configure_process(resolve_device(cfg.train.device), bf16=cfg.train.dtype == "bfloat16")
@@ -218,10 +230,9 @@ def _fit_locked(
         inherited = _with_chat_template(run.inherited, data.chat_template)
         cfg = _with_export_type(cfg, run)
         prepared = prepare(run.model, cfg)
-        with parallel.main_first():  # the reference cache of a full finetune's DPO/IPO, if any
-            initial = run.checkpoint is None
-            reference = reference_of(prepared.model, cfg, data, prepared.device, initial=initial)
-        base_reference = build_base_reference(cfg, prepared.device)  # a full finetune's GRPO
+        if objective is None:
+            with parallel.main_first():  # rank 0 writes a DPO/IPO reference cache, if any
+                objective = _objective(cfg, prepared, data, run, rewards)
 
     run_dir = Path(cfg.output.dir)
     if parallel.is_main():
@@ -235,9 +246,7 @@ def _fit_locked(
         progress=progress,
         inherited=inherited,
         lora_base=run.lora_base,
-        reference=reference,
-        rewards=rewards,
-        base_reference=base_reference,
+        objective=objective,
     )
     if run.checkpoint is not None:
         trainer.load_state(run.checkpoint)
@@ -270,6 +279,29 @@ def _fit_locked(
             )
     curves = _write_curves(run_dir)
     return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path, curves, adapter_path)
+
+
+def _objective(
+    cfg: Config,
+    prepared: PreparedModel,
+    data: TrainData,
+    run: RunModel,
+    rewards: Sequence[str | RewardFunction] | None,
+) -> Objective:
+    """``train.objective``'s objective over the prepared model, what it scores against
+    built once: a full finetune's DPO/IPO table from ``model.init_from`` (cached), GRPO's
+    frozen base; a resumed run's checkpoint record checked first."""
+    inputs = ObjectiveInputs(
+        prepared.model,
+        prepared.device,
+        prepared.parallel.ranks,
+        data,
+        run.tokenizer,
+        rewards,
+        checkpoint=run.checkpoint,
+        reference_from_file=True,
+    )
+    return objective_for(cfg, inputs)
 
 
 def _with_export_type(cfg: Config, run: RunModel) -> Config:

@@ -7,11 +7,6 @@ like the checkpoint it resumes — with its tokenizer, the base's keys its files
 (bf16/f16, or the GGUF's own quantized blocks) is chosen while it is read
 (:func:`build_lora_base`), so a float32 copy of it never exists.
 
-The reference of DPO/IPO over a full finetune (:func:`reference_of`): the initial model's
-log-probs of every row, read from the cache or computed once before training. GRPO's over a
-full finetune (:func:`build_base_reference`): the base itself, frozen and held as its GGUF
-stores it, which scores each rollout's completions.
-
 Preparing (:func:`prepare`), as torchtitan's ``parallelize`` step does, in this one order:
 LoRA adapters over the frozen base → activation checkpointing (measured on the adapted block,
 before sharding) → the device → DDP/FSDP → a compiled loss. The model's code knows none of
@@ -20,12 +15,10 @@ it; each capability wraps the model from outside.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +36,6 @@ from llamatrain.checkpoint import (
     recorded_export_type,
 )
 from llamatrain.config import Config
-from llamatrain.data import TrainData
 from llamatrain.data.cache import sha256_file
 from llamatrain.device import resolve_device
 from llamatrain.errors import CheckpointError, ConfigError, TokenizerError
@@ -53,7 +45,6 @@ from llamatrain.gguf.file import map_stored, read_gguf, read_tensors_into, verif
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer, write_vocab
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, read_hf_folder
 from llamatrain.lora import (
-    ALL_TARGETS,
     apply_lora,
     merge_lora,
     store_frozen_targets,
@@ -64,7 +55,6 @@ from llamatrain.model import Llama, ModelConfig
 from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.model_source import (
     BASE_ROLE,
-    REFERENCE_ROLE,
     LoraBase,
     check_same_model,
     checkpoint_dir,
@@ -75,7 +65,6 @@ from llamatrain.model_source import (
 )
 from llamatrain.ops.dequantize import DEQUANTIZABLE
 from llamatrain.parallel import Parallel
-from llamatrain.preference import ReferenceTable, cached_reference_table, reference_table
 from llamatrain.tokenizer import (
     Tokenizer,
     load_sentencepiece,
@@ -85,23 +74,22 @@ from llamatrain.tokenizer import (
 )
 
 __all__ = [
-    "GRPO_REFERENCE_ROLE",
-    "FrozenReference",
     "PreparedModel",
     "RunModel",
-    "build_base_reference",
     "build_lora_base",
     "build_model",
     "build_tokenizer",
     "export_type_of",
     "fresh_run",
+    "header_only",
     "load_tokenizer",
     "lora_run_model",
+    "model_from_base",
     "model_to_export",
     "prepare",
     "read_model_source",
-    "reference_of",
     "resumed_run",
+    "run_choices",
     "with_base",
 ]
 
@@ -238,7 +226,7 @@ def lora_run_model(checkpoint: Checkpoint, base: LlamaFile) -> Llama:
     with each adapted projection kept as its GGUF stores it where ``ops.dequantize`` reads the
     type (float32 otherwise, and from an HF folder), and the checkpoint's adapters on it."""
     adapter = checkpoint.adapter
-    types = base.contents.tensor_types if _header_only(base) and base.contents else {}
+    types = base.contents.tensor_types if header_only(base) and base.contents else {}
     names = [name for name in types if name.endswith(target_suffixes(adapter.targets))]
     stored = "quantized" if names and all(types[n] in DEQUANTIZABLE for n in names) else "f32"
     model = build_lora_base(base, stored, adapter.targets)
@@ -255,7 +243,7 @@ def build_model(source: LlamaFile, **changes: object) -> Llama:
     once, where loading a state dict holds a float copy of every weight beside it.
     """
     model = Llama(dataclasses.replace(source.config, **changes))
-    if _header_only(source) and source.contents is not None:
+    if header_only(source) and source.contents is not None:
         read_tensors_into(source.contents, model.state_dict())
     else:
         model.load_state_dict(source.tensors, strict=True)
@@ -278,7 +266,7 @@ def build_lora_base(
     """
     if base_dtype == "f32":
         return build_model(source, **changes)
-    from_gguf = _header_only(source) and source.contents is not None
+    from_gguf = header_only(source) and source.contents is not None
     if base_dtype == "quantized" and not from_gguf:
         raise ConfigError(
             "lora.base_dtype = 'quantized' keeps a GGUF's blocks, but the base is not a GGUF "
@@ -326,7 +314,7 @@ def _kept_tables(base_dtype: str, file_types: Mapping[str, str]) -> dict[str, st
     }
 
 
-def _header_only(source: LlamaFile) -> bool:
+def header_only(source: LlamaFile) -> bool:
     """Whether ``source`` was read without its tensor data (``read_model(tensor_data=False)``)."""
     return any(tensor.is_meta for tensor in source.tensors.values())
 
@@ -356,11 +344,9 @@ def fresh_run(cfg: Config, paths: Sequence[Path]) -> RunModel:
     """A new model (seeded) with its tokenizer, or the one ``model.init_from`` names."""
     if cfg.model.init_from:
         base = read_model_source(cfg.model.init_from)
-        if cfg.holds_base_reference:  # refused before anything is built from it
-            _check_mappable(cfg, base)
         lora_base = describe_base(cfg.model.init_from) if cfg.lora.rank else None
         types = _types(base) if cfg.lora.rank else None
-        model = _from_base(cfg, base)
+        model = model_from_base(cfg, base)
         return RunModel(model, base.tokenizer, dict(base.inherited), lora_base, types)
     tokenizer = build_tokenizer(cfg, paths)
     torch.manual_seed(cfg.train.seed)
@@ -386,15 +372,15 @@ def _types(base: LlamaFile) -> dict[str, str]:
     return {} if base.contents is None else dict(base.contents.tensor_types)
 
 
-def _from_base(cfg: Config, base: LlamaFile) -> Llama:
+def model_from_base(cfg: Config, base: LlamaFile) -> Llama:
     """The model of ``base`` with the run's choices; its context stays the base's unless the
     run trains on longer windows."""
     _check_memory(cfg, base.config, base)
     base_dtype = cfg.lora.base_dtype if cfg.lora.rank else "f32"
-    return build_lora_base(base, base_dtype, cfg.lora.adapted, **_run_choices(cfg, base))
+    return build_lora_base(base, base_dtype, cfg.lora.adapted, **run_choices(cfg, base))
 
 
-def _run_choices(cfg: Config, base: LlamaFile) -> dict[str, object]:
+def run_choices(cfg: Config, base: LlamaFile) -> dict[str, object]:
     """The config changes a model built from ``base`` takes: the run's ops and attention,
     and a context that stays the base's unless the run trains on longer windows."""
     context = max(base.config.max_seq_len, cfg.data.n_ctx)
@@ -414,7 +400,7 @@ def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunMo
     if checkpoint.adapter is not None:
         base = with_base(checkpoint, cfg.model.init_from or None)
         state = checkpoint.state
-        model = _from_base(cfg, base)
+        model = model_from_base(cfg, base)
         return RunModel(
             model, base.tokenizer, state.inherited, state.lora_base, _types(base), checkpoint
         )
@@ -426,22 +412,10 @@ def resumed_run(cfg: Config, resume: str | Path, paths: Sequence[Path]) -> RunMo
             cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx
         )
     check_compatible(checkpoint, expected, tokenizer)
-    reference, role = checkpoint.state.reference_model, _reference_role(cfg)
-    if reference is not None and role is not None:  # before the reference is read
-        used = describe_base(cfg.model.init_from, checkpoint.path)
-        check_same_model(used, reference, role, checkpoint.path)
     run_choices = {"ops": cfg.model.ops, "attention": cfg.model.attention}
     _check_memory(cfg, checkpoint.config)
     model = Llama(dataclasses.replace(checkpoint.config, **run_choices))
     return RunModel(model, checkpoint.tokenizer, checkpoint.state.inherited, checkpoint=checkpoint)
-
-
-def _reference_role(cfg: Config) -> str | None:
-    """How the run names ``model.init_from`` when it scores against it (a full finetune's
-    DPO/IPO table, GRPO's frozen base); None when it scores against no file."""
-    if _scores_against_a_table(cfg):
-        return REFERENCE_ROLE
-    return GRPO_REFERENCE_ROLE if cfg.holds_base_reference else None
 
 
 def _check_same_kind(cfg: Config, checkpoint: Checkpoint) -> None:
@@ -512,136 +486,3 @@ def prepare(model: Llama, cfg: Config) -> PreparedModel:
     if cfg.train.compile:
         loss, logits = torch.compile(loss, dynamic=False), torch.compile(logits, dynamic=False)
     return PreparedModel(model, device, wrapped, loss, logits, segment)
-
-
-# ---- the reference of a full finetune's DPO/IPO ----------------------------------------------
-
-
-def reference_of(
-    model: Llama, cfg: Config, data: TrainData, device: torch.device, *, initial: bool
-) -> ReferenceTable | None:
-    """The reference log-probs of ``data``'s rows for DPO/IPO over a full finetune (None for
-    any other run: a LoRA run's reference is its base with the adapters off).
-
-    They are the initial model's — ``model.init_from``'s weights — read from the cache in
-    ``data.cache_dir`` (keyed by that file's sha256, the run's ops, attention and dtype, and
-    the rows; see ``llamatrain.preference.cached_reference_table``) or computed by ``model``
-    on ``device`` and cached. ``initial``: ``model`` holds those weights (a fresh run); a
-    resumed run's model does not yet hold its checkpoint's, so when its cache entry is gone
-    the base's weights are read into it, a tensor at a time, to recompute it (the checkpoint's
-    are restored afterwards).
-    """
-    t = cfg.train
-    if not _scores_against_a_table(cfg):
-        return None
-    autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if t.dtype == "bfloat16":
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    source = describe_base(cfg.model.init_from, "this DPO/IPO run")
-    key = {
-        "model_sha256": source.sha256,
-        "ops": cfg.model.ops,
-        "attention": cfg.model.attention,
-        "dtype": t.dtype,
-    }
-
-    def compute() -> ReferenceTable:
-        if not initial:
-            warnings.warn(
-                f"no cached reference log-probs for this resumed run; computing them again "
-                f"from {cfg.model.init_from}",
-                stacklevel=3,
-            )
-        scorer = _initial_model(model, cfg, device, initial=initial)
-        return reference_table(scorer, data.train, data.val, cfg.seqs_per_ubatch, device, autocast)
-
-    table, _ = cached_reference_table(cfg.data.cache_dir, key, data.train, data.val, compute)
-    return dataclasses.replace(table, model=source)
-
-
-def _scores_against_a_table(cfg: Config) -> bool:
-    """DPO/IPO over a full finetune: its reference is ``model.init_from``'s log-probs, a
-    table (a LoRA run's is its base with the adapters off)."""
-    return cfg.train.objective in ("dpo", "ipo") and not cfg.lora.rank
-
-
-def _initial_model(model: Llama, cfg: Config, device: torch.device, *, initial: bool) -> Llama:
-    """A model with the run's initial weights to compute the reference table by: ``model``
-    when it holds them; ``model`` with ``model.init_from``'s weights read into it (a resumed
-    run's own are restored afterwards); for an FSDP model, a whole copy read from
-    ``model.init_from``, since a sharded forward needs every rank and rank 0 computes the
-    cache alone (``parallel.main_first``). That copy is freed after the table; every rank
-    held the whole model before sharding it, so the copy raises no peak."""
-    if parallel.sharded(model):
-        return _from_base(cfg, read_model_source(cfg.model.init_from)).to(device)
-    if not initial:
-        _read_weights_into(model, read_model_source(cfg.model.init_from))
-    return model
-
-
-def _read_weights_into(model: Llama, source: LlamaFile) -> None:
-    """``source``'s weights into ``model`` (same architecture, any device), one tensor at a
-    time: no second copy of the model is ever held."""
-    header_only = _header_only(source) and source.contents is not None
-    with torch.no_grad():
-        for name, target in model.state_dict().items():
-            if header_only:
-                wide = target.dtype if not target.is_floating_point() else torch.float32
-                value = torch.empty(target.shape, dtype=wide)
-                read_tensors_into(source.contents, {name: value})
-            else:
-                value = source.tensors[name]
-            target.copy_(value)
-
-
-# ---- the reference of a full finetune's GRPO -----------------------------------------------
-
-GRPO_REFERENCE_ROLE = "GRPO KL reference model"
-"""How a resume refusing a changed ``model.init_from`` names GRPO's frozen base."""
-
-
-@dataclass(frozen=True)
-class FrozenReference:
-    """GRPO's KL reference over a full finetune (``Config.holds_base_reference``): the base
-    the run started from, frozen, and the file it was read from."""
-
-    model: Llama
-    """On the run's device, in eval mode, without gradients; its projections and vocabulary
-    tables held as the file stores them (:func:`build_lora_base`, ``quantized``)."""
-    source: LoraBase
-    """``model.init_from`` and its sha256, which the run's checkpoints record, so a resume
-    over a changed base is refused (:func:`resumed_run`)."""
-
-
-def build_base_reference(cfg: Config, device: torch.device) -> FrozenReference | None:
-    """GRPO's KL reference over a full finetune, or None for a run that needs none (a LoRA
-    run's is its base with the adapters off; ``beta = 0`` has no KL).
-
-    It is ``model.init_from`` as :func:`build_lora_base` keeps a QLoRA base, every
-    projection adapted: each matrix and vocabulary table a view of the GGUF's copy-on-write
-    map (``gguf.file.map_stored``), the norms float32. On the CPU it costs about the file's
-    size in page cache the kernel can drop, never a float32 copy; on an accelerator, the
-    file's size of device memory. Each block is decoded to float32 as a forward needs it,
-    so its log-probs are those of the dequantized base. An HF folder (or a LoRA run, read
-    merged) has no file to map: it is refused with the conversion that gives one.
-    """
-    if not cfg.holds_base_reference:
-        return None
-    source = describe_base(cfg.model.init_from, "this GRPO run")
-    base = read_model_source(cfg.model.init_from)
-    _check_mappable(cfg, base)
-    model = build_lora_base(base, "quantized", ALL_TARGETS, **_run_choices(cfg, base))
-    model.requires_grad_(False).eval()
-    return FrozenReference(model.to(device), source)
-
-
-def _check_mappable(cfg: Config, base: LlamaFile) -> None:
-    """Refuse a GRPO reference that would be a float copy: ``base`` was not read from a
-    GGUF model file (an HF folder; a LoRA run, read merged), so nothing maps it."""
-    if base.contents is None or not _header_only(base):
-        raise ConfigError(
-            f"model.init_from = {cfg.model.init_from} is not a GGUF model file, which GRPO's "
-            "KL reference over a full finetune is mapped from; convert it (llamatrain export "
-            f"{cfg.model.init_from} -o base.gguf --type bf16) and point model.init_from at "
-            "base.gguf, or set lora.rank > 0 or train.beta = 0"
-        )

@@ -39,7 +39,11 @@ from llamatrain.data.examples import Example, LineEncoder, resolve_chat_template
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.preferences import Pair, pair_rows
 from llamatrain.model import Llama, ModelConfig
-from llamatrain.preference import ReferenceTable, cached_reference_table, reference_table
+from llamatrain.objectives.preference.reference import (
+    ReferenceTable,
+    cached_reference_table,
+    reference_table,
+)
 
 pytestmark = pytest.mark.fuzz
 

@@ -1,5 +1,5 @@
 """GRPO's KL reference over a full finetune (``train.beta > 0``, ``lora.rank = 0``): the base
-``model.init_from`` names, frozen and held as its GGUF stores it (``build.build_base_reference``).
+``model.init_from`` names, frozen and held as its GGUF stores it (``objectives.grpo.reference``).
 
 The base is a random tiny llama of the tiny config's vocabulary exported Q8_0, so the
 reference's projections and tables are the file's blocks, mapped, while the trained model is
@@ -27,16 +27,17 @@ from random_models import tiny_llama
 from user_errors import error_of
 
 from llamatrain import api
-from llamatrain.build import build_base_reference, build_tokenizer
+from llamatrain.build import build_tokenizer
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import load_config
 from llamatrain.data import resolve_inputs
 from llamatrain.gguf.file import read_gguf
-from llamatrain.grpo_rollout import scored_logps, training_rows
 from llamatrain.lora import FrozenLinear, FrozenTable
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_source import base_sha256
+from llamatrain.objectives.grpo.reference import build_base_reference
+from llamatrain.objectives.grpo.rollout import scored_logps, training_rows
 from llamatrain.trainer import Trainer, held_types
 
 WORDS = ["love", "beauty", "time", "summer", "rose", "heart", "eye", "youth"]

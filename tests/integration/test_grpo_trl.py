@@ -17,7 +17,8 @@ with ``cls.__new__``, holding only what the methods read: :func:`grpo_trainer`):
 Our side lays each completion after its prompt in one right-padded row, takes the log-probs and
 the entropies from the chunked head (``model(…, logps_of=targets, with_entropy=True)``, what the
 trainer logs; TRL's from the full logits), the reference with the adapters off, and calls
-:mod:`llamatrain.grpo`. With μ = 2 the trained policy is the rollout's moved by a random
+:mod:`~llamatrain.objectives.grpo.loss`. With μ = 2 the trained policy is the rollout's moved
+by a random
 step, so ratios leave the clip range on both sides (checked).
 
 Tolerances: 1e-12 relative for the advantages, loss, gradients (relative to the largest
@@ -44,14 +45,14 @@ import pytest
 import torch
 from random_models import randomly_adapted
 
-from llamatrain.grpo import (
+from llamatrain.lora import adapters_disabled
+from llamatrain.model import Llama
+from llamatrain.objectives.grpo.loss import (
     GRPOLoss,
     mask_truncated,
     score_rewards,
     truncated_completions,
 )
-from llamatrain.lora import adapters_disabled
-from llamatrain.model import Llama
 from llamatrain.ops.sets import IGNORE_INDEX
 
 pytest.importorskip("trl")
@@ -124,7 +125,7 @@ def reward_columns(seed: int = 0) -> list[list[float | None]]:
 
 def rewards_table() -> torch.Tensor:
     """(N, F) float64 of :func:`reward_columns`, ``None`` as NaN (what the trainer's reward
-    calls hand :func:`~llamatrain.grpo.score_rewards`)."""
+    calls hand :func:`~llamatrain.objectives.grpo.loss.score_rewards`)."""
     columns = [[float("nan") if v is None else v for v in c] for c in reward_columns()]
     return torch.tensor(columns, dtype=torch.float64).T
 

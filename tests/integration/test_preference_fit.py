@@ -26,7 +26,7 @@ import torch
 from random_models import tiny_llama
 from user_errors import error_of
 
-from llamatrain import api, build
+from llamatrain import api
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.cli import main
 from llamatrain.data import build_train_data
@@ -34,8 +34,11 @@ from llamatrain.errors import CheckpointError, TrainingError
 from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.lora import lora_state_dict
 from llamatrain.model_source import base_sha256
+from llamatrain.objectives import ObjectiveInputs, objective_for
+from llamatrain.objectives.preference import reference
+from llamatrain.objectives.preference.losses import pair_logps, token_logps
+from llamatrain.objectives.preference.objective import PreferenceObjective
 from llamatrain.plot import read_records
-from llamatrain.preference import PreferenceObjective, pair_logps, token_logps
 from llamatrain.trainer import Trainer
 
 STEPS = 8
@@ -100,7 +103,7 @@ def training_pair_metrics(result: api.FitResult) -> dict[str, float]:
     batches = [rows.batch(np.arange(len(rows)))]
     objective = PreferenceObjective("dpo", result.config.train.beta)
     autocast = torch.autocast("cpu", enabled=False)
-    return objective.evaluate(result.model, batches, torch.device("cpu"), autocast)
+    return objective.evaluate_batches(result.model, batches, torch.device("cpu"), autocast)
 
 
 def test_dpo_starts_at_its_reference_and_learns_to_prefer_the_chosen_replies(dpo_run):
@@ -193,9 +196,10 @@ def cached_table(result: api.FitResult, files) -> tuple:
     """The run's cached reference table, read (computing it would fail), and its data."""
     data = build_train_data(result.config, result.tokenizer)
     base, _ = api.load_gguf(files["base"])
+    inputs = ObjectiveInputs(base, torch.device("cpu"), data=data, reference_from_file=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build, "reference_table", _refuse)
-        table = build.reference_of(base, result.config, data, torch.device("cpu"), initial=True)
+        patch.setattr(reference, "reference_table", _refuse)
+        table = objective_for(result.config, inputs).table
     return table, data, base
 
 
@@ -214,7 +218,7 @@ def test_full_finetune_dpo_learns_against_its_cached_reference(full_run, files):
     table, data, _ = cached_table(full_run, files)
     objective = PreferenceObjective("dpo", full_run.config.train.beta)
     rows = np.arange(len(data.train))
-    after = objective.evaluate(
+    after = objective.evaluate_batches(
         full_run.model, [data.train.batch(rows)], torch.device("cpu"),
         torch.autocast("cpu", enabled=False), [table.rows(rows)],
     )  # fmt: skip
@@ -255,8 +259,8 @@ def test_the_cached_reference_is_a_live_reference_forward(full_run, files):
 def test_a_trainer_built_by_hand_takes_its_reference_from_the_model_it_is_given(full_run, files):
     table, data, base = cached_table(full_run, files)
     trainer = Trainer(base, full_run.config, data=data, tokenizer=full_run.tokenizer)
-    assert np.array_equal(trainer.reference.train, table.train)  # the same computation
-    assert np.array_equal(trainer.reference.val, table.val)
+    assert np.array_equal(trainer.objective.table.train, table.train)  # the same computation
+    assert np.array_equal(trainer.objective.table.val, table.val)
     with pytest.raises(TrainingError, match="cannot continue a checkpoint"):
         trainer.load_state(None)  # its model is not the initial one after a restore
 
@@ -318,7 +322,8 @@ def test_simpo_trains_a_whole_model_without_a_reference(files, tmp_path):
     first, last = result.history.train[0], result.history.train[-1]
     assert last["loss"] < first["loss"] and last["reward_margin"] > first["reward_margin"]
     assert first["reward_chosen"] == pytest.approx(2.0 * first["logp_chosen"])
-    assert build.reference_of(result.model, result.config, None, None, initial=True) is None
+    inputs = ObjectiveInputs(result.model, torch.device("cpu"), reference_from_file=True)
+    assert objective_for(result.config, inputs).table is None
 
 
 def test_qlora_dpo_over_a_q8_0_base(files, tmp_path):

@@ -2,7 +2,8 @@
 
 One small random llama (float64, so a difference is a formula's and not rounding's) scores six
 preference pairs twice: our way — whole pairs packed into rows as the data lays them
-(``pair_rows``), through :class:`~llamatrain.preference.PreferenceObjective` — and TRL's way —
+(``pair_rows``), through :class:`~llamatrain.objectives.preference.PreferenceObjective` —
+and TRL's way —
 one right-padded row per reply, chosen rows then rejected rows, through TRL's trainer methods
 with our model behind the call signature TRL uses for a transformers model
 (:class:`TrlFacingModel`). The loss, its gradient with respect to every trainable parameter
@@ -51,8 +52,9 @@ from random_models import move_off_neutral, randomly_adapted
 from llamatrain.data.examples import Example
 from llamatrain.data.preferences import Pair, pair_rows
 from llamatrain.model import Llama, ModelConfig
+from llamatrain.objectives.preference.losses import token_logps
+from llamatrain.objectives.preference.objective import PreferenceObjective
 from llamatrain.ops.sets import IGNORE_INDEX
-from llamatrain.preference import PreferenceObjective, token_logps
 
 pytest.importorskip("trl")
 from trl import DPOTrainer  # noqa: E402

@@ -35,11 +35,11 @@ from llamatrain.data import SONNETS_PATH
 from llamatrain.device import amx_bf16
 from llamatrain.gguf.export_types import merged_export_type
 from llamatrain.gguf.file import read_gguf
-from llamatrain.grpo_rollout import sample_completions
 from llamatrain.lora import FrozenTable, LoraLinear, decoded_base, lora_modules
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_config import VOCAB_TABLES
+from llamatrain.objectives.grpo.rollout import sample_completions
 from llamatrain.ops import decode_kernels
 from llamatrain.ops import lora as ops_lora
 from llamatrain.sampling import SamplingParams

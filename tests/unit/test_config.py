@@ -23,6 +23,7 @@ from llamatrain.config import (
     validate,
 )
 from llamatrain.errors import ConfigError
+from llamatrain.objectives import check
 from llamatrain.settings import is_config_key
 
 SHIPPED = builtin_config_names()
@@ -228,7 +229,7 @@ def test_grpos_rollout_sampler_is_checked_before_the_first_step():
     grpo = ['train.objective="grpo"', 'data.format="jsonl"', 'train.rewards=["builtin:format"]',
             "train.num_generations=2", "train.max_completion_length=16",
             "train.temperature=2e6"]  # fmt: skip
-    msg = error_of(load_config, "tiny", grpo)
+    msg = error_of(lambda: check(load_config("tiny", grpo)))
     assert "train.temperature" in msg and "[0, 1e6]" in msg
 
 

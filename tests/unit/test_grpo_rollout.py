@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from llamatrain import Llama, ModelConfig
-from llamatrain.grpo_rollout import sample_completions
+from llamatrain.objectives.grpo.rollout import sample_completions
 from llamatrain.sampling import SamplingParams
 
 SMALL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)

@@ -14,10 +14,12 @@ from llamatrain.config import load_config, read_config, validate
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.prompts import PromptEncoder, parse_prompt_row, read_prompts
 from llamatrain.errors import ConfigError, DataError
-from llamatrain.grpo_rollout import GRPOObjective, _until_stop, training_rows
 from llamatrain.model import Llama, ModelConfig
+from llamatrain.objectives import check
+from llamatrain.objectives.grpo.objective import GRPOObjective
+from llamatrain.objectives.grpo.rewards import load as load_rewards
+from llamatrain.objectives.grpo.rollout import _until_stop, training_rows
 from llamatrain.ops.sets import IGNORE_INDEX
-from llamatrain.rewards import load as load_rewards
 
 GRPO = [
     'train.objective="grpo"',
@@ -28,16 +30,22 @@ GRPO = [
 ]
 
 
+def checked(name, overrides=(), rewards=None):
+    """A built-in config with ``overrides``, validated and its objective's rules checked, as
+    ``llamatrain.fit`` does before anything is built."""
+    return check(load_config(name, overrides), rewards)
+
+
 def test_a_grpo_config_is_valid_and_its_beta_defaults_to_trls():
-    cfg = load_config("tiny", GRPO)
+    cfg = checked("tiny", GRPO)
     assert cfg.train.beta == 0.0 and cfg.train.loss_type == "dapo"
     assert not cfg.holds_base_reference
     full = [*GRPO, "train.beta=0.04", 'model.init_from="base.gguf"']
-    assert load_config("tiny", full).holds_base_reference  # its base, kept frozen
-    lora = load_config("tiny", [*full, "lora.rank=4"])
+    assert checked("tiny", full).holds_base_reference  # its base, kept frozen
+    lora = checked("tiny", [*full, "lora.rank=4"])
     assert not lora.holds_base_reference  # the base with the adapters off
     orpo = ['train.objective="orpo"', 'data.format="jsonl"']
-    assert load_config("tiny", orpo).train.beta == 0.1
+    assert checked("tiny", orpo).train.beta == 0.1
 
 
 @pytest.mark.parametrize(("n_ctx", "derived"), [(64, 32), (128, 64), (512, 256), (4096, 256)])
@@ -46,14 +54,13 @@ def test_an_unset_max_completion_length_is_trls_256_but_leaves_a_prompt_room(n_c
     the context; a value set is kept (and refused when it leaves no room)."""
     unset = [o for o in GRPO if not o.startswith("train.max_completion_length")]
     n_batch = f"train.n_batch={4 * n_ctx}"
-    cfg = load_config("tiny", [*unset, f"data.n_ctx={n_ctx}", n_batch])
+    cfg = checked("tiny", [*unset, f"data.n_ctx={n_ctx}", n_batch])
     assert cfg.train.max_completion_length == derived
     assert cfg.origin("train.max_completion_length").startswith("the default")
     cfg.data.n_ctx, cfg.train.n_batch = 2 * n_ctx, 8 * n_ctx  # a later validate follows n_ctx
     assert validate(cfg).train.max_completion_length == min(256, n_ctx)
     assert (
-        load_config("tiny", [*GRPO, f"data.n_ctx={n_ctx}", n_batch]).train.max_completion_length
-        == 16
+        checked("tiny", [*GRPO, f"data.n_ctx={n_ctx}", n_batch]).train.max_completion_length == 16
     )
 
 
@@ -85,7 +92,7 @@ def test_an_unset_max_completion_length_is_trls_256_but_leaves_a_prompt_room(n_c
 )
 def test_grpo_settings_are_refused_in_one_line_before_a_step(extra, says):
     with pytest.raises(ConfigError) as e:
-        load_config("tiny", [*GRPO, *extra])
+        checked("tiny", [*GRPO, *extra])
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
@@ -98,22 +105,22 @@ def test_python_reward_functions_stand_in_for_train_rewards():
     unset, weighed by train.reward_weights; never both, and never without GRPO."""
     cfg = read_config("tiny", [g for g in GRPO if not g.startswith("train.rewards")])
     with pytest.raises(ConfigError, match="needs train.rewards"):
-        validate(cfg)
-    assert validate(cfg, rewards=[correct]) is cfg
+        check(cfg)
+    assert check(cfg, rewards=[correct]) is cfg
     cfg.train.reward_weights = [1.0, 2.0]
     with pytest.raises(ConfigError, match="2 weights for 1 train.rewards"):
-        validate(cfg, rewards=[correct])
+        check(cfg, rewards=[correct])
     with pytest.raises(ConfigError, match="called 'correct'"):
-        validate(cfg, rewards=[correct, correct])
+        check(cfg, rewards=[correct, correct])
     with pytest.raises(ConfigError, match="give them in one place"):
-        validate(load_config("tiny", GRPO), rewards=[correct])
+        check(checked("tiny", GRPO), rewards=[correct])
     with pytest.raises(ConfigError, match="samples none"):
-        validate(load_config("tiny"), rewards=[correct])
+        check(checked("tiny"), rewards=[correct])
 
 
 def test_ddp_ranks_must_share_a_steps_prompts_as_whole_groups(char_tokenizer):
     """2 prompts a step (8 completions, G = 4): 2 ranks take one group each, 3 cannot."""
-    cfg, rewards = load_config("tiny", GRPO), load_rewards(["builtin:exact_answer"])
+    cfg, rewards = checked("tiny", GRPO), load_rewards(["builtin:exact_answer"])
     assert GRPOObjective(cfg, char_tokenizer(), None, rewards, ranks=2).accumulation == 1
     with pytest.raises(ConfigError, match="3 ranks cannot share equally") as e:
         GRPOObjective(cfg, char_tokenizer(), None, rewards, ranks=3)
@@ -122,9 +129,9 @@ def test_ddp_ranks_must_share_a_steps_prompts_as_whole_groups(char_tokenizer):
 
 def test_rewards_without_grpo_and_a_zero_beta_for_dpo_are_refused():
     with pytest.raises(ConfigError, match="samples none"):
-        load_config("tiny", ['train.rewards=["builtin:format"]'])
+        checked("tiny", ['train.rewards=["builtin:format"]'])
     with pytest.raises(ConfigError, match="nothing to scale"):
-        load_config("tiny", ['train.objective="orpo"', 'data.format="jsonl"', "train.beta=0"])
+        checked("tiny", ['train.objective="orpo"', 'data.format="jsonl"', "train.beta=0"])
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])

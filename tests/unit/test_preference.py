@@ -22,7 +22,7 @@ import pytest
 import torch
 from llama_cpp_files import vocab_dir as vocab_dir
 
-from llamatrain.config import load_config, validate
+from llamatrain.config import load_config
 from llamatrain.data.chat_template import chat_template_for
 from llamatrain.data.examples import Example, LineEncoder
 from llamatrain.data.jsonl import BadLines
@@ -38,14 +38,15 @@ from llamatrain.errors import ConfigError, DataError
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.lora import adapters_disabled, apply_lora
 from llamatrain.model import Llama, ModelConfig
-from llamatrain.ops.sets import IGNORE_INDEX
-from llamatrain.preference import (
-    PreferenceObjective,
+from llamatrain.objectives import check
+from llamatrain.objectives.preference.losses import (
     dpo_losses,
     ipo_losses,
     orpo_losses,
     simpo_losses,
 )
+from llamatrain.objectives.preference.objective import PreferenceObjective
+from llamatrain.ops.sets import IGNORE_INDEX
 
 TOL = 1e-6
 
@@ -197,7 +198,7 @@ def test_a_steps_loss_is_the_formula_over_its_pairs_however_it_is_cut(objective)
     def reference_of(rows: slice):
         if not obj.needs_reference:
             return None
-        from llamatrain.preference import pair_logps, token_logps
+        from llamatrain.objectives.preference.losses import pair_logps, token_logps
 
         return pair_logps(
             token_logps(ref_logits[rows], targets[rows]), targets[rows], documents[rows]
@@ -403,17 +404,17 @@ def test_rows_hold_whole_pairs_as_documents(vocab_dir: Path):
 )  # fmt: skip
 def test_preference_settings_are_checked_in_one_line(values, says):
     with pytest.raises(ConfigError) as info:
-        validate(load_config("tiny", values))
+        check(load_config("tiny", values))
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
 def test_orpo_needs_no_lora_and_sft_stays_the_default():
     assert load_config("tiny").train.objective == "sft"
-    validate(load_config("tiny", ["train.objective='orpo'", "data.format='jsonl'"]))
+    check(load_config("tiny", ["train.objective='orpo'", "data.format='jsonl'"]))
     simpo = ["train.objective='simpo'", "data.format='jsonl'", "train.label_smoothing=0.1"]
-    assert validate(load_config("tiny", simpo)).train.simpo_gamma == 0.5
+    assert check(load_config("tiny", simpo)).train.simpo_gamma == 0.5
 
 
 def test_full_finetune_dpo_needs_only_a_model_to_take_the_reference_from():
     items = ["train.objective='dpo'", "data.format='jsonl'", "model.init_from='base.gguf'"]
-    validate(load_config("tiny", items))  # lora.rank = 0: the cached reference
+    check(load_config("tiny", items))  # lora.rank = 0: the cached reference

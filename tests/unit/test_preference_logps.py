@@ -38,9 +38,10 @@ from llamatrain.data.examples import Example
 from llamatrain.data.preferences import Pair, pair_rows
 from llamatrain.lora import apply_lora, lora_modules
 from llamatrain.model import Llama, ModelConfig
+from llamatrain.objectives.preference.losses import PairLogps, pair_logps, token_logps
+from llamatrain.objectives.preference.objective import PreferenceObjective
 from llamatrain.ops import logps as logps_module
 from llamatrain.ops.logps import linear_logps, linear_logps_and_entropy
-from llamatrain.preference import PairLogps, PreferenceObjective, pair_logps, token_logps
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors (conftest)
 

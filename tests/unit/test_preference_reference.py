@@ -1,4 +1,4 @@
-"""The cached reference of a full finetune's DPO/IPO (``llamatrain.preference.ReferenceTable``).
+"""The cached reference of a full finetune's DPO/IPO (``objectives.preference.ReferenceTable``).
 
 What it must be: every row's per-pair reference sums and token counts, computed once by the
 initial model; equal to a live reference forward over any batch of those rows (the same
@@ -22,12 +22,9 @@ from llamatrain.data.examples import Example
 from llamatrain.data.preferences import Pair, pair_rows
 from llamatrain.errors import TrainingError
 from llamatrain.model import Llama, ModelConfig
-from llamatrain.preference import (
-    PreferenceObjective,
-    cached_reference_table,
-    pair_logps,
-    reference_table,
-)
+from llamatrain.objectives.preference.losses import pair_logps
+from llamatrain.objectives.preference.objective import PreferenceObjective
+from llamatrain.objectives.preference.reference import cached_reference_table, reference_table
 
 VOCAB = 40
 CPU = torch.device("cpu")

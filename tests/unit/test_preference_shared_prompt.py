@@ -24,9 +24,9 @@ from test_flash_attn import _inputs, assert_same_attention  # the same random q,
 from llamatrain.data.examples import Example
 from llamatrain.data.preferences import Pair, cut_pairs, pair_rows
 from llamatrain.model import Llama, ModelConfig, document_positions
+from llamatrain.objectives.preference.losses import pair_logps, token_logps
 from llamatrain.ops.attention import flash_attn
 from llamatrain.ops.sets import IGNORE_INDEX
-from llamatrain.preference import pair_logps, token_logps
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors (conftest)
 

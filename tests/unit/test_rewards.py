@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from llamatrain.errors import ConfigError, DataError, TrainingError
-from llamatrain.rewards import Reward, TrainerState, check, load, score, trl_completions
+from llamatrain.objectives.grpo.rewards import (
+    Reward,
+    TrainerState,
+    check,
+    load,
+    score,
+    trl_completions,
+)
 
 # ---- functions exactly as TRL's GRPO docs write them ---------------------------------------
 

@@ -51,7 +51,7 @@ def test_the_step_loss_is_the_mean_over_scored_tokens_whatever_the_split(tmp_pat
     with torch.no_grad():
         logits = whole.model(inputs).double()
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-    losses = [t._accumulate_gradients(inputs, targets) for t in (whole, split, single)]
+    losses = [t.objective.accumulate(t.context, inputs, targets) for t in (whole, split, single)]
     assert losses == pytest.approx([expected.item()] * 3, rel=1e-6)
     row_weighted = sum(
         F.cross_entropy(

@@ -82,7 +82,7 @@ def test_micro_batching_does_not_change_loss_or_update(tmp_path):
     (a wrong micro-batch weight), the gradients and the loss do."""
     whole = make_trainer(tmp_path, "train.n_ubatch=512")
     split = make_trainer(tmp_path, "train.n_ubatch=128")
-    assert (whole.micro_batch, split.micro_batch) == (8, 2)
+    assert (whole.context.micro_batch, split.context.micro_batch) == (8, 2)
     whole_grads, split_grads = grads_at_update(whole), grads_at_update(split)
     for step in range(3):
         batch = random_batch(n_ctx=64, seed=step)
@@ -164,4 +164,4 @@ def test_a_hand_built_config_is_validated(tmp_path):
     model = Llama(dataclasses.replace(cfg.model, vocab_size=VOCAB, max_seq_len=cfg.data.n_ctx))
     trainer = Trainer(model, cfg, progress=False)
     assert trainer.cfg.train.n_ubatch == cfg.train.n_batch
-    assert trainer.micro_batch == cfg.train.n_batch // cfg.data.n_ctx
+    assert trainer.context.micro_batch == cfg.train.n_batch // cfg.data.n_ctx

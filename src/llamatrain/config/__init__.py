@@ -42,7 +42,7 @@ from llamatrain.config.sections import (
     TrainSection,
     config_reference,
 )
-from llamatrain.config.validate import rollout_params, sample_params, validate
+from llamatrain.config.validate import check_sampler, sample_params, set_in, validate
 
 __all__ = [
     "BUILTIN_CONFIGS",
@@ -57,13 +57,14 @@ __all__ = [
     "apply_overrides",
     "apply_values",
     "builtin_config_names",
+    "check_sampler",
     "config_from_dict",
     "config_reference",
     "config_to_dict",
     "config_to_toml",
     "load_config",
     "read_config",
-    "rollout_params",
     "sample_params",
+    "set_in",
     "validate",
 ]

@@ -94,6 +94,7 @@ def _set(cfg: Config, sec_name: str, name: str, value: Any, where: str, *, raw: 
         value = _parse_override(value, hint)
     setattr(section, name, check_type(sec_name, name, value, hint, where))
     cfg.origins[f"{sec_name}.{name}"] = where
+    cfg.validated = False
 
 
 def config_from_dict(d: dict[str, Any], source: str = "the config") -> Config:

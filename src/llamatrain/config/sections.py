@@ -450,6 +450,9 @@ class Config:
     output: OutputSection = field(default_factory=OutputSection)
     lora: LoraSection = field(default_factory=LoraSection)
     origins: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    validated: bool = field(default=False, repr=False, compare=False)
+    """Set by ``config.validate`` (and cleared by every change made through ``config.build``):
+    the trainer validates a config that is not, and trusts one that is."""
 
     def origin(self, key: str) -> str:
         """Where ``key`` (dotted) was set: a file, a ``--set`` item, or the defaults."""
@@ -472,7 +475,7 @@ class Config:
         (``build.build_base_reference``). A LoRA run's is its base with the adapters off,
         which costs nothing more."""
         t = self.train
-        return t.objective == "grpo" and t.beta > 0 and not self.lora.rank
+        return t.objective == "grpo" and bool(t.beta) and not self.lora.rank
 
 
 def config_reference() -> list[tuple[str, object, str]]:

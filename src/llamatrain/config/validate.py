@@ -7,22 +7,20 @@ of n_ctx, lr_min must not exceed lr, a quantized export needs block-sized rows â
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 from llamatrain.config.sections import SECTIONS, Config, TrainSection
 from llamatrain.errors import ConfigError
 from llamatrain.gguf.adapter import lora_settings_problem
 from llamatrain.gguf.quantize import require_quantizer
-from llamatrain.rewards import RewardFunction
-from llamatrain.rewards import check as check_rewards
 from llamatrain.sampling import SamplingError, SamplingParams
 from llamatrain.settings import check_rules, divisors
 from llamatrain.trackers import TRACKERS
 
-__all__ = ["rollout_params", "sample_params", "validate"]
+__all__ = ["check_sampler", "sample_params", "set_in", "validate"]
 
 
-def _set_in(cfg: Config, *keys: str) -> str:
+def set_in(cfg: Config, *keys: str) -> str:
     """'(from X and Y)' for error messages: where the keys involved came from."""
     places: list[str] = []
     for key in keys:
@@ -39,18 +37,6 @@ def _nearest_multiples(value: int, unit: int) -> str:
 
 
 _DERIVED = "the default (= train.n_batch)"
-_BETA_DERIVED = "the default (0.1; 0.0 for grpo)"
-
-
-def _default_beta(cfg: Config) -> None:
-    """``train.beta`` unset: TRL's default for the objective (DPOConfig's 0.1, GRPOConfig's
-    0.0), followed again when an earlier validate filled it and the objective changed."""
-    t = cfg.train
-    if t.beta is None or cfg.origins.get("train.beta") == _BETA_DERIVED:
-        t.beta = 0.0 if t.objective == "grpo" else 0.1
-        cfg.origins["train.beta"] = _BETA_DERIVED
-
-
 _COMPLETION_DERIVED = "the default (256, at most half of data.n_ctx)"
 
 
@@ -71,13 +57,13 @@ def _validate_model(cfg: Config) -> None:
     if m.init_from is not None:  # the architecture comes from the file; only choices count
         check_rules(m, "model", lambda key: f" in {cfg.origin(key)}")
         return
-    m.validate(lambda key: " " + _set_in(cfg, "model.dim", key))
+    m.validate(lambda key: " " + set_in(cfg, "model.dim", key))
     quantized = cfg.output.export_type in ("q8_0", "q4_0")
     if quantized and (m.dim % 32 or m.hidden_dim % 32):
         raise ConfigError(
             f"output.export_type = {cfg.output.export_type!r} needs model.dim and the "
             f"ffn width to be multiples of 32 (quant blocks), got dim {m.dim}, "
-            f"ffn {m.hidden_dim} {_set_in(cfg, 'output.export_type', 'model.dim')}; "
+            f"ffn {m.hidden_dim} {set_in(cfg, 'output.export_type', 'model.dim')}; "
             "use export_type 'f16' or change the sizes"
         )
 
@@ -89,15 +75,15 @@ def _validate_lora(cfg: Config) -> None:
     lora = cfg.lora
     if lora.rank > 0 and cfg.model.init_from is None:
         raise ConfigError(
-            f"lora.rank = {lora.rank} {_set_in(cfg, 'lora.rank')} adapts a base model, but "
+            f"lora.rank = {lora.rank} {set_in(cfg, 'lora.rank')} adapts a base model, but "
             "model.init_from is unset (LoRA on a random model learns nothing useful); set "
             "model.init_from to a GGUF, run folder or HF folder, or lora.rank = 0"
         )
     if lora.targets is not None and (problem := lora_settings_problem(targets=lora.targets)):
-        raise ConfigError(f"{problem} {_set_in(cfg, 'lora.targets')}")
+        raise ConfigError(f"{problem} {set_in(cfg, 'lora.targets')}")
     if lora.rank > 0 and lora.base_dtype == "quantized" and cfg.train.compile:
         raise ConfigError(
-            f"train.compile = true {_set_in(cfg, 'train.compile', 'lora.base_dtype')} cannot "
+            f"train.compile = true {set_in(cfg, 'train.compile', 'lora.base_dtype')} cannot "
             "trace a base kept as its GGUF blocks (lora.base_dtype = 'quantized'); set "
             "train.compile = false: the blocks' decoders are compiled on their own "
             "(lora.decode)"
@@ -110,142 +96,14 @@ def _validate_parallel(cfg: Config) -> None:
     mode = cfg.train.parallel
     if mode != "none" and cfg.optim.name == "lbfgs":
         raise ConfigError(
-            f"train.parallel = {mode!r} {_set_in(cfg, 'train.parallel', 'optim.name')} trains "
+            f"train.parallel = {mode!r} {set_in(cfg, 'train.parallel', 'optim.name')} trains "
             "with AdamW only; set optim.name = 'adamw' or train.parallel = 'none'"
         )
     if mode == "fsdp" and cfg.lora.rank > 0:
         raise ConfigError(
-            f"train.parallel = 'fsdp' {_set_in(cfg, 'train.parallel', 'lora.rank')} does not "
+            f"train.parallel = 'fsdp' {set_in(cfg, 'train.parallel', 'lora.rank')} does not "
             "shard LoRA runs (their adapters are small); use train.parallel = 'ddp'"
         )
-
-
-def _validate_objective(cfg: Config, rewards: Sequence[str | RewardFunction] | None) -> None:
-    """A preference objective trains on JSONL pairs (on any train.parallel, compiled or
-    not, as SFT); DPO/IPO need a reference model: a LoRA run's adapters switched off, or a
-    full finetune's model.init_from (its log-probs cached before training). ``rewards``:
-    GRPO's reward functions given in Python, in place of train.rewards."""
-    t = cfg.train
-    objective = t.objective
-    if objective == "grpo":
-        _validate_grpo(cfg, rewards)
-        return
-    if t.rewards is not None:
-        raise ConfigError(
-            f"train.rewards {_set_in(cfg, 'train.rewards', 'train.objective')} score GRPO's "
-            f"completions; train.objective = {objective!r} samples none: set train.objective = "
-            "'grpo' or remove train.rewards"
-        )
-    if rewards is not None:
-        raise ConfigError(
-            f"rewards= score GRPO's completions; train.objective = {objective!r} "
-            f"{_set_in(cfg, 'train.objective')} samples none: set train.objective = 'grpo' "
-            "or pass no rewards"
-        )
-    if objective == "sft":
-        return
-    where = _set_in(cfg, "train.objective")
-    if t.beta == 0:
-        raise ConfigError(
-            f"train.beta = 0 {_set_in(cfg, 'train.beta')} leaves train.objective = "
-            f"{objective!r} nothing to scale; give a beta > 0 (unset = 0.1)"
-        )
-    if cfg.data.format != "jsonl":
-        raise ConfigError(
-            f"train.objective = {objective!r} {where} trains on preference pairs; set "
-            'data.format = "jsonl" with one {"prompt", "chosen", "rejected"} object a line'
-        )
-    if cfg.data.train_on != "completion":
-        raise ConfigError(
-            f"train.objective = {objective!r} {where} scores the replies alone; "
-            "data.train_on = 'all' does not apply: set it to 'completion'"
-        )
-    if objective in ("dpo", "ipo") and cfg.lora.rank == 0 and not cfg.model.init_from:
-        raise ConfigError(
-            f"train.objective = {objective!r} {where} needs a reference model: the model "
-            "model.init_from names (its log-probs cached before a full finetune, or its weights "
-            "under LoRA adapters with lora.rank > 0); set model.init_from, or train.objective = "
-            "'orpo' or 'simpo' (reference-free)"
-        )
-    if t.label_smoothing and objective not in ("dpo", "simpo"):
-        raise ConfigError(
-            f"train.label_smoothing = {t.label_smoothing} "
-            f"{_set_in(cfg, 'train.label_smoothing', 'train.objective')} is conservative DPO's "
-            f"(and SimPO's); train.objective = {objective!r} has none: set it to 0"
-        )
-
-
-def _validate_grpo(cfg: Config, rewards: Sequence[str | RewardFunction] | None) -> None:
-    """GRPO samples prompt rows (JSONL, Parquet, HF) with the reward functions named in
-    train.rewards or given in Python as ``rewards`` (checked here without importing them),
-    G completions a prompt, whole groups a step; on one process or under DDP, with AdamW.
-    Its KL reference is the base: a LoRA run's with the adapters off, a full finetune's
-    ``model.init_from`` held as its GGUF stores it, so a run from scratch has none."""
-    t, where = cfg.train, _set_in(cfg, "train.objective")
-    if cfg.data.format == "text":
-        raise ConfigError(
-            f"train.objective = 'grpo' {where} samples prompt rows; set data.format = 'jsonl' "
-            "(or 'parquet', 'hf') with a \"prompt\" (text or messages) in each row"
-        )
-    check_rewards(_reward_specs(cfg, rewards), t.reward_weights, t.reward_args)
-    if cfg.seqs_per_batch % t.num_generations:
-        raise ConfigError(
-            f"train.n_batch / data.n_ctx = {cfg.seqs_per_batch} completions a step are not whole "
-            f"groups of train.num_generations = {t.num_generations} "
-            f"{_set_in(cfg, 'train.n_batch', 'train.num_generations')}; make n_batch a multiple "
-            f"of {t.num_generations * cfg.data.n_ctx}"
-        )
-    if t.max_completion_length >= cfg.data.n_ctx:
-        raise ConfigError(
-            f"train.max_completion_length = {t.max_completion_length} leaves no room for a "
-            f"prompt in data.n_ctx = {cfg.data.n_ctx} "
-            f"{_set_in(cfg, 'train.max_completion_length', 'data.n_ctx')}; lower it or raise n_ctx"
-        )
-    if t.beta and not cfg.lora.rank and not cfg.model.init_from:
-        raise ConfigError(
-            f"train.beta = {t.beta} {_set_in(cfg, 'train.beta')}: GRPO's KL reference is the "
-            "base model, and a model trained from scratch has none; set model.init_from to a "
-            "GGUF base or train.beta = 0"
-        )
-    if t.parallel == "fsdp":
-        raise ConfigError(
-            f"train.objective = 'grpo' {where} does not shard: a rollout decodes token by "
-            "token, each rank its own completions, and a sharded forward needs every rank in "
-            "each; set train.parallel = 'ddp' (or 'none')"
-        )
-    if cfg.optim.name != "adamw":
-        raise ConfigError(
-            f"train.objective = 'grpo' {where} trains with AdamW (L-BFGS's line search would "
-            "score a new rollout each evaluation); set optim.name = 'adamw'"
-        )
-    if cfg.optim.opt_max_no_improvement and cfg.optim.opt_no_improvement_on == "val":
-        raise ConfigError(
-            f"optim.opt_no_improvement_on = 'val' {_set_in(cfg, 'optim.opt_no_improvement_on')} "
-            "watches a validation loss, which GRPO has not (it reports the held-out reward); "
-            "watch the 'train' loss or set optim.opt_max_no_improvement = 0"
-        )
-
-
-def _reward_specs(
-    cfg: Config, rewards: Sequence[str | RewardFunction] | None
-) -> Sequence[str | RewardFunction]:
-    """GRPO's reward functions: the config's train.rewards, or the Python API's ``rewards``
-    (``api.fit(cfg, rewards=[f, ...])``, whose metrics take each function's ``__name__``);
-    exactly one of them."""
-    t, where = cfg.train, _set_in(cfg, "train.objective")
-    if t.rewards is not None and rewards is not None:
-        raise ConfigError(
-            f"reward functions come from train.rewards {_set_in(cfg, 'train.rewards')} and "
-            "from rewards= in Python; give them in one place (unset train.rewards, or pass no "
-            "rewards=)"
-        )
-    if t.rewards is None and rewards is None:
-        raise ConfigError(
-            f"train.objective = 'grpo' {where} needs train.rewards, the functions that score "
-            'completions, e.g. ["builtin:exact_answer"] or ["rewards.py:correct"] (or, in '
-            "Python, fit(..., rewards=[my_function]))"
-        )
-    return t.rewards if rewards is None else rewards
 
 
 def _validate_data_format(cfg: Config) -> None:
@@ -255,14 +113,14 @@ def _validate_data_format(cfg: Config) -> None:
     d = cfg.data
     if d.format in ("parquet", "hf") and not (cfg.tokenizer.path or cfg.model.init_from):
         raise ConfigError(
-            f"data.format = {d.format!r} {_set_in(cfg, 'data.format')} reads rows, not text "
+            f"data.format = {d.format!r} {set_in(cfg, 'data.format')} reads rows, not text "
             "files a tokenizer could be trained on; set tokenizer.path (a .gguf, .model or "
             "tokenizer.json) or model.init_from"
         )
     unknown = [name for name in cfg.output.loggers or () if name not in TRACKERS]
     if unknown:
         raise ConfigError(
-            f"output.loggers {_set_in(cfg, 'output.loggers')} has {unknown[0]!r}, which is not "
+            f"output.loggers {set_in(cfg, 'output.loggers')} has {unknown[0]!r}, which is not "
             f"a tracker; choose any of {', '.join(map(repr, TRACKERS))}"
         )
 
@@ -274,36 +132,35 @@ def sample_params(train: TrainSection) -> SamplingParams:
     return SamplingParams(temperature=train.sample_temperature)
 
 
-def rollout_params(train: TrainSection) -> SamplingParams:
-    """GRPO's rollout sampler (temperature only, so that a sampled token's log-prob is the
-    training forward's): one home, checked by :func:`validate` as :func:`sample_params` is."""
-    return SamplingParams(temperature=train.temperature, top_k=None, top_p=None, min_p=0.0)
-
-
 def _validate_sampling(cfg: Config) -> None:
     """Every sampler the run will build, built now: a value SamplingParams refuses (a
     temperature of 2e6) is refused before the first step, naming its key."""
-    samplers = [("train.sample_", sample_params)]
-    if cfg.train.objective == "grpo":
-        samplers.append(("train.", rollout_params))
-    for prefix, sampler in samplers:
-        try:
-            sampler(cfg.train)
-        except SamplingError as e:
-            key = prefix + e.field
-            raise ConfigError(f"{key} {_set_in(cfg, key)} must be {e.rule}, got {e.value!r}") from e
+    check_sampler(cfg, "train.sample_", sample_params)
 
 
-def validate(cfg: Config, rewards: Sequence[str | RewardFunction] | None = None) -> Config:
+def check_sampler(
+    cfg: Config, prefix: str, sampler: Callable[[TrainSection], SamplingParams]
+) -> None:
+    """The sampler ``sampler`` builds from ``cfg.train``, built now: a value SamplingParams
+    refuses (a temperature of 2e6) is refused before the first step, naming its key
+    (``prefix`` + the field)."""
+    try:
+        sampler(cfg.train)
+    except SamplingError as e:
+        key = prefix + e.field
+        raise ConfigError(f"{key} {set_in(cfg, key)} must be {e.rule}, got {e.value!r}") from e
+
+
+def validate(cfg: Config) -> Config:
     """Check every value and the rules that tie fields together; fill derived defaults.
 
-    Filled here: ``train.n_ubatch`` (unset = ``train.n_batch``), ``train.beta`` (unset =
-    the objective's default) and ``train.max_completion_length`` (unset = 256, at most half
-    of ``data.n_ctx``), so later code never meets ``None`` there. ``rewards``: GRPO's
-    reward functions given in Python (``api.fit``'s and ``Trainer``'s ``rewards=``), which
-    stand in for train.rewards. Returns ``cfg``.
+    Filled here: ``train.n_ubatch`` (unset = ``train.n_batch``) and
+    ``train.max_completion_length`` (unset = 256, at most half of ``data.n_ctx``), so later
+    code never meets ``None`` there. The objective's own rules (and ``train.beta``'s
+    default, which is the objective's) are ``llamatrain.objectives.check``'s: config/ knows
+    no objective. Marks ``cfg`` validated (``Config.validated``), which the trainer trusts.
+    Returns ``cfg``.
     """
-    _default_beta(cfg)
     _default_max_completion_length(cfg)
     for sec_name in SECTIONS:
         if sec_name != "model":
@@ -311,7 +168,6 @@ def validate(cfg: Config, rewards: Sequence[str | RewardFunction] | None = None)
     _validate_model(cfg)
     _validate_lora(cfg)
     _validate_parallel(cfg)
-    _validate_objective(cfg, rewards)
     _validate_data_format(cfg)
     _validate_sampling(cfg)
     require_quantizer(cfg.output.export_type)
@@ -323,12 +179,12 @@ def validate(cfg: Config, rewards: Sequence[str | RewardFunction] | None = None)
     if o.lr_min > o.lr:
         raise ConfigError(
             f"optim.lr_min = {o.lr_min} must not exceed optim.lr = {o.lr} "
-            f"{_set_in(cfg, 'optim.lr_min', 'optim.lr')}; lr_min is absolute (e.g. lr / 10)"
+            f"{set_in(cfg, 'optim.lr_min', 'optim.lr')}; lr_min is absolute (e.g. lr / 10)"
         )
     if o.opt_max_no_improvement and o.opt_no_improvement_on == "val" and d.val_fraction == 0:
         raise ConfigError(
             "optim.opt_no_improvement_on = 'val' watches the validation loss, but "
-            f"data.val_fraction = 0 holds none out {_set_in(cfg, 'optim.opt_no_improvement_on')}"
+            f"data.val_fraction = 0 holds none out {set_in(cfg, 'optim.opt_no_improvement_on')}"
             "; set data.val_fraction > 0 or watch the 'train' loss"
         )
     if 0 < o.cos_decay_restart < 1:
@@ -341,23 +197,24 @@ def validate(cfg: Config, rewards: Sequence[str | RewardFunction] | None = None)
     if t.n_batch % d.n_ctx:
         raise ConfigError(
             f"train.n_batch = {t.n_batch} (tokens per step) must be a multiple of data.n_ctx = "
-            f"{d.n_ctx} {_set_in(cfg, 'train.n_batch', 'data.n_ctx')}; e.g. n_batch = "
+            f"{d.n_ctx} {set_in(cfg, 'train.n_batch', 'data.n_ctx')}; e.g. n_batch = "
             f"{_nearest_multiples(t.n_batch, d.n_ctx)}"
         )
     if t.n_ubatch is not None:
         if t.n_ubatch % d.n_ctx:
             raise ConfigError(
                 f"train.n_ubatch = {t.n_ubatch} must be a multiple of data.n_ctx = {d.n_ctx} "
-                f"{_set_in(cfg, 'train.n_ubatch', 'data.n_ctx')}; e.g. "
+                f"{set_in(cfg, 'train.n_ubatch', 'data.n_ctx')}; e.g. "
                 f"{_nearest_multiples(t.n_ubatch, d.n_ctx)}"
             )
         if t.n_batch % t.n_ubatch:
             ok = [k * d.n_ctx for k in divisors(cfg.seqs_per_batch)]
             raise ConfigError(
                 f"train.n_ubatch = {t.n_ubatch} must divide train.n_batch = {t.n_batch} "
-                f"{_set_in(cfg, 'train.n_ubatch', 'train.n_batch')}; choose one of {ok}"
+                f"{set_in(cfg, 'train.n_ubatch', 'train.n_batch')}; choose one of {ok}"
             )
     else:
         t.n_ubatch = t.n_batch
         cfg.origins["train.n_ubatch"] = _DERIVED
+    cfg.validated = True
     return cfg

@@ -5,13 +5,14 @@ raw text or a conversation (a list of ``{"role", "content"}`` messages), and any
 Text is tokenized as a ``{"prompt", "completion"}`` line's prompt is (BOS first when the
 tokenizer adds one); a conversation is rendered with the chat template and its generation
 prompt (``<|im_start|>assistant\\n``), as ``llamatrain chat`` prompts the model, and tokenized
-with its control tokens. The completions are sampled after it (``llamatrain.grpo_rollout``).
+with its control tokens. The completions are sampled after it
+(``llamatrain.objectives.grpo.rollout``).
 
-Every other column is the reward functions' (``llamatrain.rewards``: an ``answer`` column is the
-usual ground truth), handed over as read: a table's null stays ``None``. The prompt itself goes
-to them as TRL hands it: the text, or the message list. A row whose prompt leaves no room for a
-completion in a row of ``data.n_ctx + 1`` tokens is left out and counted, as a too-long SFT
-example is cut and counted.
+Every other column is the reward functions' (``llamatrain.objectives.grpo.rewards``: an
+``answer`` column is the usual ground truth), handed over as read: a table's null stays
+``None``. The prompt itself goes to them as TRL hands it: the text, or the message list. A row
+whose prompt leaves no room for a completion in a row of ``data.n_ctx + 1`` tokens is left out
+and counted, as a too-long SFT example is cut and counted.
 """
 
 from __future__ import annotations

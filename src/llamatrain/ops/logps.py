@@ -1,6 +1,6 @@
 """Each target's log-probability under the lm head, a chunk of rows at a time.
 
-Why: a preference objective (``llamatrain.preference``) needs every scored token's
+Why: a preference objective (``llamatrain.objectives.preference``) needs every scored token's
 ``log π(y_t) = Z[y_t] − logsumexp(Z)``, ``Z = softcap(h·Wᵀ)``. Taken from the model's full
 logits that is a (tokens × vocab) tensor — 8 rows × 256 × 32000 float32 = 262 MB, and as much
 again for its softmax and its gradient — where SFT's loss never holds one

@@ -181,7 +181,7 @@ def score_rewards(
     scale_rewards: str | bool = "group",
 ) -> ScoredRewards:
     """The whole batch's (all ranks', G rows a prompt in order) rewards ``per_function``
-    (N, F, NaN where a function returned None: ``llamatrain.rewards.score``'s table) weighed
+    (N, F, NaN where a function returned None: ``rewards.score``'s table) weighed
     by ``weights`` (F,), turned into advantages, and summarised."""
     if len(per_function) % num_generations:
         raise ValueError(f"{len(per_function)} completions are not groups of {num_generations}")

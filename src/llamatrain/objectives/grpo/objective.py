@@ -1,263 +1,86 @@
-"""GRPO on a model being trained: rollouts, their rewards and advantages, and each micro-batch's
-loss, as the trainer asks for them (``train.objective = "grpo"``).
+"""GRPO as the trainer drives it (``train.objective = "grpo"``): each step's rollout
+(:mod:`.rollout`), its micro-batches' losses (:mod:`.loss`), the step's metrics with TRL's
+names, the held-out greedy reward, and the last steps' completions kept in
+``completions.jsonl`` beside ``metrics.jsonl`` (each logged step's also go to the trackers).
 
 A step (TRL's generation batch with its default ``steps_per_generation``) draws
 ``n_batch / n_ctx / num_generations`` prompt rows (``llamatrain.data.prompts``) and samples
-G = ``num_generations`` completions of each from the model being trained — our own KV-cache
-decoder (``llamatrain.generate``) on the very weights, LoRA adapters on: no second copy, no
-weight sync. Sampling is temperature only (top-k, top-p and min-p off), so a sampled token's
-log-prob is the training forward's ``log_softmax(logits / temperature)`` (TRL's convention).
-A completion ends at its first stop token (EOS, or the chat template's end-of-turn token),
-included; one without is truncated at ``max_completion_length``.
+G = ``num_generations`` completions of each from the model being trained. Under DDP
+(``train.parallel = "ddp"``) each rank samples, scores and trains on its contiguous share of the
+step's prompts, whole groups (TRL splits a generation batch's rows across its processes and
+gathers them for the advantages; whole groups keep a prompt's G completions in one rank and
+need no exchange before the rewards). The ranks' reward tables, completion lengths and texts
+are gathered, so the advantages are over each whole group (and, with ``scale_rewards =
+"batch"``, the whole step), the reward and length metrics are the whole step's, and dapo
+divides by the step's counted tokens over all ranks (TRL's ``num_items_in_batch``). Each
+rank's grpo, bnpo and dr_grpo losses are divided by its own micro-batches' count (TRL's
+per-process gradient accumulation), so with the same micro-batches DDP's average of the ranks'
+gradients is one process's. The loss's metrics are means over every rank's micro-batches. The
+held-out prompts are shared out and gathered alike.
 
-A step's rows (this rank's share) decode as one batch, prompts of every length and their
-groups together: the prompts are left-padded to the longest, each row's rope positions are its
-own and the padding is masked out of every attention (``generate_stream``), so each row's
-logits are its unpadded decode's, to float rounding. Each row's sampler is seeded by
-``(train.seed, step, its index in the step)``: a row draws what it would in any batch, so a
-resumed run draws what the uninterrupted run drew, with no generator state to store, and a row
-draws alike on any number of ranks.
-
-Under DDP (``train.parallel = "ddp"``) each rank samples, scores and trains on its contiguous
-share of the step's prompts, whole groups (TRL splits a generation batch's rows across its
-processes and gathers them for the advantages; whole groups keep a prompt's G completions in
-one rank and need no exchange before the rewards). The ranks' reward tables, completion
-lengths and texts are gathered, so the advantages are over each whole group (and, with
-``scale_rewards = "batch"``, the whole step), the reward and length metrics are the whole
-step's, and dapo divides by the step's counted tokens over all ranks (TRL's
-``num_items_in_batch``). Each rank's grpo, bnpo and dr_grpo losses are divided by its own
-micro-batches' count (TRL's per-process gradient accumulation), so with the same micro-batches
-DDP's average of the ranks' gradients is one process's. The loss's metrics are means over every
-rank's micro-batches. The held-out prompts are shared out and gathered alike.
-
-The rewards (``llamatrain.rewards.score``, TRL's signature) and the advantages
-(``llamatrain.grpo.score_rewards``) are the whole step's; the loss is ``llamatrain.grpo.GRPOLoss``
-on log-probs of the chunked head (``model(…, logps_of=, temperature=)``, no B×T×V logits).
 With ``num_iterations`` μ > 1 a rollout serves μ steps and its log-probs, taken once after
 sampling, are the old policy's; with β > 0 the reference is the base, scored once per rollout
 with the same micro-batches, autocast and temperature: a LoRA run's model with its adapters
 switched off (``lora.adapters_disabled``), a full finetune's frozen base held as its GGUF
-stores it (``build.build_base_reference``), no gradient either way.
+stores it (:mod:`.reference`), no gradient either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from llamatrain import parallel
-from llamatrain.config import Config, rollout_params
+from llamatrain.config import Config
 from llamatrain.data import ChatTemplate
 from llamatrain.data.prompts import PromptRow
-from llamatrain.errors import ConfigError, DataError
-from llamatrain.generate import generate_stream
-from llamatrain.grpo import GRPOLoss, score_rewards
-from llamatrain.lora import adapters_disabled, decoded_base
-from llamatrain.memory import available_memory
+from llamatrain.errors import ConfigError
+from llamatrain.files import check_target, write_text_atomically
+from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
+from llamatrain.objectives.base import ObjectiveBase, StepContext, StepResult
+from llamatrain.objectives.grpo.loss import GRPOLoss, score_rewards
+from llamatrain.objectives.grpo.reference import GRPO_REFERENCE_ROLE, FrozenReference
+from llamatrain.objectives.grpo.rewards import Reward, TrainerState, score, trl_completions
+from llamatrain.objectives.grpo.rollout import (
+    Rollout,
+    Scored,
+    completion_metrics,
+    sample_completions,
+    scored_logps,
+    stop_ids,
+    training_rows,
+)
+from llamatrain.objectives.grpo.rules import rollout_params
 from llamatrain.ops.sets import IGNORE_INDEX
-from llamatrain.rewards import Reward, TrainerState, score, trl_completions
+from llamatrain.plot import read_records
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
 
-__all__ = ["GRPOObjective", "Rollout", "sample_completions", "stop_ids"]
+__all__ = ["COMPLETIONS_FILE", "COMPLETION_STEPS", "GRPOObjective"]
+
+COMPLETIONS_FILE, COMPLETIONS_KIND = "completions.jsonl", "completions table"
+"""GRPO's table of the last steps' completions in the run folder, and how a refusal names it."""
+
+COMPLETION_STEPS = 5
+"""Steps whose completions ``completions.jsonl`` keeps (the last ones)."""
 
 
-@dataclass(frozen=True)
-class Rollout:
-    """One step's completions laid into rows for the loss, this rank's: ``inputs`` and
-    ``targets`` (N, L) (a row is prompt + completion, targets the completion's tokens, -100
-    elsewhere), ``mask`` (N, L) the targets that count, ``advantages`` (N,), the old policy's
-    and the reference's log-probs of the targets when used. The whole step's, over every
-    rank: ``batch_tokens`` (the counted targets, dapo's divisor), ``completion_tokens`` (every
-    completion's, its throughput), the metrics (TRL's names) and the table (prompt,
-    completion, rewards, advantage), a row each completion."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logps: torch.Tensor | None
-    ref_logps: torch.Tensor | None
-    batch_tokens: float
-    completion_tokens: int
-    metrics: dict[str, float]
-    table: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class _Scored:
-    """What one rank sampled and scored, as the ranks exchange it: (n, F) rewards (NaN:
-    None), the prompts as the reward functions got them, the completions' texts, lengths
-    (tokens, the stop token counted) and whether each was truncated, and the targets it
-    counts for the loss."""
-
-    table: torch.Tensor
-    prompts: list[Any]
-    texts: list[str]
-    lengths: list[int]
-    truncated: list[bool]
-    counted: float
-
-    @staticmethod
-    def gathered(mine: _Scored) -> _Scored:
-        """Every rank's, in rank order (the rows' order on one process)."""
-        parts = parallel.each_rank(mine)
-        return _Scored(
-            torch.cat([p.table for p in parts]),
-            [prompt for p in parts for prompt in p.prompts],
-            [text for p in parts for text in p.texts],
-            [n for p in parts for n in p.lengths],
-            [t for p in parts for t in p.truncated],
-            sum(p.counted for p in parts),
-        )
-
-
-def stop_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> frozenset[int]:
-    """What ends a completion: EOS, and the template's end-of-turn marker when it is one
-    token (``<|im_end|>``), as ``llamatrain chat`` stops."""
-    ids = {tokenizer.eos_id}
-    if template is not None:
-        with contextlib.suppress(DataError):  # a template ending turns with EOS alone
-            marker = tokenizer.encode(template.end_of_turn, special=True)
-            ids |= set(marker) if len(marker) == 1 else set()
-    return frozenset(ids)
-
-
-@contextlib.contextmanager
-def _evaluating(model: Llama) -> Iterator[None]:
-    """The model in eval mode (no adapter dropout) for sampling; its mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def sample_completions(
-    model: Llama,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    params: SamplingParams,
-    stops: frozenset[int],
-    seeds: Callable[[int], int],
-    *,
-    autocast: contextlib.AbstractContextManager | None = None,
-    progress: bool = False,
-) -> list[list[int]]:
-    """Each prompt's completion: its sampled tokens up to and including its first stop token
-    (all ``max_new_tokens`` when none came). The prompts, of any lengths, decode as one batch
-    (``generate_stream``'s ragged prompts), prompt i's sampler seeded by ``seeds(i)``; a
-    progress bar counts finished completions.
-
-    One batch, not batches of a bounded size: it holds every row's KV cache at once (rows x
-    (longest prompt + ``max_new_tokens``) positions) and its prompt pass the (rows, longest
-    prompt, vocab) logits, as a step whose prompts share one length always did; the training
-    step that follows holds the same rows' activations."""
-    if not prompts:
-        return []
-    bar = tqdm(
-        total=len(prompts), desc="rollout", unit="completion", leave=False, disable=not progress
-    )
-    device = next(model.parameters()).device
-    stop_tensor = torch.tensor(sorted(stops), device=device)
-    row_seeds = [seeds(i) for i in range(len(prompts))]
-    decoded = decoded_base(model, _decoding_budget(device))
-    with _evaluating(model), decoded, autocast or contextlib.nullcontext(), bar:
-        stream = generate_stream(model, prompts, max_new_tokens, params, row_seeds, stops)
-        done, new = 0, []
-        for token in stream:
-            new.append(token)
-            finished = int(torch.isin(token, stop_tensor).sum())  # stopped rows repeat it
-            bar.update(max(finished - done, 0))
-            done = max(done, finished)
-        bar.update(len(prompts) - done)
-    sampled = torch.stack(new, dim=1).tolist() if new else [[] for _ in prompts]
-    return [_until_stop(ids, stops) for ids in sampled]
-
-
-def _decoding_budget(device: torch.device) -> int | None:
-    """What a rollout may spend holding its model's stored weights decoded
-    (``lora.decoded_base``): half the memory this process may still take, on the CPU, where a
-    decode per token costs most of a rollout; elsewhere none (a GPU decodes at its bandwidth,
-    and its memory is the training step's)."""
-    if device.type != "cpu":
-        return None
-    available = available_memory()
-    return None if available is None else available // 2
-
-
-def _until_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
-    """``ids`` up to and including the first stop token (a stopped row repeats it after)."""
-    for n, token in enumerate(ids):
-        if token in stops:
-            return ids[: n + 1]
-    return ids
-
-
-def training_rows(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) (N, L), L the longest row less one: row i is prompt + completion
-    shifted by one, its targets the completion's tokens (-100 on the prompt and padding)."""
-    rows = [[*p, *c] for p, c in zip(prompts, completions, strict=True)]
-    width = max(len(r) for r in rows) - 1
-    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
-        inputs[i, : len(row) - 1] = torch.tensor(row[:-1])
-        targets[i, len(prompt) - 1 : len(row) - 1] = torch.tensor(row[len(prompt) :])
-    return inputs, targets
-
-
-@torch.no_grad()
-def scored_logps(
-    model: Llama,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    micro_batch: int,
-    autocast: contextlib.AbstractContextManager,
-) -> torch.Tensor:
-    """(N, L) the targets' log-probs at ``temperature``, ``micro_batch`` rows at a time,
-    without gradients (the old policy's, or with the adapters off the reference's)."""
-    device = next(model.parameters()).device
-    parts = []
-    for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True):
-        with autocast:
-            logps = model(x.to(device), logps_of=y.to(device), temperature=temperature)
-        parts.append(logps.float())
-    return torch.cat(parts)
-
-
-def completion_metrics(lengths: Sequence[int], truncated: Sequence[bool]) -> dict:
-    """TRL's completion-length metrics (lengths count the stop token)."""
-    truncated = torch.tensor(truncated, dtype=torch.bool)
-    lengths = torch.tensor(lengths, dtype=torch.float64)
-    ended = lengths[~truncated]
-    metrics = {
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(truncated.double().mean()),
-    }
-    for name, reduce in (("mean", torch.mean), ("min", torch.min), ("max", torch.max)):
-        value = float(reduce(ended)) if len(ended) else 0.0
-        metrics[f"completions/{name}_terminated_length"] = value
-    return metrics
-
-
-class GRPOObjective:
+class GRPOObjective(ObjectiveBase):
     """``train.objective = "grpo"`` over one model: each step's :class:`Rollout`, its
-    micro-batches' losses and the step's metrics, and the held-out greedy reward."""
+    micro-batches' losses and the step's metrics, the held-out greedy reward, and the
+    completions table of the last steps (``completions.jsonl``)."""
+
+    name = "grpo"
+    watches = None  # the held-out reward, which no convergence test watches
+    reference_role = GRPO_REFERENCE_ROLE
 
     def __init__(
         self,
@@ -266,11 +89,11 @@ class GRPOObjective:
         template: ChatTemplate | None,
         rewards: Sequence[Reward],
         ranks: int = 1,
-        reference: Llama | None = None,
+        reference: FrozenReference | None = None,
     ) -> None:
         """``ranks``: how many DDP ranks share each step (each its whole groups).
-        ``reference``: the frozen model the KL term scores against (a full finetune's base);
-        None: the trained model with its LoRA adapters off."""
+        ``reference``: the frozen base the KL term scores against (a full finetune's, and
+        the file the checkpoints record); None: the trained model with its adapters off."""
         t = cfg.train
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, list(rewards)
         self.loss_fn = GRPOLoss(t.loss_type, t.beta, t.epsilon, t.epsilon_high)
@@ -279,7 +102,9 @@ class GRPOObjective:
         self.ranks = _checked_ranks(cfg, ranks)
         # TRL's per-process gradient accumulation steps: this rank's micro-batches
         self.accumulation = math.ceil(cfg.seqs_per_batch // ranks / cfg.seqs_per_ubatch)
-        self.reference = reference
+        self.held = None if reference is None else reference.model
+        self.reference = None if reference is None else reference.source
+        self.completions: list[dict] = []  # the last COMPLETION_STEPS steps' table
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
         self.names = [r.name for r in self.rewards]
         self._rollout: Rollout | None = None
@@ -340,8 +165,8 @@ class GRPOObjective:
         mask = (targets != IGNORE_INDEX).float()
         if t.mask_truncated_completions:
             mask = mask * (~truncated).float().unsqueeze(1)
-        step_scored = _Scored.gathered(
-            _Scored(
+        step_scored = Scored.gathered(
+            Scored(
                 self._score(rows, texts, completions, step),
                 [r.prompt for r in rows],
                 texts,
@@ -382,8 +207,8 @@ class GRPOObjective:
         """The reference's log-probs of the targets: the frozen base's when one was given,
         else ``model``'s with its adapters off (the same weights, no second copy)."""
         t = self.cfg.train
-        if self.reference is not None:
-            scorer, switch = self.reference, contextlib.nullcontext()
+        if self.held is not None:
+            scorer, switch = self.held, contextlib.nullcontext()
         else:
             scorer, switch = model, adapters_disabled(model)
         with switch:
@@ -416,7 +241,7 @@ class GRPOObjective:
         )
 
     def _records(
-        self, scored: _Scored, rewards: torch.Tensor, advantages: torch.Tensor, step: int
+        self, scored: Scored, rewards: torch.Tensor, advantages: torch.Tensor, step: int
     ) -> list[dict[str, Any]]:
         """The completions table's rows (TRL's: prompt, completion, each reward, advantage)."""
         return [
@@ -480,7 +305,7 @@ class GRPOObjective:
 
     # ---- evaluation --------------------------------------------------------------------
 
-    def evaluate(
+    def evaluate_prompts(
         self,
         model: Llama,
         prompts: Sequence[PromptRow],
@@ -505,11 +330,96 @@ class GRPOObjective:
         truncated = [not c or c[-1] not in self.stops for c in completions]
         table = self._score(mine, texts, completions, step)
         lengths = [len(c) for c in completions]
-        held_out = _Scored.gathered(_Scored(table, [], [], lengths, truncated, 0.0))
+        held_out = Scored.gathered(Scored(table, [], [], lengths, truncated, 0.0))
         scored = score_rewards(held_out.table, self.weights, self.names, 1, "none")
         metrics = scored.metrics | completion_metrics(held_out.lengths, held_out.truncated)
         metrics.pop("frac_reward_zero_std")
         return metrics
+
+    # ---- as the trainer drives it ----------------------------------------------------------
+
+    def step(self, ctx: StepContext, step: int) -> StepResult:
+        """The rollout (new, or the last one again within ``num_iterations``), then the
+        update; its throughput counts the completions' tokens (every rank's), and the
+        rollout's share of the time is logged as ``rollout_s``."""
+        started = time.perf_counter()
+
+        def draw() -> list[PromptRow]:
+            return ctx.data.train.batch(ctx.data.sampler.next_indices())
+
+        rollout = self.rollout_for(step, draw, ctx.model, ctx.autocast(), ctx.progress)
+        rolled = time.perf_counter()
+        loss = ctx.train_step(rollout)
+        metrics = self.metrics(rollout) | {"rollout_s": rolled - started}
+        self._keep_completions(ctx, rollout, step + 1)
+        rows, scored = len(rollout.table), int(rollout.batch_tokens)
+        return StepResult(loss, rows, scored, rollout.completion_tokens, metrics)
+
+    def accumulate(self, ctx: StepContext, rollout: Rollout) -> float:
+        """The rollout's rows (this rank's share; the loss returned is the mean over the
+        ranks, as DDP's gradients) in micro-batches, each loss the objective's share of the
+        step's (its ``loss_type`` says how); the policy's log-probs of the completions (and
+        their entropies, a metric) come through the wrapper at the rollout's temperature."""
+        self.start_step()
+        parts = (rollout.mask, rollout.advantages, rollout.old_logps, rollout.ref_logps)
+        total = 0.0
+        for last, (x, y, *rows) in ctx.split(rollout.inputs, rollout.targets, *parts):
+            with ctx.parallel.gradient_sync(last):
+                with ctx.autocast():
+                    logps, entropies = ctx.logits_fn(
+                        x.to(ctx.device),
+                        logps_of=y.to(ctx.device),
+                        temperature=self.cfg.train.temperature,
+                        with_entropy=True,
+                    )
+                loss = self.micro_batch_loss(logps.float(), entropies, *rows, rollout)
+                loss.backward()
+            total += loss.item()
+        return parallel.average(total)
+
+    def evaluate(self, ctx: StepContext, step: int) -> dict[str, float]:
+        """The held-out prompts' greedy reward (the first ``eval_batches`` steps' worth)."""
+        prompts = list(ctx.data.val)
+        if ctx.cfg.train.eval_batches:
+            prompts = prompts[: ctx.cfg.train.eval_batches * ctx.data.n_seq]
+        metrics = self.evaluate_prompts(ctx.model, prompts, step, ctx.autocast())
+        return {f"val_{k}": v for k, v in metrics.items()}
+
+    def describe(self, record: dict[str, Any]) -> str:
+        return (
+            f"step {record['step']}: val_reward {record['val_reward']:.4f} completion "
+            f"length {record['val_completions/mean_length']:.1f}"
+        )
+
+    def postfix(self, record: dict[str, Any]) -> dict[str, str]:
+        return {"reward": f"{record['reward']:.3f}"}
+
+    # ---- the completions table ---------------------------------------------------------
+
+    def start(self, ctx: StepContext, step: int) -> None:
+        """A resume keeps the table's rows up to its step (later ones are about to be
+        redone); the file is never read or written through a link."""
+        path = ctx.run_dir / COMPLETIONS_FILE
+        check_target(path, COMPLETIONS_KIND)
+        if ctx.main and path.exists():
+            self.completions = [r for r in read_records(path) if r["step"] <= step]
+
+    def _keep_completions(self, ctx: StepContext, rollout: Rollout, step: int) -> None:
+        """Rewrite ``completions.jsonl`` with the last :data:`COMPLETION_STEPS` steps' tables
+        (prompt, completion, each reward, the reward and the advantage), step ``step``'s
+        (1-based) last."""
+        if not ctx.main:
+            return
+        kept = [r for r in self.completions if r["step"] > step - COMPLETION_STEPS]
+        self.completions = [*kept, *(r | {"step": step} for r in rollout.table)]
+        text = "".join(json.dumps(r, default=str) + "\n" for r in self.completions)
+        write_text_atomically(ctx.run_dir / COMPLETIONS_FILE, text, COMPLETIONS_KIND)
+
+    def logged(self, ctx: StepContext, step: int) -> None:
+        """This step's completions table (as ``completions.jsonl`` keeps it) to the trackers,
+        at the steps whose metrics they receive."""
+        if ctx.trackers is not None:
+            ctx.trackers.completions(step, [r for r in self.completions if r["step"] == step])
 
 
 def _checked_ranks(cfg: Config, ranks: int) -> int:

@@ -1,0 +1,234 @@
+"""GRPO's rollouts: completions sampled from the model being trained, laid into rows for the
+loss, with what the ranks exchange of them.
+
+Completions come from our own KV-cache decoder (``llamatrain.generate``) on the very weights,
+LoRA adapters on: no second copy, no weight sync. Sampling is temperature only (top-k, top-p
+and min-p off), so a sampled token's log-prob is the training forward's
+``log_softmax(logits / temperature)`` (TRL's convention). A completion ends at its first stop
+token (EOS, or the chat template's end-of-turn token), included; one without is truncated at
+``max_completion_length``.
+
+A step's rows (this rank's share) decode as one batch, prompts of every length and their
+groups together: the prompts are left-padded to the longest, each row's rope positions are its
+own and the padding is masked out of every attention (``generate_stream``), so each row's
+logits are its unpadded decode's, to float rounding. Each row's sampler is seeded by
+``(train.seed, step, its index in the step)``: a row draws what it would in any batch, so a
+resumed run draws what the uninterrupted run drew, with no generator state to store, and a row
+draws alike on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from llamatrain import parallel
+from llamatrain.data import ChatTemplate
+from llamatrain.errors import DataError
+from llamatrain.generate import generate_stream
+from llamatrain.lora import decoded_base
+from llamatrain.memory import available_memory
+from llamatrain.model import Llama
+from llamatrain.ops.sets import IGNORE_INDEX
+from llamatrain.sampling import SamplingParams
+from llamatrain.tokenizer import Tokenizer
+
+__all__ = [
+    "Rollout",
+    "Scored",
+    "completion_metrics",
+    "sample_completions",
+    "scored_logps",
+    "stop_ids",
+    "training_rows",
+]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One step's completions laid into rows for the loss, this rank's: ``inputs`` and
+    ``targets`` (N, L) (a row is prompt + completion, targets the completion's tokens, -100
+    elsewhere), ``mask`` (N, L) the targets that count, ``advantages`` (N,), the old policy's
+    and the reference's log-probs of the targets when used. The whole step's, over every
+    rank: ``batch_tokens`` (the counted targets, dapo's divisor), ``completion_tokens`` (every
+    completion's, its throughput), the metrics (TRL's names) and the table (prompt,
+    completion, rewards, advantage), a row each completion."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    batch_tokens: float
+    completion_tokens: int
+    metrics: dict[str, float]
+    table: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What one rank sampled and scored, as the ranks exchange it: (n, F) rewards (NaN:
+    None), the prompts as the reward functions got them, the completions' texts, lengths
+    (tokens, the stop token counted) and whether each was truncated, and the targets it
+    counts for the loss."""
+
+    table: torch.Tensor
+    prompts: list[Any]
+    texts: list[str]
+    lengths: list[int]
+    truncated: list[bool]
+    counted: float
+
+    @staticmethod
+    def gathered(mine: Scored) -> Scored:
+        """Every rank's, in rank order (the rows' order on one process)."""
+        parts = parallel.each_rank(mine)
+        return Scored(
+            torch.cat([p.table for p in parts]),
+            [prompt for p in parts for prompt in p.prompts],
+            [text for p in parts for text in p.texts],
+            [n for p in parts for n in p.lengths],
+            [t for p in parts for t in p.truncated],
+            sum(p.counted for p in parts),
+        )
+
+
+def stop_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> frozenset[int]:
+    """What ends a completion: EOS, and the template's end-of-turn marker when it is one
+    token (``<|im_end|>``), as ``llamatrain chat`` stops."""
+    ids = {tokenizer.eos_id}
+    if template is not None:
+        with contextlib.suppress(DataError):  # a template ending turns with EOS alone
+            marker = tokenizer.encode(template.end_of_turn, special=True)
+            ids |= set(marker) if len(marker) == 1 else set()
+    return frozenset(ids)
+
+
+@contextlib.contextmanager
+def _evaluating(model: Llama) -> Iterator[None]:
+    """The model in eval mode (no adapter dropout) for sampling; its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def sample_completions(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    params: SamplingParams,
+    stops: frozenset[int],
+    seeds: Callable[[int], int],
+    *,
+    autocast: contextlib.AbstractContextManager | None = None,
+    progress: bool = False,
+) -> list[list[int]]:
+    """Each prompt's completion: its sampled tokens up to and including its first stop token
+    (all ``max_new_tokens`` when none came). The prompts, of any lengths, decode as one batch
+    (``generate_stream``'s ragged prompts), prompt i's sampler seeded by ``seeds(i)``; a
+    progress bar counts finished completions.
+
+    One batch, not batches of a bounded size: it holds every row's KV cache at once (rows x
+    (longest prompt + ``max_new_tokens``) positions) and its prompt pass the (rows, longest
+    prompt, vocab) logits, as a step whose prompts share one length always did; the training
+    step that follows holds the same rows' activations."""
+    if not prompts:
+        return []
+    bar = tqdm(
+        total=len(prompts), desc="rollout", unit="completion", leave=False, disable=not progress
+    )
+    device = next(model.parameters()).device
+    stop_tensor = torch.tensor(sorted(stops), device=device)
+    row_seeds = [seeds(i) for i in range(len(prompts))]
+    decoded = decoded_base(model, _decoding_budget(device))
+    with _evaluating(model), decoded, autocast or contextlib.nullcontext(), bar:
+        stream = generate_stream(model, prompts, max_new_tokens, params, row_seeds, stops)
+        done, new = 0, []
+        for token in stream:
+            new.append(token)
+            finished = int(torch.isin(token, stop_tensor).sum())  # stopped rows repeat it
+            bar.update(max(finished - done, 0))
+            done = max(done, finished)
+        bar.update(len(prompts) - done)
+    sampled = torch.stack(new, dim=1).tolist() if new else [[] for _ in prompts]
+    return [_until_stop(ids, stops) for ids in sampled]
+
+
+def _decoding_budget(device: torch.device) -> int | None:
+    """What a rollout may spend holding its model's stored weights decoded
+    (``lora.decoded_base``): half the memory this process may still take, on the CPU, where a
+    decode per token costs most of a rollout; elsewhere none (a GPU decodes at its bandwidth,
+    and its memory is the training step's)."""
+    if device.type != "cpu":
+        return None
+    available = available_memory()
+    return None if available is None else available // 2
+
+
+def _until_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
+    """``ids`` up to and including the first stop token (a stopped row repeats it after)."""
+    for n, token in enumerate(ids):
+        if token in stops:
+            return ids[: n + 1]
+    return ids
+
+
+def training_rows(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) (N, L), L the longest row less one: row i is prompt + completion
+    shifted by one, its targets the completion's tokens (-100 on the prompt and padding)."""
+    rows = [[*p, *c] for p, c in zip(prompts, completions, strict=True)]
+    width = max(len(r) for r in rows) - 1
+    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
+        inputs[i, : len(row) - 1] = torch.tensor(row[:-1])
+        targets[i, len(prompt) - 1 : len(row) - 1] = torch.tensor(row[len(prompt) :])
+    return inputs, targets
+
+
+@torch.no_grad()
+def scored_logps(
+    model: Llama,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    micro_batch: int,
+    autocast: contextlib.AbstractContextManager,
+) -> torch.Tensor:
+    """(N, L) the targets' log-probs at ``temperature``, ``micro_batch`` rows at a time,
+    without gradients (the old policy's, or with the adapters off the reference's)."""
+    device = next(model.parameters()).device
+    parts = []
+    for x, y in zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True):
+        with autocast:
+            logps = model(x.to(device), logps_of=y.to(device), temperature=temperature)
+        parts.append(logps.float())
+    return torch.cat(parts)
+
+
+def completion_metrics(lengths: Sequence[int], truncated: Sequence[bool]) -> dict:
+    """TRL's completion-length metrics (lengths count the stop token)."""
+    truncated = torch.tensor(truncated, dtype=torch.bool)
+    lengths = torch.tensor(lengths, dtype=torch.float64)
+    ended = lengths[~truncated]
+    metrics = {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.double().mean()),
+    }
+    for name, reduce in (("mean", torch.mean), ("min", torch.min), ("max", torch.max)):
+        value = float(reduce(ended)) if len(ended) else 0.0
+        metrics[f"completions/{name}_terminated_length"] = value
+    return metrics

@@ -1,0 +1,98 @@
+"""GRPO's config rules, checked once per run (``objectives.check``), and its rollout sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llamatrain.config import Config, TrainSection, check_sampler, set_in
+from llamatrain.errors import ConfigError
+from llamatrain.objectives.grpo.reference import check_mappable
+from llamatrain.objectives.grpo.rewards import RewardFunction
+from llamatrain.objectives.grpo.rewards import check as check_rewards
+from llamatrain.sampling import SamplingParams
+
+__all__ = ["DEFAULT_BETA", "check", "rollout_params"]
+
+DEFAULT_BETA = 0.0
+"""``train.beta`` unset: TRL's GRPOConfig default (no KL term)."""
+
+
+def check(cfg: Config, rewards: Sequence[str | RewardFunction] | None) -> None:
+    """GRPO samples prompt rows (JSONL, Parquet, HF) with the reward functions named in
+    train.rewards or given in Python as ``rewards`` (checked here without importing them),
+    G completions a prompt, whole groups a step; on one process or under DDP, with AdamW.
+    Its KL reference is the base: a LoRA run's with the adapters off, a full finetune's
+    ``model.init_from`` held as its GGUF stores it, so a run from scratch has none."""
+    t, where = cfg.train, set_in(cfg, "train.objective")
+    if cfg.data.format == "text":
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} samples prompt rows; set data.format = 'jsonl' "
+            "(or 'parquet', 'hf') with a \"prompt\" (text or messages) in each row"
+        )
+    check_rewards(_reward_specs(cfg, rewards), t.reward_weights, t.reward_args)
+    check_sampler(cfg, "train.", rollout_params)
+    if cfg.seqs_per_batch % t.num_generations:
+        raise ConfigError(
+            f"train.n_batch / data.n_ctx = {cfg.seqs_per_batch} completions a step are not whole "
+            f"groups of train.num_generations = {t.num_generations} "
+            f"{set_in(cfg, 'train.n_batch', 'train.num_generations')}; make n_batch a multiple "
+            f"of {t.num_generations * cfg.data.n_ctx}"
+        )
+    if t.max_completion_length >= cfg.data.n_ctx:
+        raise ConfigError(
+            f"train.max_completion_length = {t.max_completion_length} leaves no room for a "
+            f"prompt in data.n_ctx = {cfg.data.n_ctx} "
+            f"{set_in(cfg, 'train.max_completion_length', 'data.n_ctx')}; lower it or raise n_ctx"
+        )
+    if t.beta and not cfg.lora.rank and not cfg.model.init_from:
+        raise ConfigError(
+            f"train.beta = {t.beta} {set_in(cfg, 'train.beta')}: GRPO's KL reference is the "
+            "base model, and a model trained from scratch has none; set model.init_from to a "
+            "GGUF base or train.beta = 0"
+        )
+    if t.parallel == "fsdp":
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} does not shard: a rollout decodes token by "
+            "token, each rank its own completions, and a sharded forward needs every rank in "
+            "each; set train.parallel = 'ddp' (or 'none')"
+        )
+    if cfg.optim.name != "adamw":
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} trains with AdamW (L-BFGS's line search would "
+            "score a new rollout each evaluation); set optim.name = 'adamw'"
+        )
+    if cfg.optim.opt_max_no_improvement and cfg.optim.opt_no_improvement_on == "val":
+        raise ConfigError(
+            f"optim.opt_no_improvement_on = 'val' {set_in(cfg, 'optim.opt_no_improvement_on')} "
+            "watches a validation loss, which GRPO has not (it reports the held-out reward); "
+            "watch the 'train' loss or set optim.opt_max_no_improvement = 0"
+        )
+    check_mappable(cfg)  # before the base is read for the model
+
+
+def _reward_specs(
+    cfg: Config, rewards: Sequence[str | RewardFunction] | None
+) -> Sequence[str | RewardFunction]:
+    """GRPO's reward functions: the config's train.rewards, or the Python API's ``rewards``
+    (``api.fit(cfg, rewards=[f, ...])``, whose metrics take each function's ``__name__``);
+    exactly one of them."""
+    t, where = cfg.train, set_in(cfg, "train.objective")
+    if t.rewards is not None and rewards is not None:
+        raise ConfigError(
+            f"reward functions come from train.rewards {set_in(cfg, 'train.rewards')} and "
+            "from rewards= in Python; give them in one place (unset train.rewards, or pass no "
+            "rewards=)"
+        )
+    if t.rewards is None and rewards is None:
+        raise ConfigError(
+            f"train.objective = 'grpo' {where} needs train.rewards, the functions that score "
+            'completions, e.g. ["builtin:exact_answer"] or ["rewards.py:correct"] (or, in '
+            "Python, fit(..., rewards=[my_function]))"
+        )
+    return t.rewards if rewards is None else rewards
+
+
+def rollout_params(train: TrainSection) -> SamplingParams:
+    """GRPO's rollout sampler (temperature only, so that a sampled token's log-prob is the
+    training forward's): one home, checked by :func:`check` before the first step."""
+    return SamplingParams(temperature=train.temperature, top_k=None, top_p=None, min_p=0.0)
