@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from llamatrain import parallel
+from llamatrain import API, parallel
 from llamatrain.allocator import release_freed_memory
 from llamatrain.build import (
     PreparedModel,
@@ -26,7 +26,6 @@ from llamatrain.build import (
     build_model,
     export_type_of,
     fresh_run,
-    load_tokenizer,
     model_to_export,
     prepare,
     read_model_source,
@@ -42,11 +41,8 @@ from llamatrain.data.examples import resolve_chat_template
 from llamatrain.denormals import denormals_flushed
 from llamatrain.device import configure_process, resolve_device, resolve_run_settings
 from llamatrain.errors import CheckpointError, ConfigError
-from llamatrain.evaluate import PerplexityResult, perplexity
 from llamatrain.files import write_text_atomically
-from llamatrain.generate import Conversation, chat, generate_text
 from llamatrain.gguf.adapter import read_lora_adapter, target_suffixes, write_lora_adapter
-from llamatrain.gguf.describe import describe_gguf
 from llamatrain.gguf.export_types import AUTO_EXPORT_TYPE, QUANTIZER_TYPES, merged_export_type
 from llamatrain.gguf.file import verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, write_model
@@ -72,26 +68,7 @@ from llamatrain.tokenizer import (
 )
 from llamatrain.trainer import History, Trainer
 
-__all__ = [
-    "Conversation",
-    "FitResult",
-    "PerplexityResult",
-    "chat",
-    "describe_gguf",
-    "export",
-    "export_adapter",
-    "export_gguf",
-    "export_hf",
-    "fit",
-    "generate_text",
-    "load",
-    "load_chat",
-    "load_gguf",
-    "load_tokenizer",
-    "perplexity",
-    "verify_gguf",
-    "seen_tokens",
-]
+__all__ = list(API)  # the one list, in llamatrain/__init__.py
 
 RUN_CONFIG = "config.toml"
 """The config a run was trained with, in its folder (what ``--resume`` and ``load`` read)."""

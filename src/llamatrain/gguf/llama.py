@@ -50,6 +50,7 @@ __all__ = [
     "CHECKPOINT_TENSOR_PREFIXES",
     "CONFIG_KEY",
     "LlamaFile",
+    "check_extras",
     "check_key_kinds",
     "check_tensors",
     "inherited_metadata",
@@ -437,24 +438,29 @@ def write_model(
         **tokenizer_metadata(tokenizer),
     }
     extra_kv, extra_tensors = dict(extra_kv or {}), dict(extra_tensors or {})
-    _check_extras(metadata, extra_kv, extra_tensors)
+    check_extras(metadata, extra_kv, extra_tensors)
     to_write: dict[str, TensorToWrite] = {name: (t, type) for name, t in tensors.items()}
     to_write.update({name: (t, "f32") for name, t in extra_tensors.items()})
     return write_gguf(path, cfg.arch, {**metadata, **extra_kv}, to_write, checksums=checksums)
 
 
-def _check_extras(
+def check_extras(
     metadata: Mapping[str, Any],
     extra_kv: Mapping[str, Any],
-    extra_tensors: Mapping[str, torch.Tensor],
+    extra_tensors: Mapping[str, Any],
+    writer: str = "llamatrain",
+    tensor_kind: str = "a model weight",
 ) -> None:
+    """A checkpoint's extras (training keys and tensors a model or adapter file carries)
+    must neither replace a key ``writer`` writes itself nor pass for ``tensor_kind`` when the
+    file is read back."""
     for key in extra_kv:
         if key in metadata or key == "general.architecture":
-            raise GGUFError(f"extra_kv key {key!r} collides with a key llamatrain writes itself")
+            raise GGUFError(f"extra_kv key {key!r} collides with a key {writer} writes itself")
     for name in extra_tensors:
         if not name.startswith(CHECKPOINT_TENSOR_PREFIXES):
             raise GGUFError(
-                f"extra tensor {name!r} would be read back as a model weight; name it "
+                f"extra tensor {name!r} would be read back as {tensor_kind}; name it "
                 f"{' or '.join(p + '*' for p in CHECKPOINT_TENSOR_PREFIXES)}"
             )
 
