@@ -53,8 +53,8 @@ import torch
 from tqdm.auto import tqdm
 
 from llamatrain import parallel
+from llamatrain.chat_template import ChatTemplate
 from llamatrain.config import Config, rollout_params
-from llamatrain.data import ChatTemplate
 from llamatrain.data.prompts import PromptRow
 from llamatrain.errors import ConfigError, DataError
 from llamatrain.generate import generate_stream

@@ -21,11 +21,11 @@ import torch
 from llama_cpp_files import vocab_dir as vocab_dir
 
 from llamatrain import api
+from llamatrain.chat_template import BUILTIN_TEMPLATES
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.cli import main
 from llamatrain.config import load_config
 from llamatrain.data import build_train_data
-from llamatrain.data.chat_template import BUILTIN_TEMPLATES
 from llamatrain.gguf.file import read_gguf
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.model import Llama

@@ -18,12 +18,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from test_chat_template_families import CASES, source, template
 from user_errors import error_of
 
-from llamatrain.data import chat_template as ct
-from llamatrain.data import template_budget, template_sandbox
-from llamatrain.data.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateFault
+from llamatrain.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateFault, budget, sandbox
+from llamatrain.chat_template import render as ct
+from llamatrain.chat_template.budget import BUDGET
 from llamatrain.data.examples import LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
-from llamatrain.data.template_budget import BUDGET
 from llamatrain.errors import DataError
 
 USER = [{"role": "user", "content": "hi"}]
@@ -121,7 +120,7 @@ def test_a_render_not_metered_is_refused():
     compiled = ct._sandbox().from_string("{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(Exception, match="render only metered"):
         compiled.render(messages=USER)
-    assert template_sandbox.render(compiled, {"messages": USER}) == "hi"
+    assert sandbox.render(compiled, {"messages": USER}) == "hi"
 
 
 # ---------------------------------------------------------------------- real templates, as before
@@ -248,16 +247,16 @@ def test_a_failing_operation_fails_as_without_the_budget(source_text, error):
 @pytest.fixture
 def meter_of(monkeypatch):
     """The steps and characters each render of a template used."""
-    meters: list[template_budget.Meter] = []
+    meters: list[budget.Meter] = []
 
-    class Spied(template_budget.Meter):
+    class Spied(budget.Meter):
         __slots__ = ()
 
         def __init__(self, *args):
             super().__init__(*args)
             meters.append(self)
 
-    monkeypatch.setattr(template_sandbox, "Meter", Spied)
+    monkeypatch.setattr(sandbox, "Meter", Spied)
     return meters
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from llama_cpp_files import vocab_dir as vocab_dir
 
-from llamatrain.data.chat_template import chat_template_for
+from llamatrain.chat_template import chat_template_for
 from llamatrain.data.examples import (
     Example,
     LineEncoder,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llamatrain.data.chat_template import ChatTemplate, Segment, TemplateFault, chat_template_for
+from llamatrain.chat_template import ChatTemplate, Segment, TemplateFault, chat_template_for
 from llamatrain.data.jsonl import (
     BadLines,
     ChatLine,

@@ -11,7 +11,7 @@ is untrusted code: it only ever runs in Jinja's immutable sandbox, set up as tra
 up (same whitespace handling, extensions and helpers: ``tojson``, ``raise_exception``,
 ``strftime_now``, loop controls, ``{% generation %}``), and sees only plain JSON data, so a
 template renders here byte for byte as ``apply_chat_template`` renders it. Every render has a
-budget of steps, characters, nesting and time (``template_sandbox``), so a template cannot
+budget of steps, characters, nesting and time (``sandbox``), so a template cannot
 hang or exhaust memory either.
 
 A failure is blamed on what is at fault: a template that goes past its budget, tries an unsafe
@@ -43,8 +43,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.utils import Namespace
 
-from llamatrain.data.template_budget import BUDGET, OverBudget, charge
-from llamatrain.data.template_sandbox import MeteredSandbox, render
+from llamatrain.chat_template.budget import BUDGET, OverBudget, charge
+from llamatrain.chat_template.sandbox import MeteredSandbox, render
 from llamatrain.errors import ConfigError, DataError, shown
 
 __all__ = [

@@ -1,0 +1,33 @@
+"""Chat templates: a conversation rendered the way a model was tuned to read it.
+
+A chat template is Jinja2 source from a model file, so it is untrusted code; it is rendered
+here byte for byte as transformers' ``apply_chat_template`` renders it, inside a sandbox that
+meters every render. Its own package, below the data readers and generation, which both
+render conversations with it (generating text does not import the training data):
+
+- :mod:`~llamatrain.chat_template.render`: :class:`ChatTemplate` (rendering, the trained
+  :class:`Segment` s of a conversation, the end-of-turn marker), the built-in templates, and
+  which failure is the template's fault (:class:`TemplateFault`) and which the conversation's.
+- :mod:`~llamatrain.chat_template.sandbox`: the Jinja environment every template compiles in,
+  metered per render; :mod:`~llamatrain.chat_template.budget` (the budget and its meter),
+  :mod:`~llamatrain.chat_template.costs` (what one operation may make, checked before it is
+  made) and :mod:`~llamatrain.chat_template.codegen` (the code a template compiles to) serve it.
+"""
+
+from llamatrain.chat_template.render import (
+    BUILTIN_TEMPLATES,
+    ROLES,
+    ChatTemplate,
+    Segment,
+    TemplateFault,
+    chat_template_for,
+)
+
+__all__ = [
+    "BUILTIN_TEMPLATES",
+    "ROLES",
+    "ChatTemplate",
+    "Segment",
+    "TemplateFault",
+    "chat_template_for",
+]
