@@ -70,14 +70,13 @@ from datetime import datetime
 from itertools import islice
 from pathlib import Path
 
-from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ops import cpu_name, finish, load_average  # noqa: E402
 
+from llamatrain.chat_template import helpers, sandbox  # noqa: E402
 from llamatrain.chat_template import render as ct  # noqa: E402
-from llamatrain.chat_template import sandbox  # noqa: E402
 from llamatrain.data.examples import Example, LineEncoder, cut_chars  # noqa: E402
 from llamatrain.data.jsonl import ChatLine  # noqa: E402
 from llamatrain.errors import DataError  # noqa: E402
@@ -143,16 +142,9 @@ VOCABULARY = (
 def plain_template(source: str):
     """``source`` compiled as before the budget: Jinja's immutable sandbox with transformers'
     settings and the same helpers, unmetered."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[ct._Generation, loopcontrols]
-    )
-    env.filters["tojson"] = ct._tojson
-    env.globals.update(
-        raise_exception=ct._raise_exception,
-        strftime_now=lambda format: datetime.now().strftime(format),
-        dict=ct._Dict(),
-        namespace=ct._Namespace,
-    )
+    env = ImmutableSandboxedEnvironment(**helpers.OPTIONS)
+    env.filters.update(helpers.FILTERS)
+    env.globals.update(helpers.GLOBALS, strftime_now=lambda format: datetime.now().strftime(format))
     return env.from_string(source)
 
 

@@ -1,10 +1,10 @@
-"""The sandbox chat templates run in, with a budget for each render.
+"""The sandbox chat templates run in, with a budget for each render: the Jinja environment
+every template compiles in (:func:`environment`).
 
 Jinja's immutable sandbox keeps a template away from Python's internals, but not from time and
 memory: ``{% for i in range(100000) %}{% for j in range(100000) %}…`` runs for hours and
-``{{ "a" * 4000000000 }}`` asks for gigabytes. Here every render is metered
-(:func:`render`), counting two things against a
-:class:`~.budget.RenderBudget`:
+``{{ "a" * 4000000000 }}`` asks for gigabytes. Here every render is metered (:func:`render`),
+counting two things against a :class:`~.budget.RenderBudget`:
 
 - *steps*: loop iterations (a small loop over a sized iterable is charged its length when it
   starts, a large one or an iterator per item), calls (macros, methods, globals), filters
@@ -36,8 +36,9 @@ slices go through a metering filter of this module, their common case — string
 — written in line instead; a loop's body is weighed once, when the template compiles), and a
 bounded ``concat`` for output buffers. What it costs a real template per render and per
 example is in bench/README.md (``bench/template_budget.py``). The budget and its meter are
-``budget``; what each operation may make, checked before it is made, is
-``costs``; this module is the environment that calls them.
+``budget``; what each operation may make, checked before it is made, is ``costs``; what
+transformers lets a template call is ``helpers``; this module is the environment that calls
+them.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg, generate_lorem_ipsum
 
+from llamatrain.chat_template import helpers
 from llamatrain.chat_template.budget import (
     BUDGET,
     METER,
@@ -90,7 +92,7 @@ from llamatrain.chat_template.costs import (
     text_size,
 )
 
-__all__ = ["MeteredSandbox", "render"]
+__all__ = ["MeteredSandbox", "environment", "render"]
 
 _BUILTIN_METHOD = type("".strip)
 
@@ -370,6 +372,19 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
             if meter.chars < 0:
                 raise OverBudget(meter.budget, "chars")
         return result
+
+
+@functools.cache
+def environment() -> MeteredSandbox:
+    """The environment every chat template compiles in: the immutable sandbox (no attribute
+    access to Python internals, no mutating the messages), metered per render, with
+    transformers' settings and helpers (:mod:`~.helpers`), so that a template renders as
+    ``apply_chat_template`` renders it."""
+    env = MeteredSandbox(**helpers.OPTIONS)
+    env.filters.update(helpers.FILTERS)
+    env.globals.update(helpers.GLOBALS)
+    env.meter_filters()
+    return env
 
 
 def render(

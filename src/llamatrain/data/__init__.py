@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from llamatrain.chat_template import ChatTemplate
+from llamatrain.chat_template import ChatTemplate, resolve_chat_template
 from llamatrain.data.cache import load_tokens
 from llamatrain.data.example_cache import load_examples
 from llamatrain.data.examples import (
@@ -43,7 +43,6 @@ from llamatrain.data.examples import (
     pack_rows,
     pad_rows,
     require_trainable,
-    resolve_chat_template,
     split_examples,
     truncate,
 )
