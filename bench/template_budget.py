@@ -3,7 +3,7 @@ whole examples (render, tokenize, answer mask) as the data layer makes them, wit
 
 Why: every example of a chat dataset is rendered through its template (several times for
 ``segments``), and since a template is untrusted code each render is metered
-(``llamatrain.data.template_sandbox``). The issue asks that real templates render "as before,
+(``llamatrain.chat_template.sandbox``). The issue asks that real templates render "as before,
 at no measurable cost per example"; this measures it, per render and per example.
 
 Templates: the built-in ``chatml`` and ``llama-3``, and the real ``qwen2.5`` (with tools),
@@ -22,7 +22,7 @@ default 15). Renders, each rendering every conversation once per round:
 * ``plain again``: ``plain`` a second time, so the spread of ``plain again / plain`` says how
   large a difference this run could measure at all;
 * ``plain, our ctx``: ``plain`` rendered as the budgeted render starts one (from the root
-  render function, with ``template_sandbox._new_context``, which makes the context without
+  render function, with ``sandbox._new_context``, which makes the context without
   Jinja's walk of its globals); the line ``metering alone`` is ``budgeted`` against it: what
   the metering itself costs, apart from the cheaper start that pays for part of it.
 
@@ -70,14 +70,13 @@ from datetime import datetime
 from itertools import islice
 from pathlib import Path
 
-from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ops import cpu_name, finish, load_average  # noqa: E402
 
-from llamatrain.data import chat_template as ct  # noqa: E402
-from llamatrain.data import template_sandbox  # noqa: E402
+from llamatrain.chat_template import helpers, sandbox  # noqa: E402
+from llamatrain.chat_template import render as ct  # noqa: E402
 from llamatrain.data.examples import Example, LineEncoder, cut_chars  # noqa: E402
 from llamatrain.data.jsonl import ChatLine  # noqa: E402
 from llamatrain.errors import DataError  # noqa: E402
@@ -143,16 +142,9 @@ VOCABULARY = (
 def plain_template(source: str):
     """``source`` compiled as before the budget: Jinja's immutable sandbox with transformers'
     settings and the same helpers, unmetered."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[ct._Generation, loopcontrols]
-    )
-    env.filters["tojson"] = ct._tojson
-    env.globals.update(
-        raise_exception=ct._raise_exception,
-        strftime_now=lambda format: datetime.now().strftime(format),
-        dict=ct._Dict(),
-        namespace=ct._Namespace,
-    )
+    env = ImmutableSandboxedEnvironment(**helpers.OPTIONS)
+    env.filters.update(helpers.FILTERS)
+    env.globals.update(helpers.GLOBALS, strftime_now=lambda format: datetime.now().strftime(format))
     return env.from_string(source)
 
 
@@ -191,7 +183,7 @@ def tool_call(rng: random.Random, words: list[str]) -> dict:
 
 
 class PlainRenderTemplate(ct.ChatTemplate):
-    """A :class:`~llamatrain.data.chat_template.ChatTemplate` whose renders are the plain
+    """A :class:`~llamatrain.chat_template.ChatTemplate` whose renders are the plain
     (unmetered) ones: the data layer's example path with only the render swapped."""
 
     def __init__(self, source: str, **tokens: str) -> None:
@@ -242,7 +234,7 @@ def renderers(name: str, n: int) -> dict[str, Callable[[], list[str]]]:
     def our_context() -> list[str]:
         variables = {**context, "add_generation_prompt": False, **tokens}
         return [
-            "".join(plain.root_render_func(template_sandbox._new_context(plain, variables | v)))
+            "".join(plain.root_render_func(sandbox._new_context(plain, variables | v)))
             for v in ({"messages": c} for c in chats)
         ]
 

@@ -32,12 +32,11 @@ from llamatrain.build import (
     resumed_run,
     with_base,
 )
+from llamatrain.chat_template import BUILTIN_TEMPLATES, ChatTemplate, resolve_chat_template
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, read_config
 from llamatrain.config import validate as validate_config
-from llamatrain.data import ChatTemplate, TrainData, build_train_data, resolve_inputs
-from llamatrain.data.chat_template import BUILTIN_TEMPLATES
-from llamatrain.data.examples import resolve_chat_template
+from llamatrain.data import TrainData, build_train_data, resolve_inputs
 from llamatrain.denormals import denormals_flushed
 from llamatrain.device import configure_process, resolve_device, resolve_run_settings
 from llamatrain.errors import CheckpointError, ConfigError

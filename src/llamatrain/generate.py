@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from llamatrain.data import ChatTemplate
-from llamatrain.data.examples import prompt_ids
+from llamatrain.chat_template import ChatTemplate, prompt_ids
 from llamatrain.errors import ConfigError
 from llamatrain.model import KVCache, Llama
 from llamatrain.sampling import SamplingParams, sample_next

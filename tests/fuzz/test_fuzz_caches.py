@@ -33,9 +33,10 @@ from fuzz_models import bpe_tokenizer
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from llamatrain.chat_template import resolve_chat_template
 from llamatrain.data.cache import load_tokens
 from llamatrain.data.example_cache import load_examples
-from llamatrain.data.examples import Example, LineEncoder, resolve_chat_template
+from llamatrain.data.examples import Example, LineEncoder
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.preferences import Pair, pair_rows
 from llamatrain.model import Llama, ModelConfig

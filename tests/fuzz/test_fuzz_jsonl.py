@@ -22,7 +22,8 @@ from fuzz_models import bpe_tokenizer
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from llamatrain.data.examples import LineEncoder, read_examples, resolve_chat_template
+from llamatrain.chat_template import resolve_chat_template
+from llamatrain.data.examples import LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.layouts import LAYOUTS
 from llamatrain.data.preferences import PairEncoder, read_pairs

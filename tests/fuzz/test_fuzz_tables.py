@@ -21,7 +21,8 @@ from fuzz_models import bpe_tokenizer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llamatrain.data.examples import LineEncoder, read_examples, resolve_chat_template
+from llamatrain.chat_template import resolve_chat_template
+from llamatrain.data.examples import LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
 
 pytestmark = pytest.mark.fuzz

@@ -16,9 +16,9 @@ import pytest
 from fuzz_bounds import bounded
 from llama_cpp_files import vocab_dir as vocab_dir
 
+from llamatrain.chat_template import chat_template_for
 from llamatrain.config import load_config
 from llamatrain.data import build_train_data
-from llamatrain.data.chat_template import chat_template_for
 from llamatrain.data.examples import LineEncoder, cut_chars, read_examples
 from llamatrain.data.jsonl import BadLines, numbered_lines, parse_line
 from llamatrain.data.preferences import PairEncoder, read_pairs

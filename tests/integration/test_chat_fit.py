@@ -21,11 +21,11 @@ import torch
 from llama_cpp_files import vocab_dir as vocab_dir
 
 from llamatrain import api
+from llamatrain.chat_template import BUILTIN_TEMPLATES
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.cli import main
 from llamatrain.config import load_config
 from llamatrain.data import build_train_data
-from llamatrain.data.chat_template import BUILTIN_TEMPLATES
 from llamatrain.gguf.file import read_gguf
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.model import Llama
@@ -170,7 +170,7 @@ def test_generate_chat_prompts_as_llama_cpp_and_stops_at_the_end_of_turn(chat_ru
     import llama_cpp  # the test extra
     from llama_cpp_runs import open_exact
 
-    from llamatrain.data.examples import prompt_ids
+    from llamatrain.chat_template import prompt_ids
 
     n_tokens, message = 12, "Name the colour of the cat."
     _, tokenizer, template = api.load_chat(chat_run.run_dir)

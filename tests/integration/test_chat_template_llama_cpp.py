@@ -15,7 +15,7 @@ import ctypes
 import llama_cpp  # a test dependency (pip install -e '.[test]'): missing, collection fails
 import pytest
 
-from llamatrain.data.chat_template import BUILTIN_TEMPLATES, ChatTemplate
+from llamatrain.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 
 
 def msg(role: str, content: str) -> dict[str, str]:

@@ -11,13 +11,13 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 from user_errors import error_of
 
-from llamatrain.config import DataSection
-from llamatrain.data.chat_template import (
+from llamatrain.chat_template import (
     BUILTIN_TEMPLATES,
     ChatTemplate,
     Segment,
     chat_template_for,
 )
+from llamatrain.config import DataSection
 
 TOKENS = {  # the BOS/EOS text each family's vocabulary has
     "chatml": ("", "<|im_end|>"),

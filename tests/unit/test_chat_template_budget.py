@@ -13,17 +13,22 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from test_chat_template_families import CASES, source, template
 from user_errors import error_of
 
-from llamatrain.data import chat_template as ct
-from llamatrain.data import template_budget, template_sandbox
-from llamatrain.data.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateFault
+from llamatrain.chat_template import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    TemplateFault,
+    budget,
+    helpers,
+    sandbox,
+)
+from llamatrain.chat_template import render as ct
+from llamatrain.chat_template.budget import BUDGET
 from llamatrain.data.examples import LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines
-from llamatrain.data.template_budget import BUDGET
 from llamatrain.errors import DataError
 
 USER = [{"role": "user", "content": "hi"}]
@@ -118,10 +123,11 @@ def test_the_budget_holds_for_segments_and_the_end_of_turn_marker_too():
 
 
 def test_a_render_not_metered_is_refused():
-    compiled = ct._sandbox().from_string("{% for m in messages %}{{ m.content }}{% endfor %}")
+    source_text = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    compiled = sandbox.environment().from_string(source_text)
     with pytest.raises(Exception, match="render only metered"):
         compiled.render(messages=USER)
-    assert template_sandbox.render(compiled, {"messages": USER}) == "hi"
+    assert sandbox.render(compiled, {"messages": USER}) == "hi"
 
 
 # ---------------------------------------------------------------------- real templates, as before
@@ -130,16 +136,9 @@ def test_a_render_not_metered_is_refused():
 def reference(source_text: str):
     """The template compiled as it was before the budget: Jinja's immutable sandbox with
     transformers' settings and helpers, unmetered."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[ct._Generation, loopcontrols]
-    )
-    env.filters["tojson"] = ct._tojson
-    env.globals.update(
-        raise_exception=ct._raise_exception,
-        strftime_now=lambda format: datetime.now().strftime(format),
-        dict=ct._Dict(),
-        namespace=ct._Namespace,
-    )
+    env = ImmutableSandboxedEnvironment(**helpers.OPTIONS)
+    env.filters.update(helpers.FILTERS)
+    env.globals.update(helpers.GLOBALS, strftime_now=lambda format: datetime.now().strftime(format))
     return env.from_string(source_text)
 
 
@@ -248,16 +247,16 @@ def test_a_failing_operation_fails_as_without_the_budget(source_text, error):
 @pytest.fixture
 def meter_of(monkeypatch):
     """The steps and characters each render of a template used."""
-    meters: list[template_budget.Meter] = []
+    meters: list[budget.Meter] = []
 
-    class Spied(template_budget.Meter):
+    class Spied(budget.Meter):
         __slots__ = ()
 
         def __init__(self, *args):
             super().__init__(*args)
             meters.append(self)
 
-    monkeypatch.setattr(template_sandbox, "Meter", Spied)
+    monkeypatch.setattr(sandbox, "Meter", Spied)
     return meters
 
 

@@ -12,7 +12,7 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 from user_errors import error_of
 
-from llamatrain.data.chat_template import ChatTemplate
+from llamatrain.chat_template import ChatTemplate
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "chat_templates"
 FAMILIES = {  # template file, BOS and EOS text as each family's tokenizer has them

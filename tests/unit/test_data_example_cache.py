@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from llama_cpp_files import vocab_dir as vocab_dir
 
+from llamatrain.chat_template import resolve_chat_template
 from llamatrain.data.example_cache import load_examples
-from llamatrain.data.examples import LineEncoder, resolve_chat_template
+from llamatrain.data.examples import LineEncoder
 from llamatrain.data.jsonl import BadLines
 from llamatrain.gguf.llama import read_tokenizer
 

@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 from llama_cpp_files import vocab_dir as vocab_dir
 
-from llamatrain.data.chat_template import chat_template_for
+from llamatrain.chat_template import chat_template_for, resolve_chat_template
 from llamatrain.data.examples import (
     Example,
     LineEncoder,
     pack_rows,
     pad_rows,
     read_examples,
-    resolve_chat_template,
     split_examples,
     truncate,
 )

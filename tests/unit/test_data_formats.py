@@ -21,9 +21,9 @@ import pytest
 from llama_cpp_files import vocab_dir as vocab_dir
 from user_errors import error_of
 
+from llamatrain.chat_template import ChatTemplate, chat_template_for
 from llamatrain.config import load_config
 from llamatrain.data import build_train_data, resolve_inputs, sources
-from llamatrain.data.chat_template import ChatTemplate, chat_template_for
 from llamatrain.data.example_cache import load_examples
 from llamatrain.data.examples import LineEncoder, read_examples
 from llamatrain.data.jsonl import BadLines, ChatLine, CompletionLine, TextLine, parse_line

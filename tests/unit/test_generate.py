@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llamatrain import Llama, ModelConfig
-from llamatrain.data.chat_template import chat_template_for
+from llamatrain.chat_template import chat_template_for
 from llamatrain.errors import ConfigError
 from llamatrain.generate import Conversation, chat, generate, generate_text
 from llamatrain.sampling import SamplingParams

@@ -22,8 +22,8 @@ import pytest
 import torch
 from llama_cpp_files import vocab_dir as vocab_dir
 
+from llamatrain.chat_template import chat_template_for
 from llamatrain.config import load_config
-from llamatrain.data.chat_template import chat_template_for
 from llamatrain.data.examples import Example, LineEncoder
 from llamatrain.data.jsonl import BadLines
 from llamatrain.data.preferences import (

@@ -11,7 +11,7 @@ Each step lives in its own module:
   :func:`~llamatrain.data.sources.table_rows`) instead reads instruction and chat examples
   (:mod:`~llamatrain.data.jsonl`; Alpaca and ShareGPT rows mapped by
   :mod:`~llamatrain.data.layouts`), renders conversations with a chat template
-  (:mod:`~llamatrain.data.chat_template`) and lays the tokens into rows whose targets score
+  (:mod:`~llamatrain.chat_template`) and lays the tokens into rows whose targets score
   only what is trained (:mod:`~llamatrain.data.examples`, encoded once into the cache of
   :mod:`~llamatrain.data.example_cache`); the same sampler draws them.
 - A preference objective (``train.objective`` dpo, ipo, orpo, simpo) reads JSONL pairs of a
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from llamatrain.chat_template import ChatTemplate, resolve_chat_template
 from llamatrain.data.cache import load_tokens
-from llamatrain.data.chat_template import ChatTemplate
 from llamatrain.data.example_cache import load_examples
 from llamatrain.data.examples import (
     ExampleRows,
@@ -43,7 +43,6 @@ from llamatrain.data.examples import (
     pack_rows,
     pad_rows,
     require_trainable,
-    resolve_chat_template,
     split_examples,
     truncate,
 )
@@ -85,7 +84,6 @@ __all__ = [
     "SONNETS",
     "SONNETS_PATH",
     "BatchSampler",
-    "ChatTemplate",
     "ExampleRows",
     "PromptRows",
     "TokenWindows",

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llamatrain.data.chat_template import ChatTemplate, Segment, TemplateFault, chat_template_for
+from llamatrain.chat_template import ChatTemplate, Segment, TemplateFault, needs_bos
 from llamatrain.data.jsonl import (
     BadLines,
     ChatLine,
@@ -56,12 +56,9 @@ __all__ = [
     "ExampleRows",
     "LineEncoder",
     "pack_rows",
-    "needs_bos",
     "pad_rows",
-    "prompt_ids",
     "read_examples",
     "require_trainable",
-    "resolve_chat_template",
     "split_examples",
     "trained_tokens",
     "cut_chars",
@@ -79,29 +76,6 @@ class Example:
     """bool, one per id: a target of the loss (trained, and not the first token)."""
     inexact: int = 0
     """Trained/untrained boundaries a token straddled (see the module docstring)."""
-
-
-def resolve_chat_template(
-    choice: str, model_template: str | None, tokenizer: Tokenizer
-) -> ChatTemplate | None:
-    """The template conversations are rendered with: the model's own (``"auto"``) or a builtin
-    chosen by name; None for ``"auto"`` when the model has none (an error only once a line
-    holds a conversation, so text-only JSONL needs no template)."""
-    if choice == "auto" and model_template is None:
-        return None
-    return chat_template_for(
-        choice,
-        model_template,
-        bos_token=_token_text(tokenizer, tokenizer.bos_id),
-        eos_token=_token_text(tokenizer, tokenizer.eos_id),
-    )
-
-
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """A special token as a template writes it (``<s>``, ``<|begin_of_text|>``): its piece in
-    the vocabulary, which ``decode`` leaves out for control tokens."""
-    pieces = getattr(tokenizer, "pieces", None) or tokenizer.tokens  # SPM or byte-level BPE
-    return pieces[token_id]
 
 
 CHARS_PER_TOKEN = 64
@@ -277,20 +251,6 @@ class _Budget:
             items = value if depth < self._DEPTH else ()
             return [self.take(item, depth + 1) for item in items if self.left > 0]
         return value
-
-
-def needs_bos(tokenizer: Tokenizer, ids: Sequence[int]) -> bool:
-    """Whether BOS goes in front of ``ids``: the tokenizer adds BOS and the text did not write
-    it already (llama-3's template does), as llama.cpp's prompt path decides."""
-    return tokenizer.add_bos and (not ids or ids[0] != tokenizer.bos_id)
-
-
-def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A rendered chat's token ids as llama.cpp tokenizes a prompt: control tokens in the text
-    parsed into their ids, BOS first unless the text starts with it — the tokens a chat was
-    trained on, so the model is prompted the same way."""
-    ids = tokenizer.encode(text, special=True)
-    return [tokenizer.bos_id, *ids] if needs_bos(tokenizer, ids) else ids
 
 
 def trained_tokens(

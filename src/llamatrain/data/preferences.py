@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from llamatrain.data.chat_template import Segment
+from llamatrain.chat_template import Segment
 from llamatrain.data.examples import Example, ExampleRows, LineEncoder
 from llamatrain.data.json_text import load_json
 from llamatrain.data.jsonl import BadLines, _chat_line, _json_type, numbered_lines

@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llamatrain.data.chat_template import ChatTemplate
-from llamatrain.data.examples import needs_bos, prompt_ids
+from llamatrain.chat_template import ChatTemplate, needs_bos, prompt_ids
 from llamatrain.data.json_text import load_json
 from llamatrain.data.jsonl import BadLines, _chat_line, _json_type, numbered_rows
 from llamatrain.errors import ConfigError, DataError

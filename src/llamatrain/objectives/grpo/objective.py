@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from llamatrain import parallel
+from llamatrain.chat_template import ChatTemplate
 from llamatrain.config import Config
-from llamatrain.data import ChatTemplate
 from llamatrain.data.prompts import PromptRow
 from llamatrain.errors import ConfigError
 from llamatrain.files import check_target, write_text_atomically

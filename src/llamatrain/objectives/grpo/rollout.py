@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from llamatrain import parallel
-from llamatrain.data import ChatTemplate
+from llamatrain.chat_template import ChatTemplate
 from llamatrain.errors import DataError
 from llamatrain.generate import generate_stream
 from llamatrain.lora import decoded_base

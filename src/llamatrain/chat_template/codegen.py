@@ -2,8 +2,8 @@
 its operations are metered, and the Python code generated for them.
 
 :class:`Rewrite` routes every loop's iterable, ``+`` chain, ``~`` chain, slice and compared
-operand through a metering filter of ``template_sandbox`` (:data:`LOOP`, :data:`ADD`,
-:data:`CONCAT`, :data:`CHARGE_SIZE`). :class:`MeteredCodeGenerator` then writes the common
+operand through a metering filter of ``sandbox`` (:data:`LOOP`, :data:`ADD`, :data:`CONCAT`,
+:data:`CHARGE_SIZE`). :class:`MeteredCodeGenerator` then writes the common
 case of each in line instead of a call, since a call costs more than the operation: a ``+``
 or ``~`` of strings is made and its length charged to the render's meter (which every
 function of the template reads once, from ``environment.current_meter()``); a string

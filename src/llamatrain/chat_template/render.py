@@ -8,11 +8,12 @@ for Qwen3 and SmolLM3, ``xml_tools``...). A message has a ``role`` and a string 
 assistant message may carry ``tool_calls`` and ``reasoning_content`` (its thinking), a ``tool``
 message (a tool's result) a ``name`` and ``tool_call_id``. The template comes from a file, so it
 is untrusted code: it only ever runs in Jinja's immutable sandbox, set up as transformers sets it
-up (same whitespace handling, extensions and helpers: ``tojson``, ``raise_exception``,
-``strftime_now``, loop controls, ``{% generation %}``), and sees only plain JSON data, so a
-template renders here byte for byte as ``apply_chat_template`` renders it. Every render has a
-budget of steps, characters, nesting and time (``template_sandbox``), so a template cannot
-hang or exhaust memory either.
+up (same whitespace handling, extensions and helpers, see ``helpers``: ``tojson``,
+``raise_exception``, ``strftime_now``, loop controls, ``{% generation %}``), and sees only
+plain JSON data, so a template renders here byte for byte as ``apply_chat_template`` renders
+it. Every render has a
+budget of steps, characters, nesting and time (``sandbox``), so a template cannot hang or
+exhaust memory either.
 
 A failure is blamed on what is at fault: a template that goes past its budget, tries an unsafe
 operation, or fails on a plain conversation as well is a :class:`TemplateFault` (the fix is
@@ -29,22 +30,17 @@ turns before the last user message, so such a turn is not trained as the model w
 
 from __future__ import annotations
 
-import json
 import keyword
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from functools import cache, cached_property
-from typing import Any, NoReturn
+from functools import cached_property
+from typing import Any
 
-from jinja2 import nodes
-from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.ext import Extension, loopcontrols
-from jinja2.parser import Parser
-from jinja2.utils import Namespace
+from jinja2.exceptions import SecurityError, TemplateSyntaxError
 
-from llamatrain.data.template_budget import BUDGET, OverBudget, charge
-from llamatrain.data.template_sandbox import MeteredSandbox, render
+from llamatrain.chat_template.budget import BUDGET, OverBudget
+from llamatrain.chat_template.helpers import TemplateRefused
+from llamatrain.chat_template.sandbox import environment, render
 from llamatrain.errors import ConfigError, DataError, shown
 
 __all__ = [
@@ -53,7 +49,6 @@ __all__ = [
     "ChatTemplate",
     "Segment",
     "TemplateFault",
-    "chat_template_for",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -165,7 +160,7 @@ class ChatTemplate:
         """Compile ``source``; DataError (naming it as ``name``) if it is not valid Jinja."""
         self.source, self.bos_token, self.eos_token, self.name = source, bos_token, eos_token, name
         try:
-            self._template = _sandbox().from_string(source)
+            self._template = environment().from_string(source)
         except TemplateSyntaxError as e:
             raise TemplateFault(
                 f"{name} is not a valid Jinja template: {_one_line(e.message)} "
@@ -337,7 +332,7 @@ class ChatTemplate:
                 f"{self.name} tried an unsafe operation, which the sandbox stopped "
                 f"({_one_line(error)}){at}; {_FIX}"
             )
-        if isinstance(error, _TemplateRefused):
+        if isinstance(error, TemplateRefused):
             what = f"refused the conversation: {_one_line(error)}"
         else:
             what = f"failed to render: {type(error).__name__}: {_one_line(error)}{at}"
@@ -370,117 +365,6 @@ class ChatTemplate:
         except (DataError, ConfigError):
             return False
         return True
-
-
-def chat_template_for(
-    choice: str, model_template: str | None, *, bos_token: str, eos_token: str
-) -> ChatTemplate:
-    """The template ``data.chat_template = choice`` names: ``"auto"`` the model's own
-    (``model_template``), a :data:`BUILTIN_TEMPLATES` name that one."""
-    tokens = {"bos_token": bos_token, "eos_token": eos_token}
-    if choice == "auto":
-        if not model_template:
-            raise DataError(
-                "the model has no chat template (tokenizer.chat_template); set "
-                f"data.chat_template to one of {', '.join(BUILTIN_TEMPLATES)}"
-            )
-        return ChatTemplate(model_template, name="the model's chat template", **tokens)
-    if choice in BUILTIN_TEMPLATES:
-        return ChatTemplate(BUILTIN_TEMPLATES[choice], name=f"the {choice} template", **tokens)
-    raise DataError(
-        f"data.chat_template = {choice!r} is not a chat template; choose auto (the model's "
-        f"own) or one of {', '.join(BUILTIN_TEMPLATES)}"
-    )
-
-
-class _TemplateRefused(TemplateError):
-    """A template's ``raise_exception(message)``: it refuses the conversation on purpose."""
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise _TemplateRefused(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """JSON as templates expect it: Jinja's own ``tojson`` escapes ``<``, ``>`` and ``&`` for
-    HTML, which would change the text the model reads."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    """Today's date for templates that put it in the system prompt (Llama 3.1)."""
-    if isinstance(format, str):
-        charge(32 * len(format))  # "%c" is 24 characters
-    return datetime.now().strftime(format)
-
-
-class _Generation(Extension):
-    """``{% generation %}...{% endgeneration %}``, which transformers' templates use to mark
-    the assistant's text for ``return_assistant_tokens_mask`` (SmolLM3's): renders its body."""
-
-    tags = {"generation"}  # noqa: RUF012 (Jinja's own class attribute)
-
-    def parse(self, parser: Parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body).set_lineno(lineno)
-
-
-class _Namespace(Namespace):
-    """``namespace(...)`` that, as transformers', refuses underscore-named attributes (a way
-    towards Python internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # Namespace's signature trick
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check(name)
-        Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"a namespace attribute may not start with '_': {name!r}")
-
-
-class _Dict:
-    """``dict(...)`` and ``dict.fromkeys(...)`` without the ``dict`` type itself (whose
-    attributes lead to Python internals), as transformers provides them."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-@cache
-def _sandbox() -> MeteredSandbox:
-    """The environment every template compiles in: immutable sandbox (no attribute access to
-    Python internals, no mutating the messages) with a budget per render, with transformers'
-    settings and helpers."""
-    env = MeteredSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _Dict()
-    env.globals["namespace"] = _Namespace
-    env.meter_filters()
-    return env
 
 
 def _context(

@@ -2,9 +2,9 @@
 
 One Jinja step can make far more than it is given: ``"a" * 10**9``, ``"%*d" % (10**9, 1)``,
 ``s.center(10**9)``, ``xs | join`` of one long string many times, ``tools | tojson(indent=…)``.
-The sandbox (``template_sandbox``) calls these checks with the operation's arguments before
-it runs the operation; each charges the render's :class:`~.template_budget.Meter` an upper
-bound of what will be made, so an operation past the budget raises before it allocates. Here
+The sandbox (``sandbox``) calls these checks with the operation's arguments before it runs
+the operation; each charges the render's :class:`~.budget.Meter` an upper bound of what will
+be made, so an operation past the budget raises before it allocates. Here
 too: the sizes of values (:func:`size_of`, and :func:`text_size` for the text of a list or
 mapping, walked at a step per node so shared or cyclic structures stay cheap).
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 from jinja2.utils import Namespace
 
-from llamatrain.data.template_budget import Meter, OverBudget
+from llamatrain.chat_template.budget import Meter, OverBudget
 
 __all__ = [
     "FILTER_CHECKS",

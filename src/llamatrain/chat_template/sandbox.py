@@ -1,10 +1,10 @@
-"""The sandbox chat templates run in, with a budget for each render.
+"""The sandbox chat templates run in, with a budget for each render: the Jinja environment
+every template compiles in (:func:`environment`).
 
 Jinja's immutable sandbox keeps a template away from Python's internals, but not from time and
 memory: ``{% for i in range(100000) %}{% for j in range(100000) %}…`` runs for hours and
-``{{ "a" * 4000000000 }}`` asks for gigabytes. Here every render is metered
-(:func:`render`), counting two things against a
-:class:`~.template_budget.RenderBudget`:
+``{{ "a" * 4000000000 }}`` asks for gigabytes. Here every render is metered (:func:`render`),
+counting two things against a :class:`~.budget.RenderBudget`:
 
 - *steps*: loop iterations (a small loop over a sized iterable is charged its length when it
   starts, a large one or an iterator per item), calls (macros, methods, globals), filters
@@ -25,19 +25,20 @@ memory: ``{% for i in range(100000) %}{% for j in range(100000) %}…`` runs for
 Besides, nested calls (macro recursion, recursive loops) are bounded, integers are kept below
 a number of bits, and a render past a wall-clock limit stops at its next step (a backstop: the
 counts end every render known to run long well before it). Past a limit, a render raises
-:class:`~.template_budget.OverBudget` naming it. Constant folding at compile time, which Jinja
+:class:`~.budget.OverBudget` naming it. Constant folding at compile time, which Jinja
 does by calling filters and operators on literals, is left to the metered render
 (``{{ "x"|center(10**10) }}`` would otherwise allocate while the template compiles).
 
 The metering is code around what Jinja already calls per operation (the sandbox's ``call``,
 ``call_binop``, ``getitem``, the filters and tests), rewrites of the parsed template and the
-code generated for them (``template_codegen``: a loop's iterable, ``+``, ``~``, comparisons and
+code generated for them (``codegen``: a loop's iterable, ``+``, ``~``, comparisons and
 slices go through a metering filter of this module, their common case — strings, a small list
 — written in line instead; a loop's body is weighed once, when the template compiles), and a
 bounded ``concat`` for output buffers. What it costs a real template per render and per
 example is in bench/README.md (``bench/template_budget.py``). The budget and its meter are
-``template_budget``; what each operation may make, checked before it is made, is
-``template_costs``; this module is the environment that calls them.
+``budget``; what each operation may make, checked before it is made, is ``costs``; what
+transformers lets a template call is ``helpers``; this module is the environment that calls
+them.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg, generate_lorem_ipsum
 
-from llamatrain.data.template_budget import (
+from llamatrain.chat_template import helpers
+from llamatrain.chat_template.budget import (
     BUDGET,
     METER,
     Meter,
@@ -64,7 +66,7 @@ from llamatrain.data.template_budget import (
     Shapes,
     current_meter,
 )
-from llamatrain.data.template_codegen import (
+from llamatrain.chat_template.codegen import (
     ADD,
     CHARGE_SIZE,
     CHARGED_AHEAD,
@@ -74,7 +76,7 @@ from llamatrain.data.template_codegen import (
     MeteredCodeGenerator,
     Rewrite,
 )
-from llamatrain.data.template_costs import (
+from llamatrain.chat_template.costs import (
     FILTER_CHECKS,
     READING_STR_METHODS,
     SIZED,
@@ -90,7 +92,7 @@ from llamatrain.data.template_costs import (
     text_size,
 )
 
-__all__ = ["MeteredSandbox", "render"]
+__all__ = ["MeteredSandbox", "environment", "render"]
 
 _BUILTIN_METHOD = type("".strip)
 
@@ -124,7 +126,7 @@ def _loop(value: Any, body: int = 1) -> Any:
     """A loop's iterable (``body``: the nodes of the loop's body, counted when the template
     is compiled), each iteration charged a step: all before the loop starts when the loop is
     small (a list, as a real template's messages, is charged so in line by the code of
-    ``template_codegen``; a loop that breaks early is charged in full, an upper bound), else
+    ``codegen``; a loop that breaks early is charged in full, an upper bound), else
     as they happen."""
     meter = METER.get() or current_meter()
     try:
@@ -149,7 +151,7 @@ def _sized(value: Any) -> Any:
 
 
 def _add(values: list[Any]) -> Any:
-    """``a + b + …`` where the code of ``template_codegen`` does not add in line: as Python
+    """``a + b + …`` where the code of ``codegen`` does not add in line: as Python
     adds them, from the left, with what each sum makes charged before it is made (a list that
     doubles itself is stopped before it is large); a sum of strings past the budget (which
     the code in line gives here) is charged and stopped."""
@@ -285,7 +287,7 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
     made must be metered by :meth:`meter_filters`."""
 
     intercepted_binops = frozenset({"*", "%", "**"})
-    """The operators that can make more than they are given (``+``: see ``template_codegen``);
+    """The operators that can make more than they are given (``+``: see ``codegen``);
     ``-``, ``/`` and ``//`` make at most one bit more than their operands."""
     code_generator_class = MeteredCodeGenerator
     current_meter = staticmethod(current_meter)
@@ -370,6 +372,19 @@ class MeteredSandbox(ImmutableSandboxedEnvironment):
             if meter.chars < 0:
                 raise OverBudget(meter.budget, "chars")
         return result
+
+
+@functools.cache
+def environment() -> MeteredSandbox:
+    """The environment every chat template compiles in: the immutable sandbox (no attribute
+    access to Python internals, no mutating the messages), metered per render, with
+    transformers' settings and helpers (:mod:`~.helpers`), so that a template renders as
+    ``apply_chat_template`` renders it."""
+    env = MeteredSandbox(**helpers.OPTIONS)
+    env.filters.update(helpers.FILTERS)
+    env.globals.update(helpers.GLOBALS)
+    env.meter_filters()
+    return env
 
 
 def render(

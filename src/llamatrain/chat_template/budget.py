@@ -1,13 +1,12 @@
 """The budget of one render of a chat template, and the meter that counts it down.
 
-A render of an untrusted template (``template_sandbox.render``) puts a fresh
-:class:`Meter` for a :class:`RenderBudget` in a context variable. Every metered operation of
-the sandbox (``template_sandbox``, with the size checks of ``template_costs``, and the code
-``template_codegen`` writes in line, which reads the meter once per function of the template)
-charges it steps and characters, and a render past a limit raises :class:`OverBudget` naming
-it. Kept
-apart from the Jinja machinery so that a helper the template calls (``strftime_now``) can
-charge the render in progress with :func:`charge`.
+A render of an untrusted template (``sandbox.render``) puts a fresh :class:`Meter` for a
+:class:`RenderBudget` in a context variable. Every metered operation of the sandbox
+(``sandbox``, with the size checks of ``costs``, and the code ``codegen`` writes in line,
+which reads the meter once per function of the template) charges it steps and characters,
+and a render past a limit raises :class:`OverBudget` naming it. Kept apart from the Jinja
+machinery so that a helper the template calls (``strftime_now``, in ``helpers``) can charge
+the render in progress with :func:`charge`.
 """
 
 from __future__ import annotations
@@ -114,7 +113,7 @@ class _Unmetered(Exception):  # noqa: N818
 def current_meter() -> Meter:
     meter = METER.get()
     if meter is None:
-        raise _Unmetered("chat templates render only metered, by template_sandbox.render")
+        raise _Unmetered("chat templates render only metered, by chat_template.sandbox.render")
     return meter
 
 
