@@ -32,6 +32,9 @@ from llamatrain.build import (
     resumed_run,
     with_base,
 )
+
+# Re-exported as the public API (``llamatrain.API``; ``X as X`` marks a re-export)
+from llamatrain.build import load_tokenizer as load_tokenizer
 from llamatrain.chat_template import BUILTIN_TEMPLATES, ChatTemplate, resolve_chat_template
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, read_config
@@ -40,8 +43,14 @@ from llamatrain.data import TrainData, build_train_data, resolve_inputs
 from llamatrain.denormals import denormals_flushed
 from llamatrain.device import configure_process, resolve_device, resolve_run_settings
 from llamatrain.errors import CheckpointError, ConfigError
+from llamatrain.evaluate import PerplexityResult as PerplexityResult
+from llamatrain.evaluate import perplexity as perplexity
 from llamatrain.files import write_text_atomically
+from llamatrain.generate import Conversation as Conversation
+from llamatrain.generate import chat as chat
+from llamatrain.generate import generate_text as generate_text
 from llamatrain.gguf.adapter import read_lora_adapter, target_suffixes, write_lora_adapter
+from llamatrain.gguf.describe import describe_gguf as describe_gguf
 from llamatrain.gguf.export_types import AUTO_EXPORT_TYPE, QUANTIZER_TYPES, merged_export_type
 from llamatrain.gguf.file import verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, write_model
