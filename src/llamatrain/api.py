@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from llamatrain import API, parallel
+from llamatrain import parallel
 from llamatrain.allocator import release_freed_memory
 from llamatrain.build import (
     PreparedModel,
@@ -42,6 +42,7 @@ from llamatrain.config import validate as validate_config
 from llamatrain.data import TrainData, build_train_data, resolve_inputs
 from llamatrain.denormals import denormals_flushed
 from llamatrain.device import configure_process, resolve_device, resolve_run_settings
+from llamatrain.entry_points import API
 from llamatrain.errors import CheckpointError, ConfigError
 from llamatrain.evaluate import PerplexityResult as PerplexityResult
 from llamatrain.evaluate import perplexity as perplexity
@@ -76,7 +77,7 @@ from llamatrain.tokenizer import (
 )
 from llamatrain.trainer import History, Trainer
 
-__all__ = list(API)  # the one list, in llamatrain/__init__.py
+__all__ = list(API)  # the one list: llamatrain.entry_points
 
 RUN_CONFIG = "config.toml"
 """The config a run was trained with, in its folder (what ``--resume`` and ``load`` read)."""
