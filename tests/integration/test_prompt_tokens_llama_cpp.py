@@ -9,9 +9,9 @@ both ways, the file we export runs in llama.cpp (llama-cpp-python) and:
 
 * the file reads back with the keys it was written with, and our ``encode_prompt`` gives
   llama.cpp's ``tokenize(add_bos=True)`` (``add_special``: llama.cpp's own BOS/EOS decision);
-* ``generate_text``'s greedy continuation is llama-cpp-python's ``create_completion`` at
-  temperature 0 (which frames the prompt by the file too), text and ids, and the trainer's
-  greedy sample is the same continuation;
+* our greedy ids from those prompt ids are llama.cpp's, and ``generate_text``, a chat's reply
+  (the rendered template tokenized with its control tokens) and the trainer's greedy sample
+  show the text of llama.cpp's greedy continuation of the prompt llama.cpp frames;
 * ``perplexity`` is llama-perplexity's number from llama.cpp's logits, its chunks starting with
   BOS only where the file adds one.
 
@@ -33,6 +33,8 @@ from random_models import move_off_neutral
 
 from llamatrain import api
 from llamatrain.config import load_config
+from llamatrain.data.chat_template import chat_template_for
+from llamatrain.data.examples import prompt_ids
 from llamatrain.generate import generate
 from llamatrain.gguf.file import read_gguf
 from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
@@ -136,11 +138,38 @@ def test_a_prompt_runs_as_llama_cpp_runs_it(
     ours = generate(model, torch.tensor(ids), N_NEW, GREEDY)[len(ids) :].tolist()
     assert ours == theirs
     text = "".join(api.generate_text(model, tok, PROMPT, max_tokens=N_NEW, params=GREEDY))
-    # the text of llama.cpp's ids; a random model's stray byte tokens are U+FFFD, and the stream
-    # holds back the ones at its end (a character still arriving)
-    stop = theirs.index(tok.eos_id) if tok.eos_id in theirs else N_NEW
-    assert text == tok.decode(ids + theirs[:stop]).rstrip("\ufffd")[len(tok.decode(ids)) :]
+    assert text == streamed(tok, ids, theirs)
     assert moved > 1e-2, moved
+
+
+def streamed(tok: Tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text a stream shows for ``new`` after ``prompt``, up to EOS: a random model's stray
+    byte tokens are U+FFFD, and the stream holds back the ones at its end (a character still
+    arriving)."""
+    new = new[: new.index(tok.eos_id)] if tok.eos_id in new else new
+    return tok.decode(prompt + new).rstrip("\ufffd")[len(tok.decode(prompt)) :]
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_chat_prompt_runs_as_llama_cpp_runs_it(
+    llama_cpp: Any, vocabularies: dict[str, Tokenizer], tmp_path: Path, family: str, add_bos: bool
+) -> None:
+    """A chat's rendered prompt, its control tokens parsed, framed as the file says: llama.cpp's
+    ``tokenize(add_bos=True, special=True)`` of the same text, and its greedy reply."""
+    path = family_file(vocabularies, family, (add_bos, False), tmp_path)
+    model, tok = api.load_gguf(path)
+    template = chat_template_for("chatml", None, bos_token="", eos_token="")
+    rendered = template.render([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    llm = open_exact(llama_cpp, path)
+    try:
+        ids = llm.tokenize(rendered.encode(), add_bos=True, special=True)
+        theirs = greedy_ids(llm, ids, N_NEW)
+    finally:
+        llm.close()
+    assert prompt_ids(tok, rendered) == ids and (ids[0] == tok.bos_id) == add_bos
+    reply = "".join(api.chat(model, tok, template, PROMPT, max_tokens=N_NEW, params=GREEDY))
+    assert reply == streamed(tok, ids, theirs)
 
 
 @pytest.mark.parametrize(
