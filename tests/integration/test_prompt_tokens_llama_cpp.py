@@ -15,7 +15,7 @@ both ways, the file we export runs in llama.cpp (llama-cpp-python) and:
 * ``perplexity`` is llama-perplexity's number from llama.cpp's logits, its chunks starting with
   BOS only where the file adds one.
 
-Each check also shows that the framing matters: the other BOS decision moves the next-token
+The first check also shows that the framing matters: the other BOS decision moves the next-token
 logits by far more than the families' 1e-5 agreement with llama.cpp (``test_families``).
 """
 
