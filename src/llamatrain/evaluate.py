@@ -101,10 +101,13 @@ def perplexity(
 ) -> PerplexityResult:
     """Perplexity computed exactly as llama.cpp's ``llama-perplexity`` does.
 
-    The text is tokenized with BOS and cut into non-overlapping chunks of ``n_ctx``; each
-    chunk's first token is replaced by BOS and only the second half of each chunk is scored,
-    so every scored token has at least n_ctx/2 tokens of context. ``mean_loss`` also scores
-    the first half (plain mean next-token loss over the chunks).
+    The text is tokenized as the model file says (``Tokenizer.encode_prompt``, control tokens
+    not parsed: BOS first only where ``tokenizer.ggml.add_bos_token`` says so) and cut into
+    non-overlapping chunks of ``n_ctx``; where the file adds BOS, each chunk's first token is
+    replaced by BOS. Only the second half of each chunk is scored, so every scored token has
+    at least n_ctx/2 tokens of context. ``mean_loss`` also scores the first half (plain mean
+    next-token loss over the chunks). (llama-perplexity refuses a vocabulary that adds EOS;
+    here that EOS ends the text.)
 
     Each target's log-probability comes from the model's chunked head (``head_logps``), so
     a chunk's (n_ctx x vocab) logits never exist: at a real model's own context (SmolLM2's
@@ -115,7 +118,7 @@ def perplexity(
         raise DataError(f"{path} does not exist; pass a UTF-8 text file to score with --data")
     check_text_file(path)
     n_ctx = n_ctx or model.cfg.max_seq_len
-    tokens = tokenizer.encode(read_text(path), bos=True)
+    tokens = tokenizer.encode_prompt(read_text(path), special=False)
     n_chunks = len(tokens) // n_ctx
     if n_chunks < 1:
         raise DataError(
@@ -127,7 +130,8 @@ def perplexity(
     nll_second_half, nll_all = 0.0, 0.0
     for i in range(n_chunks):
         chunk = torch.tensor(tokens[i * n_ctx : (i + 1) * n_ctx])
-        chunk[0] = tokenizer.bos_id
+        if tokenizer.add_bos:
+            chunk[0] = tokenizer.bos_id
         nll = -model(chunk[None, :-1], logps_of=chunk[None, 1:])[0].double()
         nll_second_half += nll[first:].sum().item()
         nll_all += nll.sum().item()

@@ -46,6 +46,7 @@ class _Prompts:
         """``tokens`` (batch, seq) or (seq,), or a list of prompts of any lengths, on
         ``device``; padding is token 0, which nothing reads (masked, never sampled)."""
         if isinstance(tokens, torch.Tensor):
+            _check_not_empty(tokens.shape[-1])
             return _Prompts((tokens[None] if tokens.dim() == 1 else tokens).to(device), None)
         lengths = [len(p) for p in tokens]
         if not lengths or min(lengths) < 1:
@@ -195,10 +196,13 @@ def generate_text(
     """Stream the decoded continuation of ``prompt`` piece by piece (stops at EOS); a
     prompt longer than the model's context is a ConfigError here (:func:`check_prompt`).
 
-    ``params`` defaults to llama.cpp's sampler settings (``SamplingParams()``); ``allowed``
-    restricts the vocabulary (e.g. to ``llamatrain.api.seen_tokens``).
+    The prompt is tokenized as llama-completion tokenizes one (``Tokenizer.encode_prompt``:
+    BOS and EOS as the model file says, control tokens it writes parsed), so a greedy
+    continuation is llama.cpp's. ``params`` defaults to llama.cpp's sampler settings
+    (``SamplingParams()``); ``allowed`` restricts the vocabulary (e.g. to
+    ``llamatrain.api.seen_tokens``).
     """
-    ids = tokenizer.encode(prompt, bos=True)
+    ids = tokenizer.encode_prompt(prompt)
     check_prompt(len(ids), model.cfg.max_seq_len)  # now, not at the stream's first step
     stop = frozenset({tokenizer.eos_id})
     return _continuation(model, tokenizer, ids, stop, max_tokens, params, seed, allowed)
@@ -237,12 +241,25 @@ def check_prompt(n_tokens: int, context: int) -> None:
     ("prompt is too long"), whose default is the trained one: the model never saw positions
     past it, and reading them first would take minutes before the first word. Generation may
     still run past the context after a prompt that fits, with a warning (see
-    :func:`generate_stream`), as llama.cpp goes on."""
+    :func:`generate_stream`), as llama.cpp goes on. A prompt of no tokens at all (an empty
+    text, for a model that puts no BOS first) is refused as llama.cpp refuses it."""
+    _check_not_empty(n_tokens)
     if n_tokens > context:
         raise ConfigError(
             f"the prompt is {n_tokens:,} tokens, longer than the model's context of "
             f"{context:,} (llama.context_length), which llama.cpp refuses too; shorten the "
             "prompt (in a chat, /reset starts the conversation over)"
+        )
+
+
+def _check_not_empty(n_tokens: int) -> None:
+    """Refuse a prompt of no tokens, which nothing can be generated from: an empty text for a
+    model that puts no BOS before a prompt, where llama.cpp stops too ("input is empty")."""
+    if n_tokens == 0:
+        raise ConfigError(
+            "the prompt is empty and the model puts no BOS before one "
+            "(tokenizer.ggml.add_bos_token = false), which llama.cpp refuses too; give a "
+            "prompt of at least one token (--prompt, train.sample_prompt)"
         )
 
 

@@ -258,8 +258,7 @@ class Trainer:
     def sample(self) -> str:
         """A short continuation of the configured prompt, to see what the model learned."""
         t = self.cfg.train
-        ids = self.tokenizer.encode(t.sample_prompt, bos=True)
-        prompt = torch.tensor(ids, device=self.device)
+        prompt = torch.tensor(self.tokenizer.encode_prompt(t.sample_prompt), device=self.device)
         params = sample_params(t)
         allowed = self.state.seen_tokens if t.sample_seen_tokens_only else None
         out = generate(self.model, prompt, t.sample_tokens, params, seed=t.seed, allowed=allowed)

@@ -87,3 +87,27 @@ def test_special_parses_control_tokens(
     assert tok.encode(text, special=True)[0] == control_id
     assert control_id not in tok.encode(text)  # plain text never becomes a control token
     assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("name", [*VOCABS, "baichuan"])
+def test_a_prompt_gets_bos_and_eos_where_llama_cpp_puts_them(
+    vocab_dir: Path, tokenizers: dict[str, Tokenizer], name: str
+) -> None:
+    """Real files, most without ``add_bos_token`` / ``add_eos_token``: the keys where a file
+    has them, else llama.cpp's default for the vocabulary (BOS for llama's SPM, as for
+    baichuan's file, which has neither key; for byte-level BPE by pre-tokenizer, Llama 3's BOS
+    and Qwen2's none), frame our prompt as llama.cpp frames it (``tokenize(add_bos=True)`` is
+    ``add_special``)."""
+    import llama_cpp
+
+    tok = tokenizers[name]
+    path = vocab_dir / f"ggml-vocab-{name}.gguf"
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        decided = (llm._model.add_bos_token(), llm._model.add_eos_token())
+        assert (tok.add_bos, tok.add_eos) == decided
+        for text in ("Hello world, 123!", ""):
+            theirs = llm.tokenize(text.encode(), add_bos=True, special=True)
+            assert tok.encode_prompt(text) == theirs, repr(text)
+    finally:
+        llm.close()

@@ -61,10 +61,16 @@ class Bytes:
     """A tokenizer of one id per byte (3 + byte), BOS 1 and EOS 2, control tokens unparsed:
     enough for the prompt paths of generate_text and chat."""
 
-    bos_id, eos_id, add_bos, vocab_size = 1, 2, True, 259
+    bos_id, eos_id, add_eos, vocab_size = 1, 2, False, 259
+
+    def __init__(self, add_bos: bool = True) -> None:
+        self.add_bos = add_bos
 
     def encode(self, text: str, bos: bool = False, eos: bool = False, special: bool = False):
         return [self.bos_id] * bos + [3 + b for b in text.encode()] + [self.eos_id] * eos
+
+    def encode_prompt(self, text: str, special: bool = True):
+        return self.encode(text, self.add_bos, self.add_eos, special)
 
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
@@ -101,3 +107,19 @@ def test_a_prompt_that_fits_may_generate_past_the_context_with_a_warning(byte_mo
     params = SamplingParams(temperature=0)
     with pytest.warns(UserWarning, match="generating 69 tokens, past the 64 the model was"):
         "".join(generate_text(byte_model, Bytes(), prompt, max_tokens=8, params=params))
+
+
+def test_an_empty_prompt_is_refused_where_the_file_puts_no_bos_first(byte_model) -> None:
+    """llama.cpp runs an empty prompt from BOS where the file adds BOS and refuses it ("input
+    is empty") where it does not: so does generate_text, in one line, and generate (the
+    trainer's samples) for a prompt of no tokens."""
+    greedy = SamplingParams(temperature=0)
+    assert len(list(generate_text(byte_model, Bytes(), "", max_tokens=2, params=greedy))) <= 2
+    calls = [
+        lambda: generate_text(byte_model, Bytes(add_bos=False), ""),
+        lambda: generate(byte_model, torch.tensor([], dtype=torch.long), 2),
+    ]
+    refusal = r"^the prompt is empty and the model puts no BOS before one \(tokenizer.ggml."
+    for call in calls:
+        with pytest.raises(ConfigError, match=refusal + r"add_bos_token = false\)[^\n]*$"):
+            call()

@@ -210,6 +210,30 @@ def test_tokenizer_round_trip_keeps_pad_and_space_prefix(tok: SpmTokenizer, tmp_
     assert back.encode(TEXT) == custom.encode(TEXT)
 
 
+@pytest.mark.parametrize("framing", [(False, False), (False, True), (True, True)])
+def test_tokenizer_round_trip_keeps_add_bos_and_add_eos(
+    tok: SpmTokenizer, tmp_path, framing: tuple[bool, bool]
+) -> None:
+    """The file's add_bos_token / add_eos_token decide how a prompt is framed; written back,
+    the keys keep their values, and a file without them gets llama.cpp's llama default."""
+    framed = SpmTokenizer(
+        tok.pieces, tok.scores, tok.token_types, add_bos=framing[0], add_eos=framing[1]
+    )
+    path = write_vocab(tmp_path / "vocab.gguf", framed)
+    meta = read_gguf_metadata(path)
+    assert (meta["tokenizer.ggml.add_bos_token"], meta["tokenizer.ggml.add_eos_token"]) == framing
+    back = read_tokenizer(path)
+    assert (back.add_bos, back.add_eos) == framing
+    assert back.fingerprint() == framed.fingerprint() != tok.fingerprint()
+    bos, eos = [tok.bos_id] * framing[0], [tok.eos_id] * framing[1]
+    assert back.encode_prompt(TEXT) == [*bos, *tok.encode(TEXT), *eos]
+    keys = tokenizer_metadata(framed)
+    del keys["tokenizer.ggml.add_bos_token"], keys["tokenizer.ggml.add_eos_token"]
+    default = tokenizer_from_metadata(keys)
+    assert (default.add_bos, default.add_eos) == (True, False)
+    assert default.fingerprint() == tok.fingerprint()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_config_round_trip(tok, tmp_path: Path, tied: bool) -> None:
     cfg = make_model(

@@ -280,6 +280,8 @@ def rebuild(t: SpmTokenizer, **changes: Any) -> SpmTokenizer:
         "eos_id": t.eos_id,
         "unk_id": t.unk_id,
         "pad_id": t.pad_id,
+        "add_bos": t.add_bos,
+        "add_eos": t.add_eos,
         "add_space_prefix": t.add_space_prefix,
     }
     args.update(changes)
@@ -548,6 +550,8 @@ def test_fingerprint_covers_everything_that_decides_ids(tok: SpmTokenizer) -> No
         "unk_id": rebuild(tok, unk_id=last),
         "pad_id": rebuild(tok, pad_id=tok.unk_id),
         "add_space_prefix": rebuild(tok, add_space_prefix=False),
+        "add_bos": rebuild(tok, add_bos=False),
+        "add_eos": rebuild(tok, add_eos=True),
     }
     fingerprints = {name: t.fingerprint() for name, t in variants.items()}
     assert tok.fingerprint() not in fingerprints.values()

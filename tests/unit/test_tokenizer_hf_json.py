@@ -240,6 +240,14 @@ def test_sentencepiece_style_bpe_encodes_like_hf_tokenizers(tmp_path: Path) -> N
     texts = varied_texts(6, N_TEXTS)
     wrong = mismatches(ours, hf, texts)
     assert not wrong, f"{len(wrong)}/{N_TEXTS} differ; first (text, ours, HF): {wrong[0]}"
+    # no post-processor: llama.cpp's default for a llama vocabulary (BOS, no EOS), unless the
+    # tokenizer config says otherwise, as the converter writes it into the GGUF
+    assert (ours.add_bos, ours.add_eos) == (True, False)
+    flags = dict(add_bos_token=False, add_eos_token=True)
+    folder = save(tmp_path, doc, bos_token="<s>", eos_token="</s>", unk_token="<unk>", **flags)
+    framed = read_hf_tokenizer(folder)
+    assert (framed.add_bos, framed.add_eos) == (False, True)
+    assert framed.encode_prompt("Shall I") == [*ours.encode("Shall I"), ours.eos_id]
 
 
 def test_written_tokenizer_json_reads_back_and_loads_in_hf(

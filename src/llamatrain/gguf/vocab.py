@@ -142,6 +142,9 @@ def _spm_from_metadata(meta: Mapping[str, Any], source: str) -> SpmTokenizer:
         eos_id=eos,
         unk_id=unk,
         pad_id=_special_id(meta, "padding_token_id", None, n),
+        # llama.cpp's defaults for a llama vocabulary: BOS before a prompt, no EOS after it
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
         rstrip_ids=rstrip_ids(meta.get("general.name"), tokens, types),
     )

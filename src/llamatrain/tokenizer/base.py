@@ -98,6 +98,17 @@ class Tokenizer(Protocol):
         """
         ...
 
+    def encode_prompt(self, text: str, special: bool = True) -> list[int]:
+        """Ids for ``text`` as llama.cpp tokenizes text it runs a model on (``llama_tokenize``
+        with ``add_special``): BOS first if :attr:`add_bos`, EOS last if :attr:`add_eos`, as the
+        model file says. The one way to encode a prompt or a text to score: a file such as
+        Qwen2.5 Instruct's says no BOS, and a BOS it was not trained with changes the output.
+
+        ``special`` defaults on, as llama-completion and llama-cpp-python parse the control
+        tokens a prompt writes; ``llama-perplexity`` tokenizes its text with it off.
+        """
+        ...
+
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, special: bool = False
     ) -> list[list[int]]:

@@ -379,11 +379,6 @@ def _sentencepiece_bpe(
         types[unk] = TOKEN_TYPE_UNKNOWN
     filled, types = _fill_unused(tokens, types)
     flags = _add_flags(doc, config)
-    if flags.get("bos") is False or flags.get("eos"):
-        raise TokenizerError(
-            f"{source}: add_bos_token = false or add_eos_token = true; llamatrain's SPM "
-            "tokenizer always adds BOS and never EOS, as llama.cpp does for Llama-style files"
-        )
     try:
         return SpmTokenizer(
             filled,
@@ -393,6 +388,8 @@ def _sentencepiece_bpe(
             eos_id=ids.get("eos", 2),
             unk_id=0 if unk is None else unk,
             pad_id=ids.get("pad"),
+            add_bos=flags.get("bos", True),
+            add_eos=flags.get("eos", False),
             add_space_prefix=bool(_space_marker(doc)),
         )
     except TokenizerError as e:

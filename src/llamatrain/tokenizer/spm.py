@@ -54,7 +54,9 @@ class SpmTokenizer(VocabTokenizer):
     the arrays a GGUF file stores. Every route ends in this constructor, so ids never depend on
     where the vocabulary came from. ``fast=False`` forces the pure-Python reference algorithm.
     ``rstrip_ids``: tokens after which the whitespace in the text is dropped
-    (:func:`~llamatrain.tokenizer.special.rstrip_ids`).
+    (:func:`~llamatrain.tokenizer.special.rstrip_ids`). ``add_bos``/``add_eos``: whether a
+    prompt gets BOS/EOS (the file's ``tokenizer.ggml.add_bos_token`` / ``add_eos_token``); the
+    defaults are llama.cpp's for a llama vocabulary whose file has neither key.
     """
 
     def __init__(
@@ -67,6 +69,8 @@ class SpmTokenizer(VocabTokenizer):
         eos_id: int = 2,
         unk_id: int = 0,
         pad_id: int | None = None,
+        add_bos: bool = True,
+        add_eos: bool = False,
         add_space_prefix: bool = True,
         fast: bool = True,
         rstrip_ids: Iterable[int] = (),
@@ -81,9 +85,8 @@ class SpmTokenizer(VocabTokenizer):
             eos_id=eos_id,
             unk_id=unk_id,
             pad_id=pad_id,
-            # llama.cpp puts BOS before every prompt of a llama (SPM) vocabulary, never EOS.
-            add_bos=True,
-            add_eos=False,
+            add_bos=add_bos,
+            add_eos=add_eos,
             rstrip_ids=rstrip_ids,
         )
         _check_special_ids(len(self._pieces), bos_id, eos_id, unk_id, pad_id)
@@ -115,12 +118,16 @@ class SpmTokenizer(VocabTokenizer):
         return self._engine is not None
 
     def _fingerprint_parts(self) -> Iterator[bytes]:
-        """Pieces, float32 scores, types, specials and the dummy prefix."""
+        """Pieces, float32 scores, types, specials, the dummy prefix, and add_bos/add_eos where
+        they are not llama.cpp's default (BOS, no EOS): hashed only then, so the fingerprints
+        stored before the file's keys were read stay valid."""
         yield b"llamatrain-spm-v1\0"
         for p, s, t in zip(self._pieces, self._scores, self._types, strict=True):
             yield p.encode("utf-8") + b"\0" + struct.pack("<fi", s, t)
         pad = -1 if self._pad is None else self._pad
         yield struct.pack("<4i?", self._bos, self._eos, self._unk, pad, self._add_space_prefix)
+        if not self._add_bos or self._add_eos:
+            yield struct.pack("<??", self._add_bos, self._add_eos)
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (e.g. for DataLoader workers): the C++ engine is rebuilt on unpickling."""

@@ -171,11 +171,17 @@ class VocabTokenizer(ABC):
     ) -> list[int]:
         """Ids for ``text`` exactly as llama.cpp's ``llama_tokenize(parse_special=special)``.
 
-        ``bos``/``eos`` frame the ids with BOS/EOS unconditionally; pass ``bos=tok.add_bos,
-        eos=tok.add_eos`` for what llama.cpp's ``add_special`` does. Without ``special``,
-        control tokens written in the text stay text.
+        ``bos``/``eos`` frame the ids with BOS/EOS unconditionally (training data decides
+        its own framing); :meth:`encode_prompt` frames them as the file says. Without
+        ``special``, control tokens written in the text stay text.
         """
         return self._add_specials(self._encode_text(text, special), bos, eos)
+
+    def encode_prompt(self, text: str, special: bool = True) -> list[int]:
+        """Ids for ``text`` as llama.cpp tokenizes text it runs the model on: ``llama_tokenize``
+        with ``add_special``, BOS/EOS as the file's ``add_bos_token`` / ``add_eos_token`` say
+        (see the :class:`~llamatrain.tokenizer.Tokenizer` protocol)."""
+        return self.encode(text, self._add_bos, self._add_eos, special)
 
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, special: bool = False
