@@ -32,9 +32,8 @@ from llama_cpp_runs import logits_of, open_exact
 from random_models import move_off_neutral
 
 from llamatrain import api
+from llamatrain.chat_template import chat_template_for, prompt_ids
 from llamatrain.config import load_config
-from llamatrain.data.chat_template import chat_template_for
-from llamatrain.data.examples import prompt_ids
 from llamatrain.generate import generate
 from llamatrain.gguf.file import read_gguf
 from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
