@@ -17,7 +17,13 @@ from llamatrain import api, parallel
 from llamatrain.objectives import ObjectiveBase, StepContext, StepResult
 from llamatrain.ops.sets import IGNORE_INDEX
 
-RUN = ["train.steps=4", "train.save_every=2", "train.eval_every=2", "output.export=false"]
+RUN = [
+    "train.steps=4",
+    "train.save_every=2",
+    "train.eval_every=2",
+    "train.log_every=1",
+    "output.export=false",
+]
 
 
 class TokenWeighted(ObjectiveBase):
@@ -77,7 +83,8 @@ def test_a_custom_objective_trains_checkpoints_and_resumes_exactly(tiny_override
 def test_with_unit_weights_it_is_sft(tiny_overrides, tmp_path):
     """Every weight 1: the objective is the next-token loss, so its steps are SFT's (the
     built-in objective's loss through the model's own head; float32 sums in another order)."""
-    sft = api.fit("tiny", overrides=tiny_overrides() + RUN, progress=False)
+    short = [*RUN[1:], "train.steps=2", "train.sample_tokens=0"]
+    sft = api.fit("tiny", overrides=tiny_overrides() + short, progress=False)
     unit = fit(
         tiny_overrides(**{"output.dir": f'"{tmp_path / "u"}"'}) + RUN,
         TokenWeighted(torch.ones(384)),

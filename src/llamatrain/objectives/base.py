@@ -185,8 +185,8 @@ class ObjectiveBase:
         return {}
 
     def describe(self, record: dict[str, Any]) -> str:
-        shown = (f"{k} {v:.4f}" for k, v in record.items() if isinstance(v, float))
-        return f"step {record['step']}: " + " ".join(shown)
+        shown = [f"{k} {v:.4f}" for k, v in record.items() if isinstance(v, float)]
+        return f"step {record['step']}: " + (" ".join(shown) or "no held-out metrics")
 
     def postfix(self, record: dict[str, Any]) -> dict[str, str]:
         return {}
