@@ -86,7 +86,7 @@ def test_with_unit_weights_it_is_sft(tiny_overrides, tmp_path):
     short = [*RUN[1:], "train.steps=2", "train.sample_tokens=0"]
     sft = api.fit("tiny", overrides=tiny_overrides() + short, progress=False)
     unit = fit(
-        tiny_overrides(**{"output.dir": f'"{tmp_path / "u"}"'}) + RUN,
+        tiny_overrides(**{"output.dir": f'"{tmp_path / "u"}"'}) + short,
         TokenWeighted(torch.ones(384)),
     )
     for ours, theirs in zip(unit.history.train, sft.history.train, strict=True):

@@ -161,7 +161,7 @@ class PoisonedTrainer(Trainer):
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         if self.state.step + 1 != self.poison_step:
             return super().train_step(inputs, targets)
-        n_micro, calls = len(inputs) // self.micro_batch, []
+        n_micro, calls = len(inputs) // self.context.micro_batch, []
 
         def poison(module, args, output):
             calls.append(module)
