@@ -30,7 +30,7 @@ from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.parallel import Parallel
 
 if TYPE_CHECKING:
-    from llamatrain.data import TrainData
+    from llamatrain.data import Batch, TrainData
     from llamatrain.tokenizer import Tokenizer
     from llamatrain.trackers import Trackers
 
@@ -38,6 +38,7 @@ __all__ = [
     "Objective",
     "ObjectiveInputs",
     "autocast_for",
+    "batch_result",
     "check_reference",
     "refuse_rewards",
     "ObjectiveBase",
@@ -236,6 +237,15 @@ def autocast_for(cfg: Config, device: torch.device) -> contextlib.AbstractContex
     if cfg.train.dtype == "bfloat16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def batch_result(
+    ctx: StepContext, batch: Batch, loss: float, metrics: dict[str, float] | None = None
+) -> StepResult:
+    """A step on a sampler's ``batch`` counted: its rows, its scored targets and the
+    ``n_batch`` tokens it processed."""
+    rows, scored = batch.inputs.shape[0], scored_count(batch.targets)
+    return StepResult(loss, rows, scored, ctx.cfg.train.n_batch, metrics or {})
 
 
 def scored_count(targets: torch.Tensor) -> int:

@@ -24,6 +24,7 @@ from llamatrain.objectives.base import (
     ObjectiveInputs,
     StepContext,
     StepResult,
+    batch_result,
     refuse_rewards,
     scored_count,
 )
@@ -42,9 +43,7 @@ class SFTObjective(ObjectiveBase):
     def step(self, ctx: StepContext, step: int) -> StepResult:
         batch = ctx.data.sampler.next_batch()
         packed = () if batch.documents is None else (batch.documents,)
-        loss = ctx.train_step(batch.inputs, batch.targets, *packed)
-        rows, scored = batch.inputs.shape[0], scored_count(batch.targets)
-        return StepResult(loss, rows, scored, ctx.cfg.train.n_batch, {})
+        return batch_result(ctx, batch, ctx.train_step(batch.inputs, batch.targets, *packed))
 
     def accumulate(
         self,

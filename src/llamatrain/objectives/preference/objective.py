@@ -32,7 +32,7 @@ from llamatrain.errors import TrainingError
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
 from llamatrain.model_source import REFERENCE_ROLE
-from llamatrain.objectives.base import ObjectiveBase, StepContext, StepResult, scored_count
+from llamatrain.objectives.base import ObjectiveBase, StepContext, StepResult, batch_result
 from llamatrain.objectives.preference.losses import (
     OBJECTIVES,
     PairLogps,
@@ -241,9 +241,9 @@ class PreferenceObjective(ObjectiveBase):
             batch = ctx.data.train.batch(indices)
             cached = {"reference": self.table.rows(indices)}
         loss = ctx.train_step(batch.inputs, batch.targets, batch.documents, **cached)
-        rows, scored = batch.inputs.shape[0], scored_count(batch.targets)
-        metrics = self.step_metrics(ctx, batch.targets, batch.documents)
-        return StepResult(loss, rows, scored, ctx.cfg.train.n_batch, metrics)
+        return batch_result(
+            ctx, batch, loss, self.step_metrics(ctx, batch.targets, batch.documents)
+        )
 
     def accumulate(
         self,
