@@ -56,14 +56,10 @@ VALUE = 3
 
 
 @pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
-    """A working directory holding tool files; the modules they define forgotten after."""
-    (tmp_path / "my_tools.py").write_text(TOOLS_FILE)
-    (tmp_path / "broken.py").write_text("undefined_name\n")
-    monkeypatch.chdir(tmp_path)
-    yield tmp_path
-    for key in [k for k in sys.modules if k.startswith(str(tmp_path.resolve()))]:
-        del sys.modules[key]
+def in_tmp(code_dir):
+    """A working directory holding tool files (conftest's ``code_dir``)."""
+    (code_dir / "my_tools.py").write_text(TOOLS_FILE)
+    return code_dir
 
 
 def test_tools_load_from_a_file_once_with_transformers_schemas(in_tmp, capsys):
