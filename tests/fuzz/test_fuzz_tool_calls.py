@@ -18,33 +18,13 @@ import pytest
 from fuzz_bounds import bounded
 from hypothesis import example, given
 from hypothesis import strategies as st
+from tool_functions import lookup, multiply
 
 from llamatrain.tools.arguments import argument_problem
-from llamatrain.tools.calls import CallFormat, FailedCall, Reply, ToolCall, parse_reply
+from llamatrain.tools.calls import CallFormat, CallSyntax, FailedCall, Reply, ToolCall, parse_reply
 from llamatrain.tools.schema import json_schema
 
 pytestmark = pytest.mark.fuzz
-
-
-def multiply(a: float, b: float) -> float:
-    """Multiply two numbers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    return a * b
-
-
-def lookup(word: str, limit: int = 3, tags: list[str] | None = None) -> str:
-    """Look a word up.
-
-    Args:
-        word: The word.
-        limit: How many senses.
-        tags: Tags to filter by.
-    """
-    return word
 
 
 TOOLS = [json_schema(multiply), json_schema(lookup)]
@@ -81,8 +61,9 @@ call_objects = st.builds(
     st.booleans(),
 )
 MARKERS = [
-    "<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>", "brave_search.call(",
-    'query="x")', "{", "}", "[", "]", '"name": ', '"arguments": ', '"parameters": ', ", ", "\n",
+    "<tool_call>", "<tool_call>\n", "</tool_call>", "<think>", "</think>", "<|python_tag|>",
+    "brave_search.call(", 'query="x")', "{", "}", "[", "]", '"name": ', '"arguments": ',
+    '"parameters": ', ", ", "\n",
     '{"tool_call": ', '{"tool_calls": [', '{"response": ', "NaN", "Infinity", '"\\ud800"',
     "9" * 5000, "1e999",
 ]  # fmt: skip
@@ -112,15 +93,15 @@ def checked(reply: Reply) -> Reply:
     return reply
 
 
-@given(
-    parts=st.lists(pieces, min_size=1, max_size=8),
-    fmt=st.sampled_from(list(CallFormat)),
-)
-@example(parts=[0], fmt=CallFormat.HERMES)
-@example(parts=["<tool_call>", 2, "</tool_call>"], fmt=CallFormat.HERMES)
-def test_any_text_parses_to_calls_or_failed_calls(parts: list, fmt: CallFormat) -> None:
+SYNTAXES = [CallSyntax(fmt, thinking) for fmt in CallFormat for thinking in (False, True)]
+
+
+@given(parts=st.lists(pieces, min_size=1, max_size=8), syntax=st.sampled_from(SYNTAXES))
+@example(parts=[0], syntax=CallSyntax(CallFormat.HERMES))
+@example(parts=["<tool_call>\n", 2, "</tool_call>"], syntax=CallSyntax(CallFormat.HERMES))
+def test_any_text_parses_to_calls_or_failed_calls(parts: list, syntax: CallSyntax) -> None:
     text = "".join(HUGE[p] if isinstance(p, int) else p for p in parts)
-    bounded(lambda: checked(parse_reply(text, fmt, TOOLS)), f"{fmt.name}: {text[:300]!r}")
+    bounded(lambda: checked(parse_reply(text, syntax, TOOLS)), f"{syntax}: {text[:300]!r}")
 
 
 plain = st.text(max_size=20).filter(lambda t: "<" not in t and "{" not in t and "|" not in t)
@@ -135,17 +116,30 @@ good_calls = st.one_of(
 )
 
 
-@given(before=plain, calls=st.lists(good_calls, min_size=1, max_size=4), after=plain)
-def test_calls_written_as_the_template_writes_them_parse_back(before, calls, after) -> None:
+@given(
+    before=plain,
+    calls=st.lists(good_calls, min_size=1, max_size=4),
+    after=plain,
+    thinking=st.booleans(),
+)
+def test_calls_written_as_the_template_writes_them_parse_back(before, calls, after, thinking):
+    """Text may come before the calls; after them, whitespace only, or the server refuses
+    the reply and no call runs."""
+    syntax = CallSyntax(CallFormat.HERMES, thinking)
     written = "".join(
         f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
         for name, args in calls
     )
-    reply = checked(parse_reply(before + written + after, CallFormat.HERMES, TOOLS))
-    assert [(c.name, c.arguments) for c in reply.calls] == calls
-    assert reply.content == before + after.lstrip()  # whitespace after a call is dropped
+    reply = checked(parse_reply(before + written + after, syntax, TOOLS))
+    assert reply.content == before.lstrip() + after.lstrip()
+    if after.strip():
+        assert "text follows" in reply.refused and not reply.valid
+    else:
+        assert [(c.name, c.arguments) for c in reply.calls] == calls and reply.refused is None
     name, args = calls[0]
-    llama = f'{{"name": "{name}", "parameters": {json.dumps(args)}}}' + after
-    first = checked(parse_reply(llama, CallFormat.LLAMA_3, TOOLS))
-    assert [(c.name, c.arguments) for c in first.calls] == [(name, args)]
-    assert first.content == after.lstrip()
+    llama = f'{{"name": "{name}", "parameters": {json.dumps(args)}}}'
+    first = checked(parse_reply(before + llama + after, CallSyntax(CallFormat.LLAMA_3), TOOLS))
+    if after.strip():
+        assert "text follows" in first.refused and not first.valid
+    else:
+        assert [(c.name, c.arguments) for c in first.calls] == [(name, args)]

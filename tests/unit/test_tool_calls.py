@@ -13,65 +13,31 @@ import re
 from pathlib import Path
 
 import pytest
+from tool_functions import brave_search, lookup, multiply
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from llamatrain.errors import ConfigError
+from llamatrain.tools.call_json import MAX_CALL_CHARS, MAX_NESTING
 from llamatrain.tools.calls import (
-    MAX_CALL_CHARS,
-    MAX_CALLS,
-    MAX_NESTING,
     CallFormat,
+    CallSyntax,
     FailedCall,
     Reply,
     ToolCall,
-    call_format,
+    call_syntax,
     parse_reply,
 )
+from llamatrain.tools.formats import MAX_CALLS
 from llamatrain.tools.schema import json_schema
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
-HERMES, LLAMA_3, BUILTIN, GENERIC = (
-    CallFormat.HERMES,
-    CallFormat.LLAMA_3,
-    CallFormat.LLAMA_3_BUILTIN,
-    CallFormat.GENERIC,
-)
+HERMES, LLAMA_3, BUILTIN, GENERIC = (CallSyntax(fmt) for fmt in CallFormat)
+QWEN3 = CallSyntax(CallFormat.HERMES, thinking=True)
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>\n'}}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def multiply(a: float, b: float) -> float:
-    """Multiply two numbers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    return a * b
-
-
-def lookup(word: str, limit: int = 3, lang: str = "en", tags: list[str] | None = None) -> str:
-    """Look a word up.
-
-    Args:
-        word: The word.
-        limit: How many senses.
-        lang: The language (choices: ["en", "fr"])
-        tags: Tags to filter by.
-    """
-    return word
-
-
-def brave_search(query: str) -> str:
-    """Search the web.
-
-    Args:
-        query: The query.
-    """
-    return query
 
 
 TOOLS = [json_schema(multiply), json_schema(lookup), json_schema(brave_search)]
@@ -91,30 +57,28 @@ def only_failure(reply: Reply) -> FailedCall:
     return reply.failed[0]
 
 
-# ---- formats from templates ----------------------------------------------------------------------
+# ---- syntax from templates -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("source", "tools", "fmt"),
+    ("source", "syntax"),
     [
-        (template("qwen2.5"), [], HERMES),
-        (template("qwen3"), [], HERMES),
-        (template("smollm3"), [], HERMES),
-        (template("llama3.1"), ["multiply"], LLAMA_3),
-        (template("llama3.1"), ["multiply", "brave_search"], BUILTIN),
-        (template("llama3.1").replace("<|python_tag|>", ""), ["brave_search"], LLAMA_3),
-        (template("gemma3"), ["multiply"], GENERIC),
-        (CHATML, ["multiply"], GENERIC),
+        (template("qwen2.5"), HERMES),
+        (template("qwen3"), QWEN3),
+        (template("smollm3"), QWEN3),
+        (template("llama3.1"), LLAMA_3),
+        (template("gemma3"), GENERIC),
+        (CHATML, GENERIC),
     ],
 )
-def test_the_format_is_found_in_the_template_as_llama_cpp_finds_it(source, tools, fmt):
-    assert call_format(source, tools) is fmt
+def test_the_syntax_is_found_in_the_template_as_llama_cpp_finds_it(source, syntax):
+    assert call_syntax(source) == syntax
 
 
 def test_a_template_of_xml_arguments_is_refused_in_one_line():
     qwen3_coder = "<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>\n"
     with pytest.raises(ConfigError, match=r"XML parameters \(Qwen3-Coder.*not parse") as caught:
-        call_format(qwen3_coder)
+        call_syntax(qwen3_coder)
     assert "\n" not in str(caught.value)
 
 
@@ -140,18 +104,18 @@ def rendered_reply(source: str, calls: list[tuple[str, dict]], end: str, **extra
 @pytest.mark.parametrize("name", ["qwen2.5", "qwen3"])
 def test_qwen_calls_parse_back_from_the_template(name):
     text = rendered_reply(template(name), CALLS, "<|im_end|>")
-    assert text.count("<tool_call>") == 2
-    reply = parse_reply(text, HERMES, TOOLS)
+    assert text.count("<tool_call>\n") == 2
+    reply = parse_reply(text, call_syntax(template(name)), TOOLS)
     assert calls_of(reply) == CALLS
     assert [call.id for call in reply.valid] == ["call_0", "call_1"]
-    assert (reply.content, reply.reasoning) == ("", "")
+    assert (reply.content, reply.reasoning, reply.refused) == ("", "", None)
 
 
 def test_llama_3_calls_parse_back_from_the_template():
     for call in CALLS:  # Llama 3.1's template renders one call a turn
         text = rendered_reply(template("llama3.1"), [call], "<|eot_id|>")
         assert text.startswith('{"name": ') and '"parameters": ' in text
-        assert calls_of(parse_reply(text, LLAMA_3, TOOLS)) == [call]
+        assert calls_of(parse_reply(text, call_syntax(template("llama3.1")), TOOLS)) == [call]
 
 
 def test_a_llama_3_built_in_call_parses_back_from_the_template():
@@ -161,7 +125,6 @@ def test_a_llama_3_built_in_call_parses_back_from_the_template():
     )
     assert text == '<|python_tag|>brave_search.call(query="weather in Paris")'
     assert calls_of(parse_reply(text, BUILTIN, TOOLS)) == [call]
-    assert calls_of(parse_reply(text + " Done.", BUILTIN, TOOLS)) == [call]
     assert parse_reply(text + " Done.", BUILTIN, TOOLS).content == "Done."
 
 
@@ -175,39 +138,80 @@ def test_smollm3_calls_are_written_as_its_template_asks():
     text = asked.replace("<function-name>", '"multiply"').replace(
         "<args-json-object>", json.dumps(CALLS[0][1])
     )
-    assert calls_of(parse_reply(text, call_format(source), TOOLS)) == CALLS[:1]
+    assert calls_of(parse_reply(text, call_syntax(source), TOOLS)) == CALLS[:1]
 
 
 # ---- the formats' rules --------------------------------------------------------------------------
 
+MULTIPLY = '<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 
-def test_hermes_content_is_the_text_between_calls_and_thinking_is_apart():
-    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    text = (
-        f"<think>\nI should <tool_call>not</tool_call> yet\n</think>\n\nLet me. {call}\n\n{call} ok"
-    )
-    reply = parse_reply(text, HERMES, TOOLS)
-    assert reply.reasoning == "I should <tool_call>not</tool_call> yet"
-    assert reply.content == "Let me. ok"
+
+def test_hermes_takes_text_before_the_calls_and_thinking_apart():
+    thinking = " <think>\nI should <tool_call>not</tool_call> yet\n</think>\n\n"
+    text = f"{thinking}Let me. {MULTIPLY}\n\n{MULTIPLY}\n"
+    reply = parse_reply(text, QWEN3, TOOLS)
+    assert reply.reasoning == "I should <tool_call>not</tool_call> yet\n"
+    assert (reply.content, reply.refused) == ("Let me. ", None)
     assert calls_of(reply) == [("multiply", {"a": 1, "b": 2})] * 2
 
 
+def test_without_thinking_in_the_template_think_tags_are_content():
+    reply = parse_reply(f"<think>hmm</think>{MULTIPLY}", HERMES, TOOLS)
+    assert reply.content == "<think>hmm</think>" and len(reply.valid) == 1
+
+
 def test_thinking_cut_off_is_all_thinking_and_no_call():
-    reply = parse_reply('<think>maybe <tool_call>{"name": "multiply"', HERMES, TOOLS)
+    reply = parse_reply('<think>\nmaybe <tool_call>{"name": "multiply"', QWEN3, TOOLS)
     assert reply == Reply("", 'maybe <tool_call>{"name": "multiply"', ())
 
 
 def test_text_without_calls_is_content():
     for fmt in CallFormat:
-        assert parse_reply("The answer is 42.", fmt, TOOLS) == Reply("The answer is 42.")
+        assert parse_reply("The answer is 42.", CallSyntax(fmt), TOOLS) == Reply(
+            "The answer is 42."
+        )
 
 
-def test_llama_3_reads_one_call_at_the_start_only():
+def test_text_after_a_call_makes_the_server_refuse_the_reply():
+    for text in (f"{MULTIPLY} Done.", f"{MULTIPLY} and {MULTIPLY}"):
+        reply = parse_reply(text, HERMES, TOOLS)
+        assert "text follows" in reply.refused and not reply.valid
+        assert {c.error for c in reply.failed} == {
+            f"llama.cpp's server refuses this reply: {reply.refused}"
+        }
+
+
+def test_a_call_to_an_unknown_tool_makes_the_server_refuse_the_reply():
+    unknown = MULTIPLY.replace("multiply", "divide")
+    reply = parse_reply(MULTIPLY + unknown, HERMES, TOOLS)
+    assert reply.refused == "it calls 'divide', which is no tool"
+    assert [c.kind for c in reply.calls] == ["unparseable", "unknown_tool"]
+
+
+def test_a_call_the_server_cannot_read_makes_it_refuse_the_reply_but_a_cut_off_one_not():
+    unreadable = MULTIPLY + hermes('{"arguments": {}, "name": "multiply"}')
+    reply = parse_reply(unreadable, HERMES, TOOLS)
+    assert reply.refused.startswith("it holds a call the server cannot read (write the call as")
+    assert not reply.valid
+    cut = parse_reply(MULTIPLY + '<tool_call>\n{"name": "multiply", "argu', HERMES, TOOLS)
+    assert cut.refused is None and len(cut.valid) == 1 and "no </tool_call>" in cut.failed[0].error
+    llama_cut = parse_reply('{"name": "multiply", "parameters": {"a": 1', LLAMA_3, TOOLS)
+    assert llama_cut.refused is None and "not valid JSON" in only_failure(llama_cut).error
+
+
+def test_llama_3_reads_one_call_after_text_without_braces():
     call = '{"type": "function", "name": "multiply", "parameters": {"a": 2, "b": 3}}'
-    reply = parse_reply(f"  {call}\n then words", LLAMA_3, TOOLS)
-    assert calls_of(reply) == [("multiply", {"a": 2, "b": 3})] and reply.content == "then words"
-    assert parse_reply(f"Sure: {call}", LLAMA_3, TOOLS) == Reply(f"Sure: {call}")
-    assert parse_reply('{"answer": 4}', LLAMA_3, TOOLS) == Reply('{"answer": 4}')
+    reply = parse_reply(f"Sure:\n{call}\n\n", LLAMA_3, TOOLS)
+    assert calls_of(reply) == [("multiply", {"a": 2, "b": 3})] and reply.content == "Sure:\n"
+    for text, why in [
+        (f"{call} then words", "text follows the call"),
+        (f"{call}\n{call}", "text follows the call"),
+        (f"a {{b}} {call}", "a { in the text"),
+        ('{"answer": 4}', "a { in the text"),
+    ]:
+        reply = parse_reply(text, LLAMA_3, TOOLS)
+        assert why in reply.refused and not reply.valid
+    assert parse_reply("a } b", LLAMA_3, TOOLS) == Reply("a } b")
 
 
 def test_generic_replies_are_one_json_object():
@@ -239,7 +243,7 @@ def test_generic_replies_are_one_json_object():
 
 
 def hermes(body: str) -> str:
-    return f"<tool_call>{body}</tool_call>"
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 def call(name: str, arguments: object) -> str:
@@ -259,8 +263,11 @@ def call(name: str, arguments: object) -> str:
         (call("lookup", {"word": "x", "sense": 1}), "wrong_arguments", r"'sense' is not one the"),
         (call("multiply", [1, 2]), "unparseable", r'"arguments" must be a JSON object'),
         (call("multiply", "{'a': 1}"), "unparseable", r'"arguments" is a string that is not JSON'),
-        (hermes('{"arguments": {}}'), "unparseable", r'no "name" string'),
-        (hermes('{"name": 3}'), "unparseable", r'no "name" string'),
+        (hermes('{"name": 3, "arguments": {}}'), "unparseable", r'no "name" string'),
+        (hermes('{"arguments": {}, "name": "now"}'), "unparseable", r"these keys in this order"),
+        (hermes('{"name": "multiply"}'), "unparseable", r'as \{"name": …, "arguments": …\}'),
+        (hermes('{"name": "multiply", "arguments": {}, "id": "7"}'), "unparseable", "no others"),
+        (MULTIPLY.replace("<tool_call>\n", "<tool_call>"), "unparseable", r"a new line after"),
         (hermes("[1, 2]"), "unparseable", r"must be a JSON object, not array"),
         (hermes('{"name": "multiply", "arguments": {"a": NaN, "b": 1}}'), "unparseable", "NaN"),
         (hermes('{"name": "multiply", "arguments": {"a": 1e999, "b": 1}}'), "unparseable", "large"),
@@ -269,7 +276,7 @@ def call(name: str, arguments: object) -> str:
             "unparseable",
             "surrogate",
         ),
-        (hermes('{"name": "multiply"} trailing'), "unparseable", r"text follows the value"),
+        (hermes('{"name": "multiply", "arguments": {}} x'), "unparseable", r"text follows the"),
         ('<tool_call>{"name": "multiply", "arguments": {"a"', "unparseable", r"no </tool_call>"),
         (hermes(hermes(json.dumps({"name": "multiply"}))), "unparseable", r"not valid JSON"),
     ],
@@ -292,12 +299,12 @@ def test_arguments_a_schema_accepts_run_the_function():
 
 
 def test_failed_and_valid_calls_keep_the_order_written():
-    text = call("multiply", {"a": 1, "b": 2}) + call("nope", {}) + call("multiply", {"a": 3})
+    text = call("multiply", {"a": 1, "b": 2}) + hermes("{") + call("multiply", {"a": 3})
     kinds = [
         c.kind if isinstance(c, FailedCall) else c.name
         for c in parse_reply(text, HERMES, TOOLS).calls
     ]
-    assert kinds == ["multiply", "unknown_tool", "wrong_arguments"]
+    assert kinds == ["multiply", "unparseable", "wrong_arguments"]
     assert parse_reply(text, HERMES, TOOLS).calls[0] == ToolCall(
         "multiply", {"a": 1, "b": 2}, "call_0"
     )
@@ -345,11 +352,14 @@ def test_deep_nesting_is_a_failed_call(depth):
 
 
 def test_too_many_calls_stop_being_read():
-    text = call("multiply", {"a": 1, "b": 1}) * (MAX_CALLS + 5) + "tail"
+    text = call("multiply", {"a": 1, "b": 1}) * (MAX_CALLS + 5)
     reply = parse_reply(text, HERMES, TOOLS)
-    assert len(reply.valid) == MAX_CALLS
-    assert reply.failed[0].error.startswith(f"more than {MAX_CALLS} calls")
-    assert reply.content.endswith("</tool_call>tail") and reply.content.count("<tool_call>") == 5
+    assert len(reply.calls) == MAX_CALLS + 1 and "text follows" in reply.refused
+    assert reply.calls[-1].error.startswith(f"more than {MAX_CALLS} calls")
+    assert reply.content.count("<tool_call>") == 5
+    assert len(
+        parse_reply(call("multiply", {"a": 1, "b": 1}) * MAX_CALLS, HERMES, TOOLS).valid
+    ) == (MAX_CALLS)
 
 
 def test_many_open_tags_are_read_in_one_pass():
