@@ -157,7 +157,7 @@ def parse_reply(text: str, syntax: CallSyntax, tools: Sequence[Mapping[str, Any]
     reasoning, start = split_reasoning(text) if syntax.thinking else ("", 0)
     scan = _SCANNERS[syntax.format](text, start)
     calls = [_checked(attempt, k, parameters) for k, attempt in enumerate(scan.attempts)]
-    refused = scan.refusal or _unknown_tool(calls, syntax.format)
+    refused = scan.refusal or _unreadable(scan.attempts) or _unknown_tool(calls, syntax.format)
     if refused is not None:
         calls = [_refused(c, a, refused) for c, a in zip(calls, scan.attempts, strict=True)]
     return Reply(scan.content.lstrip(), reasoning, tuple(calls), refused)
@@ -203,6 +203,14 @@ def _arguments(attempt: Attempt) -> dict[str, Any] | str:
     if not isinstance(value, dict):
         return f'"{key}" must be a JSON object of the arguments, not {json_type(value)}'
     return value
+
+
+def _unreadable(attempts: list[Attempt]) -> str | None:
+    """The server refuses a reply holding a call it cannot read (one cut off, it reads)."""
+    for attempt in attempts:
+        if attempt.refuses:
+            return f"it holds a call the server cannot read ({attempt.problem})"
+    return None
 
 
 def _unknown_tool(calls: list[ToolCall | FailedCall], fmt: CallFormat) -> str | None:

@@ -66,18 +66,11 @@ class Attempt:
 @dataclass(frozen=True)
 class Scan:
     """A reply cut apart: content, the calls' attempts in order, and why llama.cpp's server
-    would refuse the reply whole (None: it would not)."""
+    would refuse the reply whole for the text around the calls (None: it would not)."""
 
     content: str
     attempts: list[Attempt]
     refusal: str | None = None
-
-    def __post_init__(self) -> None:
-        unread = next((a.problem for a in self.attempts if a.refuses), None)
-        if self.refusal is None and unread is not None:
-            object.__setattr__(
-                self, "refusal", f"it holds a call the server cannot read ({unread})"
-            )
 
 
 def _attempt(text: str, fields: Mapping[str, Any] | None = None, **kwargs: Any) -> Attempt:
