@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -69,3 +70,15 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def code_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The working directory for Python files a spec names (``'file.py:name'``), holding a
+    ``broken.py`` that fails when run; the modules run from it are forgotten after, so each
+    test runs its files afresh."""
+    (tmp_path / "broken.py").write_text("undefined_name\n")
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    for key in [k for k in sys.modules if k.startswith(str(tmp_path.resolve()))]:
+        del sys.modules[key]

@@ -208,14 +208,10 @@ class Judge:
 
 
 @pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
-    """A working directory holding reward files; the modules they define forgotten after."""
-    (tmp_path / "my_rewards.py").write_text(REWARDS_FILE)
-    (tmp_path / "broken.py").write_text("undefined_name\n")
-    monkeypatch.chdir(tmp_path)
-    yield tmp_path
-    for key in [k for k in sys.modules if k.startswith(str(tmp_path.resolve()))]:
-        del sys.modules[key]
+def in_tmp(code_dir):
+    """A working directory holding reward files (conftest's ``code_dir``)."""
+    (code_dir / "my_rewards.py").write_text(REWARDS_FILE)
+    return code_dir
 
 
 def test_a_file_spec_loads_relative_to_the_working_directory_once(in_tmp, capsys):

@@ -61,24 +61,19 @@ TRL 1.16 conventions followed (``GRPOTrainer._calculate_rewards``), so functions
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import re
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from functools import reduce
 from numbers import Real
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from llamatrain.errors import ConfigError, DataError, TrainingError, shown
+from llamatrain.tools.specs import Named, import_function, split_spec
 
 __all__ = [
     "BUILTINS",
@@ -100,14 +95,12 @@ HOOKS = ("trainer_state", "log_extra", "log_metric")
 RESERVED = ("prompts", "completions", "completion_ids", *HOOKS)
 """Keyword arguments every function may receive: no data column may carry one of these names."""
 
-RUNS_CODE = (
-    "train.rewards runs the module it names, so name only code you trust; "
-    "checkpoints and data files cannot name one"
-)
-
 SPEC_FORMS = "'package.module:function', 'path/to/file.py:function' or 'builtin:NAME'"
 
 SIGNATURE_HINT = "name a function f(prompts, completions, completion_ids, **columns)"
+
+REWARDS = Named("train.rewards", "reward", SPEC_FORMS, SIGNATURE_HINT)
+"""How messages about ``train.rewards`` specs name them (:mod:`llamatrain.tools.specs`)."""
 
 
 @dataclass(frozen=True)
@@ -183,21 +176,8 @@ def load(
 
 
 def _split(spec: str) -> tuple[str, str]:
-    """(module or file, attribute) of ``spec``, or ConfigError on a malformed one. The last
-    colon splits, so a Windows path's drive letter stays in the file part."""
-    target, colon, attr = spec.rpartition(":")
-    if not colon or not target or not all(p.isidentifier() for p in attr.split(".")):
-        raise ConfigError(f"train.rewards: {shown(spec)!r} is not one of {SPEC_FORMS}")
-    if not _is_file(target) and not all(p.isidentifier() for p in target.split(".")):
-        raise ConfigError(
-            f"train.rewards: {shown(spec)!r} names neither a module (dotted identifiers) nor "
-            f"a .py file; use {SPEC_FORMS}"
-        )
-    return target, attr
-
-
-def _is_file(target: str) -> bool:
-    return target.endswith(".py")
+    """(module or file, attribute) of ``spec``, or ConfigError on a malformed one."""
+    return split_spec(spec, REWARDS)
 
 
 def _name(spec: str | RewardFunction) -> str:
@@ -235,67 +215,7 @@ def _resolve(spec: str | RewardFunction, args: Mapping[str, Mapping[str, Any]]) 
     target, attr = _split(spec)
     if target == "builtin":
         return _builtin(attr, args.get(attr, {}))
-    module = _file_module(spec, target) if _is_file(target) else _module(spec, target)
-    try:
-        fn = reduce(getattr, attr.split("."), module)
-    except AttributeError:
-        raise ConfigError(
-            f"reward {shown(spec)!r}: {shown(target)} has no attribute {attr!r}; name a "
-            f"function defined there ({RUNS_CODE})"
-        ) from None
-    if not callable(fn):
-        raise ConfigError(
-            f"reward {shown(spec)!r}: {attr} is a {type(fn).__name__}, not a function; "
-            f"{SIGNATURE_HINT}"
-        )
-    return fn
-
-
-def _module(spec: str, target: str) -> ModuleType:
-    """``import target``, or ConfigError saying whether it is missing or failed."""
-    try:
-        return importlib.import_module(target)
-    except ModuleNotFoundError as e:
-        if e.name is None or not (target == e.name or target.startswith(e.name + ".")):
-            raise _import_failed(spec, target, e) from e
-        raise ConfigError(
-            f"reward {shown(spec)!r}: no module named {e.name!r} on sys.path; install it, or "
-            f"name its file as 'path/to/file.py:function' ({RUNS_CODE})"
-        ) from None
-    except Exception as e:
-        raise _import_failed(spec, target, e) from e
-
-
-def _file_module(spec: str, target: str) -> ModuleType:
-    """The module the file ``target`` defines, run once per resolved path (its key in
-    ``sys.modules``, so two specs naming one file share one module)."""
-    path = Path(target).resolve()
-    if not path.is_file():
-        raise ConfigError(
-            f"reward {shown(spec)!r}: no file {shown(str(path))} (a path is relative to the "
-            f"working directory; {RUNS_CODE})"
-        )
-    key = str(path)
-    if key in sys.modules:
-        return sys.modules[key]
-    loader_spec = importlib.util.spec_from_file_location(key, path)
-    if loader_spec is None or loader_spec.loader is None:
-        raise ConfigError(f"reward {shown(spec)!r}: {shown(key)} cannot be loaded as Python")
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[key] = module  # before running it: dataclasses look their module up there
-    try:
-        loader_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[key]
-        raise _import_failed(spec, target, e) from e
-    return module
-
-
-def _import_failed(spec: str, target: str, e: Exception) -> ConfigError:
-    return ConfigError(
-        f"reward {shown(spec)!r}: running {shown(target)} raised {type(e).__name__}: "
-        f"{shown(str(e))} ({RUNS_CODE})"
-    )
+    return import_function(spec, REWARDS)
 
 
 # ---- calling -------------------------------------------------------------------------------

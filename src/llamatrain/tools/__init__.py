@@ -1,0 +1,16 @@
+"""Tool calling for GRPO rollouts: Python functions the model may call, as TRL's ``tools=``.
+
+- :mod:`~llamatrain.tools.schema`: a function's type hints and docstring → the JSON schema a
+  chat template renders for it (transformers' ``get_json_schema``, key for key).
+- :mod:`~llamatrain.tools.loading`: ``train.tools`` specs → the functions and their schemas;
+  :mod:`~llamatrain.tools.specs` is the import of ``'file.py:name'`` / ``'module:name'`` specs
+  that rewards share.
+- :mod:`~llamatrain.tools.calls`: the calls in a model's reply, per format as llama.cpp's
+  server parses them (Qwen/Hermes ``<tool_call>``, Llama 3.x JSON and ``<|python_tag|>``,
+  the generic JSON form), failed calls as data. :mod:`~llamatrain.tools.formats` finds them
+  in the text, :mod:`~llamatrain.tools.call_json` reads their JSON strictly and within
+  bounds, :mod:`~llamatrain.tools.arguments` checks their arguments against the schema.
+
+The standard library and :mod:`llamatrain.errors` are all this package needs (no torch):
+running the tools, their timeouts and output limits belong to the GRPO rollout.
+"""
