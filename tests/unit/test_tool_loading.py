@@ -8,8 +8,8 @@ import sys
 import pytest
 from transformers.utils import get_json_schema
 
-from llamatrain import rewards
 from llamatrain.errors import ConfigError
+from llamatrain.objectives.grpo import rewards
 from llamatrain.tools.loading import check, load
 
 TOOLS_FILE = '''
