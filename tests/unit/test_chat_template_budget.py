@@ -96,10 +96,10 @@ def peak_rss_mb() -> float:
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_template_ends_in_one_line_quickly_within_memory(name):
-    before, start = peak_rss_mb(), time.perf_counter()
+    before, start = peak_rss_mb(), time.process_time()  # CPU time: work, not the machine's load
     chat = ChatTemplate(HOSTILE[name], name="the model's chat template")
     message = error_of(chat.render, USER, add_generation_prompt=True)
-    assert time.perf_counter() - start < 2
+    assert time.process_time() - start < 2
     assert peak_rss_mb() - before < 500
     assert message.startswith("the model's chat template went past its budget of ")
     assert "per render" in message and "data.chat_template = 'chatml'" in message
