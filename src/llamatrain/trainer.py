@@ -62,6 +62,7 @@ from llamatrain.errors import TrainingError
 from llamatrain.evaluate import validation_metrics
 from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.generate import generate
+from llamatrain.gguf.mapped_files import MappedFileChanged, check_mapped_files, faults_answered
 from llamatrain.grpo_rollout import GRPOObjective, Rollout
 from llamatrain.interrupt import StopRequest
 from llamatrain.lora import FrozenLinear, FrozenTable, lora_modules
@@ -439,6 +440,7 @@ class Trainer:
             loss = self._lbfgs_step(accumulate)
         else:
             loss = accumulate()
+            check_mapped_files(parallel.any_rank)  # before the update: read from the base as mapped
             self._check_finite(loss)  # before the update: a NaN gradient never reaches weights
             self._clip()
             self.optimizer.step()
@@ -456,6 +458,7 @@ class Trainer:
 
         def closure() -> torch.Tensor:
             loss = accumulate()
+            check_mapped_files(parallel.any_rank)  # before the line search moves on from it
             self._clip()
             return torch.tensor(loss)
 
@@ -738,9 +741,11 @@ class Trainer:
         self.model.train()
         with self.trackers:  # closed (flushed, finished) however fit ends
             self._log({"step": self.state.step, "plan": dataclasses.asdict(plan)})
-            with self.stop.on_signals():  # also over the saves: a signal must not kill them
+            with self.stop.on_signals(), faults_answered():  # a signal must not kill the saves
                 try:
                     self._train_until_done(bar)
+                except MappedFileChanged as changed:  # raised before that step's update
+                    raise changed.saved(self.save()) from None
                 finally:
                     bar.close()  # before any error is printed: the bar's last refresh first
                 if self.stop:
