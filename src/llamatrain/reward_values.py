@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from numbers import Real
 from typing import Any
 
@@ -96,7 +97,7 @@ def finite_number(value: Any) -> float | None:
 
 
 def check_scale(
-    per_function: torch.Tensor, weights: torch.Tensor, rewards: torch.Tensor, names: list[str]
+    per_function: torch.Tensor, weights: torch.Tensor, rewards: torch.Tensor, names: Sequence[str]
 ) -> None:
     """TrainingError in one line unless a step's rewards are small enough for every statistic
     made of them to be finite (module docstring): ``per_function`` (N, F) as returned (NaN:

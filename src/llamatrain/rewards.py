@@ -153,7 +153,9 @@ def check(
         )
     for w in weights or ():
         if finite_number(w) is None:
-            raise ConfigError(f"train.reward_weights holds {w!r}; each must be a finite number")
+            raise ConfigError(
+                f"train.reward_weights holds {shown(repr(w), 40)}; each must be a finite number"
+            )
     _check_unique([_name(spec) for spec in specs])
     named = [_split(spec) for spec in specs if isinstance(spec, str)]
     builtins = {attr for target, attr in named if target == "builtin"}
