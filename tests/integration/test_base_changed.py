@@ -11,7 +11,6 @@ optimizer's moments as they were saved), from which the run continues once the f
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from random_models import tiny_llama
+from random_models import tiny_llama, unit_scaled
 
 from llamatrain import api
 from llamatrain.checkpoint import load_checkpoint
@@ -76,10 +75,7 @@ def q4_0_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path
     model, tokenizer = tiny_llama(
         cache_dir, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512
     )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and name != "token_embd.weight":
-                p.normal_(0.0, 1 / math.sqrt(p.shape[1]))
+    unit_scaled(model)
     folder = tmp_path_factory.mktemp("base")
     return api.export_gguf(model, tokenizer, folder / "q4_0.gguf", type="q4_0")
 

@@ -6,9 +6,14 @@ default). A file rewritten in place shows its new bytes to the next read, so a r
 over other weights without a word; one truncated answers a read past its new end with SIGBUS,
 which kills the process (exit 135) before Python can say anything or save anything. So:
 
-- :func:`watch` records each mapping with the file's identity when it was mapped (device,
-  inode, size, mtime); :func:`check_mapped_files` compares it with one ``os.stat`` a file, cheap
-  enough for every step, and raises :class:`MappedFileChanged` in one line naming the file.
+- :func:`watch` records each mapping with the file's size and modification time when it was
+  mapped, and keeps a descriptor of the mapped inode itself; :func:`check_mapped_files`
+  compares them with one ``os.fstat`` a file, cheap enough for every step, and raises
+  :class:`MappedFileChanged` in one line naming the file. The inode is what is watched, not
+  the path: a new file renamed over the path, or the path deleted, leaves the mapping on the
+  old inode, which the run goes on reading unchanged (its checkpoints record the base's sha256,
+  so a resume over the new file is refused), and a run over another file in the same process
+  is not stopped by it.
 - :func:`faults_answered` (a ``with`` block; Linux, 64-bit) answers a read past the end of a
   watched mapping with zeros instead of death: a SIGBUS handler maps anonymous zero pages over
   the rest of that mapping and marks it faulted, the code under way finishes on zeros, and the
@@ -68,10 +73,11 @@ class MappedFileChanged(TrainingError):
 
 @dataclass
 class _Mapping:
-    """One mapping of a file: the file as it was when mapped, and where it lies in memory."""
+    """One mapping of a file: the mapped inode (a descriptor of it), its size and mtime when
+    mapped, and where the mapping lies in memory."""
 
     path: Path
-    identity: tuple[int, int]  # (st_dev, st_ino)
+    fd: int
     size: int
     mtime_ns: int
     start: int
@@ -85,28 +91,24 @@ _KEYS = itertools.count()
 
 def watch(path: Path, mapped: np.memmap) -> None:
     """Watch ``mapped`` (the whole of ``path``, mapped) for as long as it lives."""
-    stat = os.stat(path)
-    key = next(_KEYS)
-    start = mapped.ctypes.data
-    _MAPPINGS[key] = _Mapping(
-        path.absolute(),
-        (stat.st_dev, stat.st_ino),
-        stat.st_size,
-        stat.st_mtime_ns,
-        start,
-        start + mapped.nbytes,
-    )
-    weakref.finalize(mapped, _MAPPINGS.pop, key, None)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    stat = os.fstat(fd)
+    key, start = next(_KEYS), mapped.ctypes.data
+    end = start + mapped.nbytes
+    _MAPPINGS[key] = _Mapping(path.absolute(), fd, stat.st_size, stat.st_mtime_ns, start, end)
+    weakref.finalize(mapped, _forget, key)
+
+
+def _forget(key: int) -> None:
+    """A mapping is gone: stop watching it and close its descriptor."""
+    mapping = _MAPPINGS.pop(key, None)
+    if mapping is not None:
+        os.close(mapping.fd)
 
 
 def _change(mapping: _Mapping) -> str | None:
     """How ``mapping``'s file differs from what was mapped, or None."""
-    try:
-        now = os.stat(mapping.path)
-    except OSError as e:
-        return f"it can no longer be read ({e.strerror})"
-    if (now.st_dev, now.st_ino) != mapping.identity:
-        return "another file took its name"
+    now = os.fstat(mapping.fd)
     if now.st_size != mapping.size:
         return f"it is {now.st_size:,} bytes, {mapping.size:,} when the run mapped it"
     if now.st_mtime_ns != mapping.mtime_ns:
