@@ -10,6 +10,8 @@ init makes B zero, so a fresh adapter changes nothing either).
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,17 +23,32 @@ from llamatrain.lora import apply_lora, lora_state_dict
 from llamatrain.model import Llama
 from llamatrain.tokenizer import Tokenizer
 
+BYTE_BPE = ('tokenizer.model_type="byte_bpe"', "tokenizer.vocab_size=320")
+"""``tiny_llama`` overrides for a byte-level BPE vocabulary, which an HF export can hold."""
 
-def tiny_llama(cache_dir: Path, seed: int = 0, **changes: object) -> tuple[Llama, Tokenizer]:
+
+def tiny_llama(
+    cache_dir: Path, seed: int = 0, overrides: Sequence[str] = (), **changes: object
+) -> tuple[Llama, Tokenizer]:
     """A random llama of the tiny config (``changes`` to its shape), seeded, with the tiny
-    config's vocabulary (trained once into ``cache_dir``): the base the fit tests train from."""
-    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"'])
+    config's vocabulary (trained once into ``cache_dir``; ``overrides`` of the config choose
+    another, e.g. ``tokenizer.model_type="byte_bpe"``): the base the fit tests train from."""
+    cfg = load_config("tiny", [f'data.cache_dir="{cache_dir}"', *overrides])
     tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
-    model_cfg = dataclasses.replace(
-        cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.data.n_ctx, **changes
-    )
+    shape = {"vocab_size": tokenizer.vocab_size, "max_seq_len": cfg.data.n_ctx, **changes}
+    model_cfg = dataclasses.replace(cfg.model, **shape)
     torch.manual_seed(seed)
     return Llama(model_cfg), tokenizer
+
+
+@torch.no_grad()
+def unit_scaled(model: Llama) -> Llama:
+    """Every matrix but the token table ~ N(0, 1/its inputs), so activations stay ~1 and every
+    block moves the logits (a quantization's error shows); returns ``model``."""
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and name != "token_embd.weight":
+            p.normal_(0.0, 1 / math.sqrt(p.shape[1]))
+    return model
 
 
 @torch.no_grad()

@@ -55,6 +55,7 @@ from llamatrain.gguf.describe import describe_gguf as describe_gguf
 from llamatrain.gguf.export_types import AUTO_EXPORT_TYPE, QUANTIZER_TYPES, merged_export_type
 from llamatrain.gguf.file import verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, write_model
+from llamatrain.gguf.mapped_files import check_mapped_files
 from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
 from llamatrain.hf.peft import write_peft_adapter
@@ -193,6 +194,13 @@ _EXPORT_LATER = (
 """What lowers an export's memory: a process that holds no training state beside it."""
 
 
+_REEXPORT = (
+    "the run's last checkpoint holds every step, but nothing was exported: put the file back "
+    "and export the run (llamatrain export RUN_DIR -o model.gguf)"
+)
+"""What to do when a mapped base changed after the last step, before the export read it."""
+
+
 def _fit_locked(
     cfg: Config,
     paths: Sequence[Path],
@@ -249,6 +257,7 @@ def _fit_locked(
         return FitResult(cfg, model, run.tokenizer, history, run_dir, export_path=None)
     adapter_path = None
     export_path = None
+    check_mapped_files(fix=_REEXPORT)  # before the export reads the base
     inherited = with_general_keys(inherited, export_card(run_dir, inherited))
     with out_of_memory_in("while exporting the trained model", cfg, plan, remedy=_EXPORT_LATER):
         if run.lora_base is not None:  # a LoRA run: its adapter, and the merged model

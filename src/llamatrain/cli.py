@@ -23,7 +23,7 @@ from llamatrain.gguf.export_types import (
     QUANTIZER_TYPES,
     RUN_EXPORT_TYPES,
 )
-from llamatrain.sampling import SamplingError, SamplingParams
+from llamatrain.sampling import MAX_NEW_TOKENS, SamplingError, SamplingParams
 
 GENERATING = {
     "phase": "while loading the model or generating",
@@ -44,8 +44,6 @@ EXPORTING = {
 }
 """Running out of memory in ``export``."""
 
-MAX_NEW_TOKENS = 1 << 20
-"""Most tokens ``generate --max-tokens`` asks for: the KV cache is allocated for all of them."""
 MAX_SEED = (1 << 64) - 1
 
 
@@ -209,8 +207,9 @@ def check_max_tokens(max_tokens: int) -> None:
 def check_cache_fits(model, max_tokens: int) -> None:
     """Refuse a --max-tokens whose KV cache (allocated up front) exceeds half the machine's
     memory, before allocating it."""
-    cfg, param = model.cfg, next(model.parameters())
-    n_bytes = 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * max_tokens * param.element_size()
+    from llamatrain.memory import kv_cache_bytes
+
+    n_bytes = kv_cache_bytes(model.cfg, max_tokens, next(model.parameters()).element_size())
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # not POSIX: nothing to compare with

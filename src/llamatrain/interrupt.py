@@ -4,7 +4,8 @@ A scheduler or ``docker stop`` sends SIGTERM and, seconds later, SIGKILL; Ctrl-C
 Raising in the middle of a step (what Python's default SIGINT handler does) could leave the
 optimizer half-applied, so the handlers installed here only record the request; the training
 loop checks it after each step and saves a checkpoint that resumes bit-exactly. A second
-signal means "now": it raises KeyboardInterrupt and the run ends without saving.
+signal means "now": it raises :class:`StopNow` (a KeyboardInterrupt) and the run ends without
+saving.
 
 Handlers are process-wide, so they are installed only for the duration of a ``with`` block,
 only from the main thread (Python allows no other), and the previous ones are put back after.
@@ -19,9 +20,14 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["STOP_SIGNALS", "StopRequest"]
+__all__ = ["STOP_SIGNALS", "StopNow", "StopRequest"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopNow(KeyboardInterrupt):
+    """The second stop signal: the user's "now", which code that turns the interrupts user
+    code raises into errors (``llamatrain.user_code``) lets through."""
 
 
 class StopRequest:
@@ -48,7 +54,7 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self:
-            raise KeyboardInterrupt  # the second signal: stop now, without saving
+            raise StopNow  # the second signal: stop now, without saving
         self.signal_name = signal.Signals(signum).name
         # os.write, not print: a handler may run while the main thread is inside a print
         os.write(2, f"\nllamatrain: {self.signal_name}: saving after this step\n".encode())

@@ -78,6 +78,13 @@ class MemoryPlan:
     reference: int = 0
     """GRPO's KL reference over a full finetune (``Config.holds_base_reference``): the base
     as its file stores it, mapped like a QLoRA base and counted alike; 0 for any other run."""
+    batch: int = 0
+    """One step's token ids (inputs, targets and a document id or mask each, 8 bytes a
+    token), ``train.n_batch`` of them whatever ``n_ubatch`` is: the sampler draws the whole."""
+    decoding: int = 0
+    """The KV cache of the largest generation between steps, allocated up front for every
+    token (``generate``): the evaluation's sample (``train.sample_tokens`` after its prompt) or
+    a GRPO rollout (every row of the step, ``data.n_ctx`` tokens each)."""
     framework: int = FRAMEWORK_BYTES
     """PyTorch, the process and the vocabulary (``FRAMEWORK_BYTES`` + the tokenizer)."""
 
@@ -85,7 +92,8 @@ class MemoryPlan:
     def peak(self) -> int:
         """Training and the export do not overlap: the trainer frees the moments first."""
         held = self.framework + self.weights + self.reference
-        return held + max(self.training + self.activations, self.export)
+        step = max(self.activations + self.batch, self.decoding)
+        return held + max(self.training + step, self.export)
 
     def line(self) -> str:
         """The opening summary's memory line."""
@@ -95,14 +103,31 @@ class MemoryPlan:
         )
 
     def parts(self) -> str:
+        """The parts a user can change, the batch and the decoding cache when they outgrow
+        the activations (they rarely do)."""
         reference = f", KL reference {_size(self.reference)}" if self.reference else ""
+        batch = f", batch {_size(self.batch)}" if self.batch > self.activations else ""
+        decoding = f", decoding {_size(self.decoding)}" if self.decoding > self.activations else ""
         return (
             f"weights {_size(self.weights)}{reference}, trained state {_size(self.training)}, "
-            f"activations {_size(self.activations)}"
+            f"activations {_size(self.activations)}{batch}{decoding}"
         )
 
     def remedy(self, cfg: Config) -> str:
         """What to change, for the part that dominates."""
+        t = cfg.train
+        if self.decoding > max(self.activations + self.batch, self.weights, self.training):
+            if _rollout_tokens(cfg) > _sample_tokens(cfg):
+                return (
+                    f"lower train.n_batch (= {t.n_batch}) or data.n_ctx: a rollout's KV cache "
+                    "holds every row of the step, n_ctx tokens each"
+                )
+            return (
+                f"lower train.sample_tokens (= {t.sample_tokens}): a sample's KV cache holds "
+                "every token it may generate"
+            )
+        if self.batch > max(self.activations, self.weights, self.training):
+            return f"lower train.n_batch (= {t.n_batch}): a step draws all its tokens at once"
         if cfg.lora.rank == 0 and self.training >= max(self.activations, self.weights // 2):
             return "train LoRA adapters instead (lora.rank = 16) or a smaller base"
         if self.activations > self.weights:
@@ -139,7 +164,32 @@ def plan_memory(
         export=_export_bytes(cfg, shapes, targets),
         reference=_reference_bytes(cfg, shapes, stored_types or {}),
         framework=FRAMEWORK_BYTES + VOCAB_BYTES_PER_TOKEN * model.vocab_size,
+        batch=BATCH_BYTES_PER_TOKEN * cfg.train.n_batch,
+        decoding=max(_sample_tokens(cfg), _rollout_tokens(cfg)) * kv_cache_bytes(model, 1),
     )
+
+
+BATCH_BYTES_PER_TOKEN = 24
+"""A step's batch: inputs and targets (int64) and a document id or a mask a token."""
+
+
+def kv_cache_bytes(model: ModelConfig, tokens: int, value_bytes: int = 4) -> int:
+    """The KV cache ``generate`` allocates up front for ``tokens`` (keys and values of every
+    layer, in the model's float32 unless ``value_bytes`` says otherwise)."""
+    return 2 * model.n_layers * model.kv_heads * model.head_dim * tokens * value_bytes
+
+
+def _sample_tokens(cfg: Config) -> int:
+    """The evaluation sample's tokens: its prompt (at most a token a byte, and BOS) and the
+    tokens it may generate; none without a sample."""
+    t = cfg.train
+    return t.sample_tokens + len(t.sample_prompt.encode("utf-8")) + 1 if t.sample_tokens else 0
+
+
+def _rollout_tokens(cfg: Config) -> int:
+    """A GRPO rollout's cache: every row of the step (the whole step's, an upper bound for
+    one rank's share), ``data.n_ctx`` tokens each (prompt and completion fit in it)."""
+    return cfg.seqs_per_batch * cfg.data.n_ctx if cfg.train.objective == "grpo" else 0
 
 
 def _reference_bytes(
@@ -366,8 +416,22 @@ def out_of_memory_in(
     command that runs no config (``export``, ``generate``, ``eval``) gives ``remedy``."""
     try:
         yield
-    except (torch.OutOfMemoryError, MemoryError) as e:
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not _allocation_failed(e):
+            raise
         raise MemoryBudgetError(_out_of_memory(phase, cfg, plan(), remedy, e)) from None
+
+
+CPU_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"
+"""What PyTorch's CPU allocator says (as a plain RuntimeError) when the system refuses it."""
+
+
+def _allocation_failed(error: BaseException) -> bool:
+    """Whether ``error`` is memory running out: on a device, in Python, or in PyTorch's CPU
+    allocator (a tensor larger than the machine: a plain RuntimeError)."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    return CPU_ALLOCATION_FAILED in str(error)
 
 
 def _out_of_memory(

@@ -15,6 +15,10 @@ import torch
 
 from llamatrain.errors import ConfigError, ModelError
 
+MAX_NEW_TOKENS = 1 << 20
+"""Most tokens one generation may ask for (``generate --max-tokens``, ``train.sample_tokens``):
+its KV cache is allocated up front for all of them."""
+
 
 class SamplingError(ConfigError):
     """A sampling parameter out of its range: ``field`` names it, ``rule`` says the range."""

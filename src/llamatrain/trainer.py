@@ -39,6 +39,7 @@ from llamatrain.device import resolve_run_settings
 from llamatrain.errors import TrainingError
 from llamatrain.files import append_text, check_target, write_text_atomically
 from llamatrain.generate import generate
+from llamatrain.gguf.mapped_files import MappedFileChanged, check_mapped_files, faults_answered
 from llamatrain.interrupt import StopRequest
 from llamatrain.lora import FrozenLinear, FrozenTable, lora_modules
 from llamatrain.memory import MemoryPlan, plan_memory
@@ -215,6 +216,7 @@ class Trainer:
         else:
             self.optimizer.zero_grad()
             loss = accumulate()
+            check_mapped_files(parallel.any_rank)  # before the update: read from the base as mapped
             self._check_finite(loss)  # before the update: a NaN gradient never reaches weights
             self._clip()
             self.optimizer.step()
@@ -233,6 +235,7 @@ class Trainer:
         def closure() -> torch.Tensor:
             self.optimizer.zero_grad()
             loss = accumulate()
+            check_mapped_files(parallel.any_rank)  # before the line search moves on from it
             self._clip()
             return torch.tensor(loss)
 
@@ -419,9 +422,11 @@ class Trainer:
         self.model.train()
         with self.trackers:  # closed (flushed, finished) however fit ends
             self._log({"step": self.state.step, "plan": dataclasses.asdict(plan)})
-            with self.stop.on_signals():  # also over the saves: a signal must not kill them
+            with self.stop.on_signals(), faults_answered():  # a signal must not kill the saves
                 try:
                     self._train_until_done(bar)
+                except MappedFileChanged as changed:  # raised before that step's update
+                    raise changed.saved(self.save()) from None
                 finally:
                     bar.close()  # before any error is printed: the bar's last refresh first
                 if self.stop:

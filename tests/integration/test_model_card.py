@@ -10,7 +10,6 @@ cache. Its HF folder's and PEFT folder's README.md are parsed with the Hub's own
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -20,19 +19,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from gguf import GGUFReader
 from gguf.constants import Keys
 from huggingface_hub import ModelCard
+from random_models import BYTE_BPE, tiny_llama
 
 from llamatrain import api
-from llamatrain.build import build_tokenizer
 from llamatrain.cli import main
-from llamatrain.config import load_config
-from llamatrain.data import SONNETS_PATH, resolve_inputs
+from llamatrain.data import SONNETS_PATH
 from llamatrain.gguf.file import read_gguf_metadata
 from llamatrain.gguf.llama import write_model
-from llamatrain.model import Llama
 from llamatrain.model_card.facts import BaseModel, Training
 from llamatrain.model_card.facts import ModelCard as Card
 from llamatrain.model_card.readme import readme
@@ -63,12 +59,9 @@ def run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Any:
     """The LoRA run (byte-level BPE, so an HF export can hold its tokenizer) and its base."""
     root = tmp_path_factory.mktemp("card")
     sets = [f'data.cache_dir="{cache_dir}"', 'tokenizer.model_type="byte_bpe"']
-    cfg = load_config("tiny", [*sets, "tokenizer.vocab_size=320"])
-    tokenizer = build_tokenizer(cfg, resolve_inputs(cfg.data.path, cfg.data.cache_dir))
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=64)
-    torch.manual_seed(0)
-    tensors = {k: v.detach() for k, v in Llama(model_cfg).state_dict().items()}
-    base = write_model(root / "base.gguf", model_cfg, tensors, tokenizer, inherited=BASE_KEYS)
+    model, tokenizer = tiny_llama(cache_dir, overrides=BYTE_BPE, max_seq_len=64)
+    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    base = write_model(root / "base.gguf", model.cfg, tensors, tokenizer, inherited=BASE_KEYS)
     data = root / "hub" / "datasets--someorg--sonnets" / "snapshots" / "0123abc" / "sonnets.txt"
     data.parent.mkdir(parents=True)
     shutil.copy(SONNETS_PATH, data)

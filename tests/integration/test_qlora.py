@@ -17,7 +17,6 @@ it must show:
 
 from __future__ import annotations
 
-import math
 import weakref
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 import torch
 from file_mappings import mapped_ranges
 from llama_cpp_runs import cpp_logits
-from random_models import tiny_llama
+from random_models import tiny_llama, unit_scaled
 
 from llamatrain import api, build
 from llamatrain.build import build_lora_base
@@ -97,10 +96,7 @@ def f32_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     model, tokenizer = tiny_llama(
         cache_dir, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512
     )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and name != "token_embd.weight":
-                p.normal_(0.0, 1 / math.sqrt(p.shape[1]))
+    unit_scaled(model)
     return api.export_gguf(model, tokenizer, tmp_path_factory.mktemp("qlora") / "f32.gguf")
 
 

@@ -1,5 +1,6 @@
-"""Run safety: no file runs code, nothing is written where it was not asked, and a forgotten
-``--resume`` never costs a run (docs/guides/safety.md)."""
+"""Run safety: no file runs code, nothing is written where it was not asked, a forgotten
+``--resume`` never costs a run, and a count a file claims costs only what the file holds
+(docs/guides/safety.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from random_models import BYTE_BPE, tiny_llama
 
 from llamatrain import api
 from llamatrain.checkpoint import CheckpointManager, load_checkpoint
@@ -24,9 +26,11 @@ from llamatrain.gguf.file import (
     STATE_SHA256_KEY,
     TENSOR_SHA256_KEY,
     read_gguf,
+    read_gguf_metadata,
     typed_value,
     write_gguf,
 )
+from llamatrain.gguf.llama import write_model
 
 SRC = Path(api.__file__).parent
 QUICK = {"train.steps": 2, "train.save_every": 2, "train.eval_every": 0, "output.export": "false"}
@@ -343,3 +347,47 @@ def test_a_context_no_gguf_key_can_hold_is_one_line_at_export(quick_run, tmp_pat
     assert done.returncode == 1 and "max_seq_len must be <= 4294967295" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out.gguf").exists()
+
+
+# ---- 4. a count a file claims is bounded by what it holds ----------------------------------
+
+CLAIMS = {
+    "general.base_model.count": np.uint64(10**12),
+    "general.base_model.0.name": "Grandparent",
+    "general.base_model.0.repo_url": "https://huggingface.co/someone/grandparent",
+    "general.base_model.7.name": "Seventh",  # present, and below the count
+    "general.base_model.01.name": "not an index as the writer spells one",
+    "general.dataset.count": np.uint64(10**12),
+    "general.dataset.0.repo_url": "https://huggingface.co/datasets/someone/data",
+}
+
+
+@pytest.fixture(scope="module")
+def claiming(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """A tiny random model (byte-level BPE, so an HF export can hold its tokenizer) whose
+    GGUF carries :data:`CLAIMS` among its keys."""
+    model, tokenizer = tiny_llama(cache_dir, overrides=BYTE_BPE, max_seq_len=64)
+    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    path = tmp_path_factory.mktemp("counts") / "claiming.gguf"
+    return write_model(path, model.cfg, tensors, tokenizer, inherited=CLAIMS)
+
+
+@pytest.mark.slow
+def test_a_gguf_export_finishes_and_keeps_the_files_own_keys(claiming, tmp_path):
+    """A conversion copies its file's lineage keys as they are (the claim included); reading
+    them costs the keys present. Before: a loop of 10^12 entries past 2.8 GB."""
+    out = tmp_path / "out.gguf"
+    done = export_cli(str(claiming), "-o", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    keys = read_gguf_metadata(out)
+    assert {k: keys[k] for k in CLAIMS} == CLAIMS
+
+
+@pytest.mark.slow
+def test_an_hf_export_cards_the_entries_present_not_the_count_claimed(claiming, tmp_path):
+    done = export_cli(str(claiming), "-o", str(tmp_path / "hf"), "--format", "hf")
+    assert done.returncode == 0, done.stderr[-2000:]
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "someone/grandparent" in card and "someone/data" in card
+    card_head = card.split("---")[1]
+    assert card_head.count("base_model") == 1, card_head

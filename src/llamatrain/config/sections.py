@@ -13,6 +13,7 @@ from llamatrain.config.fields import config_keys
 from llamatrain.gguf.adapter import ALL_TARGETS
 from llamatrain.gguf.export_types import RUN_EXPORT_TYPES
 from llamatrain.model_config import ModelConfig
+from llamatrain.sampling import MAX_NEW_TOKENS
 from llamatrain.settings import setting
 
 __all__ = [
@@ -246,7 +247,13 @@ class TrainSection:
         gt=0,
     )
     sample_prompt: str = setting("Romeo.\n", "prompt of the samples printed at each evaluation")
-    sample_tokens: int = setting(64, "tokens generated per sample (0 = no sample)", ge=0)
+    sample_tokens: int = setting(
+        64,
+        "tokens generated per sample (0 = no sample); at most 1,048,576, as generate's "
+        "--max-tokens: their KV cache is allocated up front",
+        ge=0,
+        le=MAX_NEW_TOKENS,
+    )
     sample_temperature: float = setting(0.8, "sampling temperature (0 = greedy)", ge=0)
     sample_seen_tokens_only: bool = setting(
         False,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llamatrain.config.paths import make_output_paths_absolute
 from llamatrain.config.sections import SECTIONS, Config, TrainSection
 from llamatrain.errors import ConfigError
 from llamatrain.gguf.adapter import lora_settings_problem
@@ -171,6 +172,7 @@ def validate(cfg: Config) -> Config:
     _validate_data_format(cfg)
     _validate_sampling(cfg)
     require_quantizer(cfg.output.export_type)
+    make_output_paths_absolute(cfg)  # before any code a config names can change directory
 
     d, o, t = cfg.data, cfg.optim, cfg.train
     if cfg.origins.get("train.n_ubatch") == _DERIVED:

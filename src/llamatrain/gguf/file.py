@@ -48,6 +48,7 @@ from llamatrain.errors import GGUFError, LlamatrainWarning, shown
 from llamatrain.files import is_gguf, written_atomically
 from llamatrain.gguf.export_types import FILE_TYPES, check_export_type
 from llamatrain.gguf.header import TensorInfo, ValueType, parse_header
+from llamatrain.gguf.mapped_files import watch
 
 GGUF_KIND = "GGUF file"
 """How refusals name what is being written (see :func:`llamatrain.files.check_target`)."""
@@ -596,7 +597,8 @@ def map_stored(source: GGUFSource, like: Mapping[str, torch.Tensor]) -> dict[str
     or counted against the run. The mapping is copy-on-write, so nothing written to these
     tensors could reach the file. The file must not be truncated while it is mapped (a read
     past its end is a SIGBUS, as for llama.cpp); a file replaced by a new one (renamed over)
-    leaves this mapping on the old one."""
+    leaves this mapping on the old one. The mapping is watched (``gguf.mapped_files``): a
+    trainer checks between steps that the file is still the one mapped."""
     p, _, infos = _parsed(source)
     file_bytes = p.stat().st_size
     for name, t in like.items():
@@ -611,6 +613,7 @@ def map_stored(source: GGUFSource, like: Mapping[str, torch.Tensor]) -> dict[str
     if not like:
         return {}
     mapped = np.memmap(p, mode="c", dtype=np.uint8)
+    watch(p, mapped)  # a change to the file under the run is told, not a silent one or a SIGBUS
     return {
         name: torch.from_numpy(mapped[infos[name].offset :][: t.nbytes]).view(t.dtype).view(t.shape)
         for name, t in like.items()

@@ -340,19 +340,30 @@ def _listed_base_models(keys: Mapping[str, Any]) -> tuple[BaseModel, ...]:
     """A file's own ``general.base_model.{i}.*`` entries."""
     return tuple(
         BaseModel(**{f: _text(keys, f"general.base_model.{i}.{f}") for f in _BASE_FIELDS})
-        for i in range(_count(keys.get("general.base_model.count")))
+        for i in _listed(keys, "general.base_model")
     )
 
 
 def _listed_datasets(keys: Mapping[str, Any]) -> tuple[str, ...]:
     """The Hub ids of a file's own ``general.dataset.{i}.repo_url`` entries."""
-    count = _count(keys.get("general.dataset.count"))
-    urls = [_text(keys, f"general.dataset.{i}.repo_url") or "" for i in range(count)]
+    urls = [
+        _text(keys, f"general.dataset.{i}.repo_url") or "" for i in _listed(keys, "general.dataset")
+    ]
     matches = (_HF_DATASET_URL.fullmatch(url) for url in urls)
     return _dedup(m.group(1) for m in matches if m)
 
 
 _BASE_FIELDS = ("name", "organization", "version", "repo_url")
+
+
+def _listed(keys: Mapping[str, Any], prefix: str) -> list[int]:
+    """The entries ``i`` of a ``<prefix>.{i}.*`` list that a file holds below its
+    ``<prefix>.count``, in order. Read from the keys present, never counted up to the count:
+    a 0.6 MB file may claim 10^12 entries, which a loop over ``range(count)`` would build."""
+    count, head = _count(keys.get(f"{prefix}.count")), f"{prefix}."
+    parts = (key[len(head) :].partition(".") for key in keys if key.startswith(head))
+    present = {int(i) for i, dot, _ in parts if dot and i.isdecimal() and str(int(i)) == i}
+    return sorted(i for i in present if i < count)
 
 
 # ------------------------------------------------------------------------------- values

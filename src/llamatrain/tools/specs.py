@@ -120,8 +120,10 @@ def _file_module(spec: str, target: str, named: Named) -> ModuleType:
     sys.modules[key] = module  # before running it: dataclasses look their module up there
     try:
         loader_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[key]
+    except BaseException as e:
+        del sys.modules[key]  # never kept half run, whatever stopped it (an exit too)
+        if not isinstance(e, Exception):
+            raise  # an exit or interrupt: the caller's user_code guard names it
         raise _import_failed(spec, target, e, named) from e
     return module
 

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llamatrain.reward_values import check_scale
+
 __all__ = [
     "LOSS_TYPES",
     "SCALE_REWARDS",
@@ -186,6 +188,7 @@ def score_rewards(
     if len(per_function) % num_generations:
         raise ValueError(f"{len(per_function)} completions are not groups of {num_generations}")
     rewards = weighted_rewards(per_function, weights)
+    check_scale(per_function, weights, rewards, names)  # every statistic below finite
     advantages, std_is_zero = group_advantages(rewards, num_generations, scale_rewards)
     metrics = reward_metrics(per_function, rewards, std_is_zero, names)
     return ScoredRewards(rewards, advantages, metrics)

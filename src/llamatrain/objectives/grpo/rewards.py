@@ -61,19 +61,20 @@ TRL 1.16 conventions followed (``GRPOTrainer._calculate_rewards``), so functions
 
 from __future__ import annotations
 
+import copy
 import inspect
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from numbers import Real
 from typing import Any
 
 import torch
 
 from llamatrain.errors import ConfigError, DataError, TrainingError, shown
+from llamatrain.reward_values import NotAReward, finite_number, reward_value
 from llamatrain.tools.specs import Named, import_function, split_spec
+from llamatrain.user_code import user_code
 
 __all__ = [
     "BUILTINS",
@@ -144,8 +145,10 @@ def check(
             "give one per function, in the same order (or leave it unset: all 1.0)"
         )
     for w in weights or ():
-        if isinstance(w, bool) or not isinstance(w, Real) or not math.isfinite(w):
-            raise ConfigError(f"train.reward_weights holds {w!r}; each must be a finite number")
+        if finite_number(w) is None:
+            raise ConfigError(
+                f"train.reward_weights holds {shown(repr(w), 40)}; each must be a finite number"
+            )
     _check_unique([_name(spec) for spec in specs])
     named = [_split(spec) for spec in specs if isinstance(spec, str)]
     builtins = {attr for target, attr in named if target == "builtin"}
@@ -215,7 +218,8 @@ def _resolve(spec: str | RewardFunction, args: Mapping[str, Mapping[str, Any]]) 
     target, attr = _split(spec)
     if target == "builtin":
         return _builtin(attr, args.get(attr, {}))
-    return import_function(spec, REWARDS)
+    with user_code(f"reward {shown(spec)!r}: running {shown(target)}", ConfigError):
+        return import_function(spec, REWARDS)
 
 
 # ---- calling -------------------------------------------------------------------------------
@@ -262,11 +266,25 @@ def score(
         **columns,
         **{k: v for k, v in hooks.items() if v is not None},
     }
-    table = [_call(reward, kwargs, len(prompts)) for reward in rewards]
+    table = [_call(reward, _copied(kwargs), len(prompts)) for reward in rewards]
     return torch.tensor(table, dtype=torch.float64).T
 
 
+def _copied(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments, a function's own copy of every list it could change (prompts,
+    completions, their ids, the columns), so that it cannot change what the run logs and what
+    the next function gets; the trainer's hooks as they are."""
+    return {k: v if k in HOOKS else copy.deepcopy(v) for k, v in kwargs.items()}
+
+
 def _call(reward: Reward, kwargs: dict[str, Any], n: int) -> list[float]:
+    """``reward``'s N rewards, None as NaN, each checked; an exit or interrupt it raises is
+    an error naming it, and the working directory it may change is put back (``user_code``)."""
+    with user_code(f"reward function {shown(reward.spec)!r}"):
+        return _answers(reward, kwargs, n)
+
+
+def _answers(reward: Reward, kwargs: dict[str, Any], n: int) -> list[float]:
     """``reward``'s N rewards, None as NaN, each checked."""
     try:
         output = reward.fn(**kwargs)
@@ -306,20 +324,13 @@ def _failing_row(fn: RewardFunction, kwargs: dict[str, Any], n: int) -> int | No
 
 def _checked(reward: Reward, row: int, value: Any) -> float:
     """``value`` as a float (None: NaN), or TrainingError naming the function and the row."""
-    if value is None:
-        return math.nan
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    if not isinstance(value, Real):
-        problem = f"a {type(value).__name__} ({shown(repr(value), 40)})"
-    elif not math.isfinite(value):
-        problem = f"{float(value)} (None, not NaN, says a row does not apply)"
-    else:
-        return float(value)
-    raise TrainingError(
-        f"reward function {shown(reward.spec)!r} returned {problem} at row {row}; return "
-        "finite numbers, None where it does not apply"
-    )
+    try:
+        return reward_value(value)
+    except NotAReward as problem:
+        raise TrainingError(
+            f"reward function {shown(reward.spec)!r} returned {problem} at row {row}; return "
+            "finite numbers, None where it does not apply"
+        ) from None
 
 
 # ---- built-ins -----------------------------------------------------------------------------
