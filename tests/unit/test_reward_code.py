@@ -1,5 +1,5 @@
 """Reward code cannot end or move the run (``llamatrain.user_code`` around every call and
-import ``llamatrain.rewards`` makes): an exit or interrupt it raises is one error naming it,
+import ``objectives.grpo.rewards`` makes): an exit or interrupt it raises is one error naming it,
 the working directory is put back after each call, and each function gets its own copies of
 what it could change."""
 
@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from llamatrain.rewards import load, score
 from user_errors import error_of
 
 from llamatrain.errors import ConfigError, TrainingError
 from llamatrain.interrupt import StopNow
+from llamatrain.objectives.grpo.rewards import load, score
 
 
 def _batch(completions):

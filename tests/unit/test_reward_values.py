@@ -13,10 +13,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from llamatrain.grpo import score_rewards
-from llamatrain.rewards import check, load, score
 from user_errors import error_of
 
+from llamatrain.objectives.grpo.loss import score_rewards
+from llamatrain.objectives.grpo.rewards import check, load, score
 from llamatrain.reward_values import NotAReward, reward_value
 
 
