@@ -23,16 +23,10 @@ from llamatrain.allocator import release_freed_memory
 from llamatrain.build import (
     RunModel,
     build_base_reference,
-    build_model,
-    export_type_of,
     fresh_run,
-    load_tokenizer,
-    model_to_export,
     prepare,
-    read_model_source,
     reference_of,
     resumed_run,
-    with_base,
 )
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, read_config
@@ -61,7 +55,15 @@ from llamatrain.model_card.facts import ModelCard, conversion_card, export_card
 from llamatrain.model_card.general_keys import with_general_keys
 from llamatrain.model_card.readme import readme
 from llamatrain.model_config import tensor_shapes
-from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
+from llamatrain.model_path import checkpoint_dir, is_lora_checkpoint, model_file
+from llamatrain.model_source import (
+    build_model,
+    export_type_of,
+    load_tokenizer,
+    model_to_export,
+    read_model_source,
+    with_base,
+)
 from llamatrain.ops.decode_kernels import compiled_decoding
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
 from llamatrain.rewards import RewardFunction
@@ -410,7 +412,7 @@ def export(
     HF folder (float32), keeping the keys of the model it was finetuned from; what the run did
     goes into the GGUF's ``general.*`` keys or the folder's README.md model card
     (``llamatrain.model_card``). ``type="auto"``: the type a run chose for its own export (q8_0
-    for a QLoRA run), f32 for anything else (``build.export_type_of``)."""
+    for a QLoRA run), f32 for anything else (``model_source.export_type_of``)."""
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
     if format == "hf" and type not in ("f32", AUTO_EXPORT_TYPE):

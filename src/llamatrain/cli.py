@@ -281,7 +281,7 @@ def _export(args: argparse.Namespace) -> None:
         return
     chosen = args.type
     if chosen == AUTO_EXPORT_TYPE:  # what api.export chose
-        from llamatrain.build import export_type_of
+        from llamatrain.model_source import export_type_of
 
         chosen = export_type_of(args.checkpoint)
     print(f"wrote {path} ({path.stat().st_size:,} bytes, {chosen})")

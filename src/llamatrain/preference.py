@@ -67,7 +67,7 @@ from llamatrain.errors import LlamatrainWarning, TrainingError
 from llamatrain.files import write_text_atomically, written_atomically
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
-from llamatrain.model_source import LoraBase
+from llamatrain.model_path import LoraBase
 from llamatrain.ops.sets import IGNORE_INDEX
 
 __all__ = [

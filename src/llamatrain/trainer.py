@@ -67,7 +67,7 @@ from llamatrain.interrupt import StopRequest
 from llamatrain.lora import FrozenLinear, FrozenTable, lora_modules
 from llamatrain.memory import MemoryPlan, plan_memory
 from llamatrain.model import Llama
-from llamatrain.model_source import REFERENCE_ROLE, LoraBase, check_same_model, checkpoint_dir
+from llamatrain.model_path import REFERENCE_ROLE, LoraBase, check_same_model, checkpoint_dir
 from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records

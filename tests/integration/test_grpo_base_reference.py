@@ -36,7 +36,7 @@ from llamatrain.grpo_rollout import scored_logps, training_rows
 from llamatrain.lora import FrozenLinear, FrozenTable
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
-from llamatrain.model_source import base_sha256
+from llamatrain.model_path import base_sha256
 from llamatrain.trainer import Trainer, held_types
 
 WORDS = ["love", "beauty", "time", "summer", "rose", "heart", "eye", "youth"]

@@ -28,7 +28,7 @@ from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.gguf.file import read_gguf
 from llamatrain.lora import lora_state_dict, merge_lora
 from llamatrain.model import Llama
-from llamatrain.model_source import BASE_SHA256_KEY, base_sha256, is_lora_checkpoint
+from llamatrain.model_path import BASE_SHA256_KEY, base_sha256, is_lora_checkpoint
 
 RANK, ALPHA = 4, 8.0
 LORA_TOL = 1e-5

@@ -34,10 +34,10 @@ from llama_cpp_files import vocab_dir as vocab_dir  # llama.cpp's vocab files (a
 from llama_cpp_runs import cpp_logits
 from real_shapes import SHAPES, write_real_shape
 
-from llamatrain.build import model_to_export
 from llamatrain.config import load_config
 from llamatrain.gguf.file import read_gguf
 from llamatrain.memory import plan_memory
+from llamatrain.model_source import model_to_export
 
 pytestmark = pytest.mark.slow
 
