@@ -33,6 +33,7 @@ __all__ = [
     "REFERENCE_SHA256_KEY",
     "base_sha256",
     "check_same_model",
+    "checked_model",
     "checkpoint_dir",
     "describe_base",
     "existing_base",
@@ -161,3 +162,18 @@ def check_same_model(
             f"(sha256 {used.sha256[:12]}… vs {recorded.sha256[:12]}… recorded); point "
             f"model.init_from at that model, unchanged ({recorded.path})"
         )
+
+
+def checked_model(
+    path: str | Path,
+    recorded: LoraBase,
+    role: str,
+    checkpoint: str | Path | None,
+    contents: GGUFContents | None = None,
+) -> LoraBase:
+    """The model at ``path`` (:func:`describe_base`, hashed through ``contents`` when given),
+    refused unless it is the one ``checkpoint`` recorded as its ``role``
+    (:func:`check_same_model`)."""
+    used = describe_base(path, checkpoint or "the run", contents)
+    check_same_model(used, recorded, role, checkpoint)
+    return used

@@ -4,18 +4,25 @@
 once, into a :class:`ModelSource`: a GGUF model or a full finetune's checkpoint (its header:
 the weights are read or mapped into what is built from it, never held twice), an HF checkpoint
 folder (its tensors, float32), or a LoRA run — its folder or one of its checkpoints — whose
-base, checked against the sha256 the run recorded, carries the run's adapter. Each file is
-opened once (``gguf.file.GGUFContents.file``): a base's header, the hash that checks it, its
-tensors and its mapped blocks all come through one open.
+base, checked against the sha256 the run recorded, carries the run's adapter. ``lora=`` puts
+an adapter GGUF over any base, as llama.cpp's ``-m base.gguf --lora adapter.gguf`` does. Each
+file is opened once (``gguf.file.GGUFContents.file``): a base's header, the hash that checks
+it, its tensors and its mapped blocks all come through one open.
 
-What is built from a source, in this one place: :func:`model_to_export`, the model with its
-frozen weights as the file stores them (``lora.FrozenLinear`` / ``FrozenTable``, mapped) and
-its adapter unmerged, for a writer that merges and decodes it a tensor at a time
-(``lora.merged_tensors``); :func:`read_model_source`, the float32 weights a run starts from
-(``model.init_from``, and ``load``), a LoRA run's with its adapter merged in;
-:func:`build_model` and :func:`build_lora_base`, a file read into a model with a run's choices
-and a LoRA run's narrow base storage; :func:`with_base`, a LoRA checkpoint completed with the
-base it records (``fit --resume``).
+What is built from a source, in this one place:
+
+- :func:`inference_model` (``generate``, ``chat``, ``eval``): every projection and vocabulary
+  table the file stores narrower than float32 kept in its GGUF type, mapped from the file
+  (``lora.FrozenLinear`` / ``FrozenTable``, decoded a chunk at a time as a product needs it),
+  and the adapter applied unmerged, y = W·x + s·B(A·x), as llama.cpp applies ``--lora``: the
+  model costs about its file's size, where widening a Q4_K_M 1.5B to float32 to merge an
+  adapter costs 14 GB. ``dequantize=True``: the float32 model an f32 export would hold.
+- :func:`model_to_export`: that same model, for a writer that merges and decodes it a tensor
+  at a time (``lora.merged_tensors``).
+- :func:`read_model_source`: the float32 weights a run starts from (``model.init_from``); a
+  LoRA run's with its adapter merged in. :func:`build_model` and :func:`build_lora_base` read a
+  file into a model with a run's choices and a LoRA run's narrow base storage;
+  :func:`with_base` completes a LoRA checkpoint with the base it records (``fit --resume``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from llamatrain.checkpoint import (
     recorded_export_type,
 )
 from llamatrain.errors import ConfigError, TokenizerError
-from llamatrain.gguf.adapter import LoraAdapter
+from llamatrain.gguf.adapter import LoraAdapter, read_lora_adapter
 from llamatrain.gguf.export_types import ALL_EXPORT_TYPES
 from llamatrain.gguf.file import GGUFContents, map_stored, read_tensors_into, verify_gguf
 from llamatrain.gguf.llama import LlamaFile, read_model, read_tokenizer
@@ -49,11 +56,11 @@ from llamatrain.lora import (
     stored_type,
 )
 from llamatrain.model import Llama
-from llamatrain.model_config import VOCAB_TABLES
+from llamatrain.model_config import VOCAB_TABLES, tensor_shapes
 from llamatrain.model_path import (
+    BASE_PATH_KEY,
     BASE_ROLE,
-    check_same_model,
-    describe_base,
+    checked_model,
     existing_base,
     read_header,
     records_a_base,
@@ -66,6 +73,7 @@ __all__ = [
     "build_lora_base",
     "build_model",
     "export_type_of",
+    "inference_model",
     "is_header_only",
     "load_tokenizer",
     "model_to_export",
@@ -102,19 +110,24 @@ class ModelSource:
     """The GGUF the path itself names, parsed and open: a LoRA run's checkpoint, else the model
     file (None for an HF folder)."""
     adapter: LoraAdapter | None = None
-    """LoRA adapters applied over ``base``: a LoRA run's."""
+    """LoRA adapters applied over ``base``: a LoRA run's, or a ``lora=`` file's."""
     inherited: dict[str, Any] = field(default_factory=dict)
     """The keys an export keeps, the chat template among them."""
 
 
-def open_source(path: str | Path) -> ModelSource:
+def open_source(path: str | Path, lora: str | Path | None = None) -> ModelSource:
     """What ``path`` opens to: a run folder (its latest checkpoint), a checkpoint, a llama GGUF
-    or an HF checkpoint folder (any folder without ``checkpoints/``). A checkpoint's tensors
-    are checked against the sha256 recorded when it was written (``verify_gguf``), a LoRA
-    run's base against the one the run recorded, so nothing built from it uses silently
-    damaged or swapped weights."""
+    or an HF checkpoint folder (any folder without ``checkpoints/``); ``lora``: an adapter GGUF
+    to apply over it. A checkpoint's tensors are checked against the sha256 recorded when it
+    was written (``verify_gguf``), a LoRA run's base against the one the run recorded, so
+    nothing built from it uses silently damaged or swapped weights."""
     header = read_header(path)  # parsed once, handed down
     if header is not None and records_a_base(header.metadata):
+        if lora is not None:
+            raise ConfigError(
+                f"{path} is a LoRA run, which applies its own adapter; to apply {lora} "
+                f"instead, pass its base ({header.metadata[BASE_PATH_KEY]}) with --lora"
+            )
         checkpoint = load_checkpoint(header)
         base = with_base(checkpoint)
         return ModelSource(base, header, checkpoint.adapter, checkpoint.state.inherited)
@@ -123,7 +136,36 @@ def open_source(path: str | Path) -> ModelSource:
     else:
         verify_gguf(header)
         base = read_model(header, tensor_data=False)
-    return ModelSource(base, header, None, dict(base.inherited))
+    adapter = None if lora is None else _adapter_over(base, lora)
+    return ModelSource(base, header, adapter, dict(base.inherited))
+
+
+def _adapter_over(base: LlamaFile, lora: str | Path) -> LoraAdapter:
+    """The adapter GGUF ``lora``, checked to fit ``base`` (its architecture, and each A and B
+    the shape of the projection it adapts, in every block) as llama.cpp checks ``--lora``."""
+    adapter = read_lora_adapter(lora)
+    if adapter.architecture and adapter.architecture != base.config.arch:
+        raise ConfigError(
+            f"{lora} adapts a {adapter.architecture} model but the base is {base.config.arch}; "
+            "pass the base model the adapter was trained on"
+        )
+    shapes = tensor_shapes(base.config)
+    for name, tensor in adapter.tensors.items():
+        stem, _, half = name.rpartition(".")
+        out_in = shapes.get(f"{stem}.weight", (0, 0))
+        wanted = (adapter.rank, out_in[-1]) if half == "lora_a" else (out_in[0], adapter.rank)
+        if tuple(tensor.shape) != wanted:
+            raise ConfigError(
+                f"{lora}'s {name} is {tuple(tensor.shape)}, where the base takes {wanted}; "
+                "pass the base model the adapter was trained on"
+            )
+    adapted = 2 * base.config.n_layers * len(adapter.targets)
+    if len(adapter.tensors) != adapted:
+        raise ConfigError(
+            f"{lora} adapts {', '.join(adapter.targets)} in only some of the base's "
+            f"{base.config.n_layers} blocks; llamatrain applies an adapter to every block"
+        )
+    return adapter
 
 
 def with_base(checkpoint: Checkpoint, base: str | Path | None = None) -> LlamaFile:
@@ -134,9 +176,8 @@ def with_base(checkpoint: Checkpoint, base: str | Path | None = None) -> LlamaFi
     recorded = checkpoint.state.lora_base
     path = existing_base(base or recorded.path, checkpoint.path)
     opened = open_source(path)
-    used = describe_base(path, checkpoint.path, opened.contents)  # hashed through that open
-    check_same_model(used, recorded, BASE_ROLE, checkpoint.path)
-    base_file = _merged(opened)
+    base_file = _merged(opened)  # a plain model file as it is: merged only over a LoRA run
+    used = checked_model(path, recorded, BASE_ROLE, checkpoint.path, opened.contents)
     inherited = dict(base_file.inherited)
     if CHAT_TEMPLATE_RUN_KEY in checkpoint.metadata:
         inherited[CHAT_TEMPLATE_KEY] = checkpoint.metadata[CHAT_TEMPLATE_RUN_KEY]
@@ -151,10 +192,21 @@ def with_base(checkpoint: Checkpoint, base: str | Path | None = None) -> LlamaFi
 # ---- models built from it ----------------------------------------------------------------
 
 
+def inference_model(source: ModelSource, ops: str = "ggml", *, dequantize: bool = False) -> Llama:
+    """The model to generate, chat and score with: the file's frozen weights as it stores them
+    and its adapter unmerged (:func:`_adapted`; ``ops``: the op set); with ``dequantize``, the
+    plain float32 model its f32 export holds (the adapter merged in), at 4 bytes a weight."""
+    if not dequantize:
+        return _adapted(source, ops=ops)
+    if source.adapter is None:
+        return build_model(source.base, ops=ops)
+    return merge_lora(_adapted(source, ops=ops))
+
+
 def model_to_export(path: str | Path) -> tuple[Llama, Tokenizer, dict[str, Any]]:
     """What ``export`` writes from ``path`` (as :func:`open_source` opens it): the model, its
-    tokenizer and the keys it keeps, its weights held as the file stores them
-    (:func:`_adapted`): a writer merges and decodes it a tensor at a time
+    tokenizer and the keys it keeps. The model is :func:`inference_model`'s, its weights held
+    as the file stores them: a writer merges and decodes it a tensor at a time
     (``lora.merged_tensors``), so a 7B run's export never holds its 27 GB float32 copy."""
     source = open_source(path)
     return _adapted(source), source.base.tokenizer, dict(source.inherited)
