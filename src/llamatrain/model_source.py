@@ -245,11 +245,10 @@ def _merged(source: ModelSource) -> LlamaFile:
 
 def _adapted(source: ModelSource, **changes: object) -> Llama:
     """``source``'s base (:func:`_stored_base`) with its adapter, if any, applied unmerged."""
-    adapter = source.adapter
-    targets = () if adapter is None else adapter.targets
     model = _stored_base(source.base, **changes)
+    adapter = source.adapter
     if adapter is not None:
-        apply_lora(model, adapter.rank, adapter.alpha, targets=targets)
+        apply_lora(model, adapter.rank, adapter.alpha, targets=adapter.targets)
         load_lora_state_dict(model, adapter.tensors)
     return model
 
