@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     CACHE.mkdir(parents=True, exist_ok=True)
     binary = llama_finetune(CACHE)
     bases = {kind: lora.base_file(lora.DEFAULT_CACHE, "smollm2", kind) for kind in ("f32", "q4_1")}
-    from llamatrain.build import read_model_source
+    from llamatrain.model_source import read_model_source
 
     cfg = read_model_source(bases["q4_1"]).config
     text, n_tokens = training_text(CACHE, bases["q4_1"], args.steps)

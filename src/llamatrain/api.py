@@ -23,18 +23,10 @@ from llamatrain.allocator import release_freed_memory
 from llamatrain.build import (
     PreparedModel,
     RunModel,
-    build_model,
-    export_type_of,
     fresh_run,
-    model_to_export,
     prepare,
-    read_model_source,
     resumed_run,
-    with_base,
 )
-
-# Re-exported as the public API (``llamatrain.API``; ``X as X`` marks a re-export)
-from llamatrain.build import load_tokenizer as load_tokenizer
 from llamatrain.chat_template import BUILTIN_TEMPLATES, ChatTemplate, resolve_chat_template
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config import Config, apply_overrides, apply_values, config_to_toml, read_config
@@ -54,7 +46,7 @@ from llamatrain.gguf.adapter import read_lora_adapter, target_suffixes, write_lo
 from llamatrain.gguf.describe import describe_gguf as describe_gguf
 from llamatrain.gguf.export_types import AUTO_EXPORT_TYPE, QUANTIZER_TYPES, merged_export_type
 from llamatrain.gguf.file import verify_gguf
-from llamatrain.gguf.llama import LlamaFile, read_model, write_model
+from llamatrain.gguf.llama import read_model, write_model
 from llamatrain.gguf.mapped_files import check_mapped_files
 from llamatrain.gguf.quantize import require_quantizer, write_quantized_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY, write_hf_folder
@@ -66,7 +58,18 @@ from llamatrain.model_card.facts import ModelCard, conversion_card, export_card
 from llamatrain.model_card.general_keys import with_general_keys
 from llamatrain.model_card.readme import readme
 from llamatrain.model_config import tensor_shapes
-from llamatrain.model_source import checkpoint_dir, is_lora_checkpoint, model_file
+from llamatrain.model_path import checkpoint_dir, is_lora_checkpoint, model_file
+from llamatrain.model_source import (
+    build_model,
+    export_type_of,
+    inference_model,
+    model_to_export,
+    open_source,
+    with_base,
+)
+
+# Re-exported as the public API (``llamatrain.API``; ``X as X`` marks a re-export)
+from llamatrain.model_source import load_tokenizer as load_tokenizer
 from llamatrain.objectives import Objective, ObjectiveInputs, objective_for
 from llamatrain.objectives import check as check_objective
 from llamatrain.objectives.grpo.rewards import RewardFunction
@@ -355,21 +358,29 @@ def _write_curves(run_dir: Path) -> Path | None:
 # ---- models as files ---------------------------------------------------------------------
 
 
-def _build(source: LlamaFile, **changes: object) -> tuple[Llama, Tokenizer]:
-    """The model a file describes with its tokenizer (``build_model``'s ``changes``)."""
-    return build_model(source, **changes), source.tokenizer
-
-
 def load_gguf(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
-    """A llama GGUF (ours or llama.cpp's, any type we can dequantize) as a model + tokenizer."""
-    return _build(read_model(path, tensor_data=False), ops=ops)
+    """A llama GGUF (ours or llama.cpp's, any type we can dequantize) as a model + tokenizer,
+    every weight float32 (trainable parameters, as a run holds a model it trains whole)."""
+    source = read_model(path, tensor_data=False)
+    return build_model(source, ops=ops), source.tokenizer
 
 
-def load(path: str | Path, ops: str = "ggml") -> tuple[Llama, Tokenizer]:
-    """A model and tokenizer from a run folder (its latest checkpoint), a checkpoint, any
-    llama GGUF file or an HF checkpoint folder (config.json, safetensors, tokenizer.json); a
-    LoRA run's is its base with the adapter merged in."""
-    return _build(read_model_source(path), ops=ops)
+def load(
+    path: str | Path,
+    ops: str = "ggml",
+    *,
+    lora: str | Path | None = None,
+    dequantize: bool = False,
+) -> tuple[Llama, Tokenizer]:
+    """A model and tokenizer to generate, chat and score with, from a run folder (its latest
+    checkpoint), a checkpoint, any llama GGUF file or an HF checkpoint folder (config.json,
+    safetensors, tokenizer.json); ``lora``: an adapter GGUF to apply over it (llama.cpp's
+    ``--lora``). The weights stay as the file stores them (quantized blocks, f16…, mapped from
+    it) and a LoRA run's adapter, or ``lora``'s, is applied unmerged: the model costs about its
+    file's size. ``dequantize=True``: every weight float32 and an adapter merged in, the model
+    an f32 export holds (4 bytes a weight)."""
+    source = open_source(path, lora)
+    return inference_model(source, ops, dequantize=dequantize), source.base.tokenizer
 
 
 def seen_tokens(path: str | Path) -> torch.Tensor:
@@ -437,7 +448,7 @@ def export(
     HF folder (float32), keeping the keys of the model it was finetuned from; what the run did
     goes into the GGUF's ``general.*`` keys or the folder's README.md model card
     (``llamatrain.model_card``). ``type="auto"``: the type a run chose for its own export (q8_0
-    for a QLoRA run), f32 for anything else (``build.export_type_of``)."""
+    for a QLoRA run), f32 for anything else (``model_source.export_type_of``)."""
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
     if format == "hf" and type not in ("f32", AUTO_EXPORT_TYPE):
@@ -492,13 +503,18 @@ def export_adapter(source: str | Path, path: str | Path, format: str = "gguf") -
 
 
 def load_chat(
-    path: str | Path, template: str = "auto", ops: str = "ggml"
+    path: str | Path,
+    template: str = "auto",
+    ops: str = "ggml",
+    *,
+    lora: str | Path | None = None,
+    dequantize: bool = False,
 ) -> tuple[Llama, Tokenizer, ChatTemplate]:
-    """:func:`load` plus the chat template to talk to the model with: its own
-    (``tokenizer.chat_template``, which a chat run's checkpoints and exports carry), or a
-    built-in one by name (chatml, llama-3, llama-2)."""
-    source = read_model_source(path)
-    model, tokenizer = _build(source, ops=ops)
+    """:func:`load` (``lora``, ``dequantize`` as there) plus the chat template to talk to the
+    model with: its own (``tokenizer.chat_template``, which a chat run's checkpoints and
+    exports carry), or a built-in one by name (chatml, llama-3, llama-2)."""
+    source = open_source(path, lora)
+    model, tokenizer = inference_model(source, ops, dequantize=dequantize), source.base.tokenizer
     chosen = resolve_chat_template(template, source.inherited.get(CHAT_TEMPLATE_KEY), tokenizer)
     if chosen is None:
         raise ConfigError(

@@ -16,16 +16,17 @@ A LoRA run's checkpoint is its adapter GGUF (``llamatrain.gguf.adapter``) with t
 ``training.*`` / ``optimizer.*`` keys and tensors (the moments over the adapters alone), plus
 the frozen base's path and content hash (``training.lora.base`` / ``.base_sha256``): the base
 is not copied into every checkpoint, and a run is never resumed or loaded over another base.
-This module never reads the base; ``llamatrain.build.with_base`` does, and checks its hash.
+This module never reads the base; ``llamatrain.model_source.with_base`` does, and checks its
+hash.
 A full finetune's DPO/IPO checkpoint records its reference model the same way
 (``training.reference.model`` / ``.model_sha256``), checked on resume by the same rule
-(``llamatrain.model_source.check_same_model``).
+(``llamatrain.model_path.check_same_model``).
 
 Loading a checkpoint builds no model: it returns the weights and the state, and the trainer
 restores them onto its own model and optimizer (``Trainer.load_state``). Today's llama.cpp
 refuses a model file with extra tensors, so hand it ``llamatrain export``'s output;
-``llamatrain.load`` reads checkpoints as models (``llamatrain.build.read_model_source``, which
-merges a LoRA run's adapter into its base).
+``llamatrain.load`` opens checkpoints as models (``llamatrain.model_source``, which applies a
+LoRA run's adapter over its base).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from llamatrain.gguf.llama import read_model, write_model
 from llamatrain.hf.folder import CHAT_TEMPLATE_KEY
 from llamatrain.lora import load_lora_state_dict, lora_modules, lora_state_dict
 from llamatrain.model import Llama, ModelConfig
-from llamatrain.model_source import (
+from llamatrain.model_path import (
     BASE_PATH_KEY,
     BASE_SHA256_KEY,
     LATEST,
@@ -104,7 +105,7 @@ class TrainingState:
     """Set for a LoRA run: its checkpoints then hold the adapter, not the model."""
     reference_model: LoraBase | None = None
     """Set for a full finetune's DPO/IPO: the file its reference log-probs are of, which a
-    resume checks is unchanged (``model_source.check_same_model``)."""
+    resume checks is unchanged (``model_path.check_same_model``)."""
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -292,7 +293,7 @@ class Checkpoint:
     """What a checkpoint file holds, read but not yet applied to a run."""
 
     config: ModelConfig | None
-    """The model's; a LoRA run's base's, once ``llamatrain.build.with_base`` read it."""
+    """The model's; a LoRA run's base's, once ``llamatrain.model_source.with_base`` read it."""
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
     state: TrainingState
@@ -386,7 +387,7 @@ def load_checkpoint(source: GGUFSource) -> Checkpoint:
     its already parsed header; its tensors are first checked against their recorded sha256.
 
     A LoRA run's checkpoint holds its adapter and records its base, which is not read here:
-    ``llamatrain.build.with_base`` reads and checks it and completes the checkpoint with the
+    ``llamatrain.model_source.with_base`` reads and checks it and completes the checkpoint with the
     base's config, tokenizer and keys.
     """
     if not isinstance(source, GGUFContents):
@@ -408,7 +409,7 @@ def load_checkpoint(source: GGUFSource) -> Checkpoint:
 
 def _load_lora_checkpoint(contents: GGUFContents) -> Checkpoint:
     """A LoRA run's checkpoint: its adapter and state, and the base it records (not read: the
-    model builder reads and checks it, ``llamatrain.build.with_base``)."""
+    model builder reads and checks it, ``llamatrain.model_source.with_base``)."""
     adapter = read_lora_adapter(contents)
     load_tensor_data(contents, skip=(OPTIMIZER_PREFIX,))  # the optimizer's when resumed
     meta, tensors = contents.metadata, contents.tensors

@@ -27,20 +27,20 @@ from llamatrain.sampling import MAX_NEW_TOKENS, SamplingError, SamplingParams
 
 GENERATING = {
     "phase": "while loading the model or generating",
-    "remedy": "lower --max-tokens (the cache for every token is allocated up front), or use a "
-    "smaller or more quantized model",
+    "remedy": "lower --max-tokens (the cache for every token is allocated up front), drop "
+    "--dequantize, or use a smaller or more quantized model",
 }
 """Running out of memory in ``generate`` and ``chat``: ``memory.out_of_memory_in``'s words."""
 SCORING = {
     "phase": "while loading the model or scoring the text",
-    "remedy": "lower --n-ctx (each chunk's logits and attention grow with it), or use a smaller "
-    "model",
+    "remedy": "lower --n-ctx (each chunk's logits and attention grow with it), drop --dequantize, "
+    "or use a smaller model",
 }
 """Running out of memory in ``eval``."""
 EXPORTING = {
     "phase": "while exporting",
-    "remedy": "export on a machine with more free memory (a model is read whole, in float32), "
-    "or a LoRA run's adapter alone (--adapter)",
+    "remedy": "export on a machine with more free memory (an HF folder is read whole, in "
+    "float32), or a LoRA run's adapter alone (--adapter)",
 }
 """Running out of memory in ``export``."""
 
@@ -103,7 +103,9 @@ def _generate(args: argparse.Namespace, params: SamplingParams, seed: int | None
     from llamatrain import api
 
     if args.chat is not None:
-        model, tokenizer, template = api.load_chat(args.checkpoint, args.chat_template)
+        model, tokenizer, template = api.load_chat(
+            args.checkpoint, args.chat_template, lora=args.lora, dequantize=args.dequantize
+        )
         check_cache_fits(model, args.max_tokens)
         reply = api.chat(
             model, tokenizer, template, args.chat, max_tokens=args.max_tokens, params=params,
@@ -113,7 +115,7 @@ def _generate(args: argparse.Namespace, params: SamplingParams, seed: int | None
             print(piece, end="", flush=True)
         print()
         return
-    model, tokenizer = api.load(args.checkpoint)
+    model, tokenizer = api.load(args.checkpoint, lora=args.lora, dequantize=args.dequantize)
     check_cache_fits(model, args.max_tokens)
     allowed = api.seen_tokens(args.checkpoint) if args.seen_tokens_only else None
     stream = api.generate_text(
@@ -150,7 +152,9 @@ def _chat(args: argparse.Namespace, params: SamplingParams, seed: int | None) ->
     """``chat``'s conversation, turn by turn, the flags checked."""
     from llamatrain import api
 
-    model, tokenizer, template = api.load_chat(args.checkpoint, args.chat_template)
+    model, tokenizer, template = api.load_chat(
+        args.checkpoint, args.chat_template, lora=args.lora, dequantize=args.dequantize
+    )
     check_cache_fits(model, args.max_tokens)
     conversation = api.Conversation(
         model, tokenizer, template, args.system, max_tokens=args.max_tokens, params=params,
@@ -242,7 +246,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from llamatrain.memory import out_of_memory_in
 
     with out_of_memory_in(**SCORING), denormals_flushed():
-        model, tokenizer = api.load(args.checkpoint)
+        model, tokenizer = api.load(args.checkpoint, lora=args.lora, dequantize=args.dequantize)
         result = api.perplexity(model, tokenizer, args.data, n_ctx=args.n_ctx)
     print(f"tokens:          {result.n_tokens}")
     print(f"mean loss:       {result.mean_loss:.4f}  (ppl {result.mean_ppl:.4f})")
@@ -280,7 +284,7 @@ def _export(args: argparse.Namespace) -> None:
         return
     chosen = args.type
     if chosen == AUTO_EXPORT_TYPE:  # what api.export chose
-        from llamatrain.build import export_type_of
+        from llamatrain.model_source import export_type_of
 
         chosen = export_type_of(args.checkpoint)
     print(f"wrote {path} ({path.stat().st_size:,} bytes, {chosen})")
@@ -326,6 +330,23 @@ def _add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         parser.add_argument(flag, type=float if "float" in f.type else int, default=f.default)
     parser.add_argument("--seed", type=int, default=None)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--lora and --dequantize: how generate, chat and eval build the model they are given."""
+    parser.add_argument(
+        "--lora",
+        metavar="ADAPTER",
+        default=None,
+        help="a LoRA adapter GGUF to apply over the model, unmerged (as llama-cli's --lora; "
+        "a LoRA run folder applies its own)",
+    )
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="widen every weight to float32 (an adapter merged in) rather than compute over "
+        "the weights as the file stores them: 4 bytes a weight, the model its f32 export holds",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="for --chat: auto (the model's own, default), chatml, llama-3 or llama-2",
     )
+    _add_model_arguments(gen)
     _add_sampler_arguments(gen)
     gen.add_argument(
         "--seen-tokens-only",
@@ -395,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="auto (the model's own, default), chatml, llama-3 or llama-2",
     )
+    _add_model_arguments(talk)
     _add_sampler_arguments(talk)
     talk.set_defaults(func=cmd_chat)
 
@@ -402,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("checkpoint")
     ev.add_argument("--data", required=True, help="text file to score")
     ev.add_argument("--n-ctx", type=int, default=None, help="chunk size (default: model's)")
+    _add_model_arguments(ev)
     ev.set_defaults(func=cmd_eval)
 
     ex = sub.add_parser(

@@ -45,7 +45,7 @@ from llamatrain.gguf.file import DeferredTensor
 from llamatrain.model import Linear, Llama
 from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
-from llamatrain.ops.lora import dense_weight
+from llamatrain.ops.lora import base_forward, dense_weight
 from llamatrain.ops.sets import IGNORE_INDEX, OpSet
 from llamatrain.ops.table_head import (
     table_cross_entropy,
@@ -113,7 +113,7 @@ def _empty_stored(like: torch.Tensor, stored: str) -> tuple[torch.Tensor, str | 
 class FrozenLinear(nn.Module):
     """A frozen projection kept as ``stored`` (:func:`_empty_stored`). Buffers, since no
     optimizer may touch them and a quantized one cannot hold a gradient; an uninitialised
-    shell meant to be filled from a file (``build.build_lora_base``)."""
+    shell meant to be filled from a file (``model_source.build_lora_base``)."""
 
     def __init__(self, base: Linear, stored: str) -> None:
         super().__init__()
@@ -123,8 +123,16 @@ class FrozenLinear(nn.Module):
         self.in_features = base.weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dense_weight(self.weight, self.qtype, self.in_features, x.dtype)
-        return F.linear(x, weight, self.bias)
+        """x·Wᵀ (+ bias), W widened a chunk of rows at a time (``ops.lora.base_forward``):
+        never the whole weight as float32 beside the stored one."""
+        rows = x.reshape(-1, x.shape[-1])
+        y = base_forward(rows, self.weight, self.qtype, self.in_features, None)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+    def decoded(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of the weight (all by default) as float32: for an export."""
+        return dense_weight(self.weight[start:stop], self.qtype, self.in_features)
 
 
 class FrozenTable(nn.Module):
@@ -133,7 +141,7 @@ class FrozenTable(nn.Module):
     the lm head's calls (``model.LmHead``) decoding a chunk of its rows at a time
     (``ops.table_head``). Why: as float32 Llama-3.2-1B's 128k x 2048 table is 1 GB, its Q4_0
     0.14 GB. A buffer, like :class:`FrozenLinear`'s, and an uninitialised shell meant to be
-    filled from a file (``build.build_lora_base``)."""
+    filled from a file (``model_source.build_lora_base``)."""
 
     def __init__(self, base: nn.Embedding | Linear, stored: str) -> None:
         super().__init__()
@@ -279,6 +287,11 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module.disabled = False
 
 
+def _columns(module: FrozenTable | FrozenLinear) -> int:
+    """The width of a stored weight's rows in values (its bytes say only the blocks')."""
+    return module.dim if isinstance(module, FrozenTable) else module.in_features
+
+
 def _narrow_frozen(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """(module, columns) of each frozen weight kept narrower than float32: blocks (QLoRA's
     projections and vocabulary tables) or bf16/f16 floats; a float32 one is as wide as it gets."""
@@ -286,10 +299,8 @@ def _narrow_frozen(model: nn.Module) -> list[tuple[nn.Module, int]]:
     for module in model.modules():
         if isinstance(module, LoraLinear):
             columns = module.lora_a.shape[1]
-        elif isinstance(module, FrozenLinear):
-            columns = module.in_features
-        elif isinstance(module, FrozenTable):
-            columns = module.dim
+        elif isinstance(module, FrozenLinear | FrozenTable):
+            columns = _columns(module)
         else:
             continue
         stored = not isinstance(module.weight, nn.Parameter)  # a Linear's own: as trained
@@ -414,14 +425,15 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor | DeferredTensor]
     Why deferred: merged weights are float32 over any base, so merging a 7B model at once
     would hold 27 GB beside the base; a streaming writer (``llamatrain.gguf.file.write_gguf``)
     reads one at a time, as llama.cpp's ``llama-export-lora`` merges one tensor at a time.
-    A :class:`FrozenTable` is deferred too, decoded when read, or a chunk of rows at a time by
-    a writer that reads it so (the 1 GB float32 table of a 128k vocabulary never whole).
+    A :class:`FrozenTable` or :class:`FrozenLinear` is deferred too, decoded when read, or a
+    chunk of rows at a time by a writer that reads it so (the 1 GB float32 table of a 128k
+    vocabulary never whole).
     """
     adapted = {f"{name}.weight": module for name, module in lora_modules(model)}
-    tables = {
+    frozen = {
         f"{name}.weight": module
         for name, module in model.named_modules()
-        if isinstance(module, FrozenTable)
+        if isinstance(module, FrozenTable | FrozenLinear)
     }
     tensors: dict[str, torch.Tensor | DeferredTensor] = {}
     for name, tensor in model.state_dict().items():
@@ -432,10 +444,10 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor | DeferredTensor]
             shape = (module.lora_b.shape[0], module.lora_a.shape[1])
             merged = module.merged_weight
             tensors[name] = DeferredTensor(shape, module.lora_a.dtype, merged, merged)
-        elif name in tables:
-            table = tables[name]
-            shape = (table.weight.shape[0], table.dim)
-            tensors[name] = DeferredTensor(shape, torch.float32, table.decoded, table.decoded)
+        elif name in frozen:
+            kept = frozen[name]
+            shape = (kept.weight.shape[0], _columns(kept))
+            tensors[name] = DeferredTensor(shape, torch.float32, kept.decoded, kept.decoded)
         else:
             tensors[name] = tensor.detach()
     return tensors

@@ -44,7 +44,7 @@ from llamatrain.interrupt import StopRequest
 from llamatrain.lora import FrozenLinear, FrozenTable, lora_modules
 from llamatrain.memory import MemoryPlan, plan_memory
 from llamatrain.model import Llama
-from llamatrain.model_source import LoraBase, checkpoint_dir
+from llamatrain.model_path import LoraBase, checkpoint_dir
 from llamatrain.objectives import (
     Objective,
     ObjectiveInputs,

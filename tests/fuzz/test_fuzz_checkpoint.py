@@ -27,7 +27,6 @@ from gguf import GGUFValueType as _V
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from llamatrain.build import build_model, with_base
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.config.sections import OptimSection
 from llamatrain.convergence import ConvergenceTests
@@ -36,6 +35,7 @@ from llamatrain.gguf.describe import describe_gguf
 from llamatrain.gguf.file import nonfinite_tensors, verify_gguf
 from llamatrain.lora import apply_lora
 from llamatrain.model import Llama
+from llamatrain.model_source import build_model, with_base
 from llamatrain.optim import build_optimizer
 
 pytestmark = pytest.mark.fuzz

@@ -35,7 +35,7 @@ import llamatrain
 import llamatrain.parallel
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.errors import ConfigError
-from llamatrain.model_source import LATEST
+from llamatrain.model_path import LATEST
 
 STEPS = 20
 SAVE_EVERY = 10

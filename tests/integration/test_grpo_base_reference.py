@@ -35,7 +35,7 @@ from llamatrain.gguf.file import read_gguf
 from llamatrain.lora import FrozenLinear, FrozenTable
 from llamatrain.memory import plan_memory
 from llamatrain.model import Llama
-from llamatrain.model_source import base_sha256
+from llamatrain.model_path import base_sha256
 from llamatrain.objectives.grpo.reference import build_base_reference
 from llamatrain.objectives.grpo.rollout import scored_logps, training_rows
 from llamatrain.trainer import Trainer, held_types

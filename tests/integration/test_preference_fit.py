@@ -33,7 +33,7 @@ from llamatrain.data import build_train_data
 from llamatrain.errors import CheckpointError, TrainingError
 from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.lora import lora_state_dict
-from llamatrain.model_source import base_sha256
+from llamatrain.model_path import base_sha256
 from llamatrain.objectives import ObjectiveInputs, objective_for
 from llamatrain.objectives.preference import reference
 from llamatrain.objectives.preference.losses import pair_logps, token_logps

@@ -27,8 +27,7 @@ from file_mappings import mapped_ranges
 from llama_cpp_runs import cpp_logits
 from random_models import tiny_llama, unit_scaled
 
-from llamatrain import api, build
-from llamatrain.build import build_lora_base
+from llamatrain import api, model_source
 from llamatrain.cli import main
 from llamatrain.data import SONNETS_PATH
 from llamatrain.device import amx_bf16
@@ -370,17 +369,21 @@ def test_auto_export_types(base_types, rows, chosen) -> None:
 def test_exporting_a_lora_run_merges_over_the_base_as_its_file_stores_it(
     q4_0_run, tmp_path, monkeypatch
 ) -> None:
-    """``llamatrain export RUN`` holds the run's base as the run did (Q4_0 blocks) and merges
-    one weight at a time as it writes; the file is the merged model ``load`` gives."""
-    built = []
+    """``llamatrain export RUN`` holds the run's base as its file stores it (Q4_0 blocks, every
+    matrix mapped) and merges one weight at a time as it writes; the file is the merged
+    float32 model ``load(..., dequantize=True)`` gives."""
+    mapped: list[str] = []
+    map_stored = model_source.map_stored
     monkeypatch.setattr(
-        build, "build_lora_base", lambda *a, **k: built.append(a[1]) or build_lora_base(*a, **k)
+        model_source, "map_stored", lambda h, like: mapped.extend(like) or map_stored(h, like)
     )
     merged = MergedWeights(monkeypatch)
     path = api.export(q4_0_run.run_dir, tmp_path / "merged.gguf", type="f32")
-    assert built == ["quantized"] and merged.peak == 1 and merged.live == 0
+    assert merged.peak == 1 and merged.live == 0
+    types = read_gguf(q4_0_run.config.model.init_from, tensor_data=False).tensor_types
+    assert sorted(mapped) == sorted(name for name, t in types.items() if t == "Q4_0")
     exported = read_gguf(path).tensors
-    loaded, _ = api.load(q4_0_run.run_dir)
+    loaded, _ = api.load(q4_0_run.run_dir, dequantize=True)
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(exported[name], tensor), name
 

@@ -22,22 +22,21 @@ the base copied).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_peaks import run_child
 from llama_cpp_files import vocab_dir as vocab_dir  # llama.cpp's vocab files (a fixture)
 from llama_cpp_runs import cpp_logits
 from real_shapes import SHAPES, write_real_shape
 
-from llamatrain.build import model_to_export
 from llamatrain.config import load_config
 from llamatrain.gguf.file import read_gguf
 from llamatrain.memory import plan_memory
+from llamatrain.model_source import model_to_export
 
 pytestmark = pytest.mark.slow
 
@@ -46,24 +45,6 @@ LOGIT_BOUND = 0.5
 """Max |llama.cpp's logit - ours| over a few tokens of a random real-shaped model: llama.cpp
 rounds activations to 8 bits for its quantized matmuls over 16-32 blocks of depth (measured
 on the 135M-270M models at 0.03-0.09); a lost or misscaled adapter moves them by whole units."""
-
-_CHILD = """
-import sys
-from llamatrain.cli import main
-code = main(sys.argv[1:])
-status = open("/proc/self/status").read()
-print("VmHWM", int(status.split("VmHWM:")[1].split()[0]) * 1024, file=sys.stderr)
-sys.exit(code)
-"""
-
-
-def run_child(*args: str) -> int:
-    """Run the CLI in a child; its peak RSS in bytes (it must exit 0)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=3600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return int(done.stderr.rsplit("VmHWM", 1)[1].split()[0])
 
 
 def timed_child(*args: str) -> tuple[int, float]:

@@ -26,7 +26,6 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from random_models import move_off_neutral
 
-from llamatrain.build import build_lora_base
 from llamatrain.gguf import file as gguf_file
 from llamatrain.gguf.file import DeferredTensor, read_gguf, write_gguf
 from llamatrain.gguf.llama import read_model, write_model
@@ -41,6 +40,7 @@ from llamatrain.lora import (
 )
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.model_config import VOCAB_TABLES
+from llamatrain.model_source import build_lora_base
 from llamatrain.ops.dequantize import dequantize
 from llamatrain.tokenizer import (
     TOKEN_TYPE_BYTE,

@@ -18,7 +18,6 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from llamatrain import activation_checkpointing as ac
-from llamatrain.build import build_lora_base
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf import file as gguf_file
 from llamatrain.gguf.file import DeferredTensor, write_gguf
@@ -38,6 +37,7 @@ from llamatrain.lora import (
 )
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.model_config import tensor_shapes
+from llamatrain.model_source import build_lora_base
 
 SMALL = dict(vocab_size=40, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
 

@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,7 @@ from gguf import quants as gguf_quants
 from llamatrain.errors import GGUFError, LlamatrainWarning, shown
 from llamatrain.files import is_gguf, written_atomically
 from llamatrain.gguf.export_types import FILE_TYPES, check_export_type
-from llamatrain.gguf.header import TensorInfo, ValueType, parse_header
+from llamatrain.gguf.header import TensorInfo, ValueType, open_gguf, parse_header
 from llamatrain.gguf.mapped_files import watch
 
 GGUF_KIND = "GGUF file"
@@ -115,6 +116,10 @@ class GGUFContents:
     ``value_types``: each key's stored GGUF type (and item type, for arrays), which
     :func:`typed_value` restores. ``infos``: where each tensor lies in the file, so that what
     is read later (:func:`read_tensors_into`, :func:`verify_gguf`…) needs no second parse.
+    ``file``: the file the header was parsed from, kept open while these contents live (closed
+    with them), through which everything read later goes: each file is opened once, however
+    many of its tensors, digests and mappings are taken, and they are all of the file that was
+    parsed, even if its path has since been renamed over or removed (a run's ``latest.gguf``).
     """
 
     path: Path
@@ -124,6 +129,7 @@ class GGUFContents:
     tensor_types: dict[str, str] = field(default_factory=dict)
     tensor_nbytes: dict[str, int] = field(default_factory=dict)
     infos: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
+    file: BinaryIO | None = field(default=None, repr=False, compare=False)
 
 
 GGUFSource: TypeAlias = "str | os.PathLike[str] | GGUFContents"
@@ -537,8 +543,14 @@ def read_gguf(path: str | os.PathLike[str], *, tensor_data: bool = True) -> GGUF
     map, whose pages would count in the process's memory beside the float32 results.
     """
     p = Path(path)
-    meta, infos, value_types = parse_header(p)
-    contents = GGUFContents(p, meta, value_types)
+    f = open_gguf(p)
+    try:
+        meta, infos, value_types = parse_header(p, f)
+    except BaseException:
+        f.close()
+        raise
+    contents = GGUFContents(p, meta, value_types, file=f)
+    weakref.finalize(contents, f.close)
     for info in infos:
         contents.infos[info.name] = info
         contents.tensor_types[info.name] = info.qtype.name
@@ -558,32 +570,46 @@ def load_tensor_data(contents: GGUFContents, *, skip: tuple[str, ...] = ()) -> G
     }
     if missing:
         data = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in missing.items()}
-        _read_all_into(contents.path, [contents.infos[name] for name in data], data)
+        with _opened(contents) as (p, _, infos, f):
+            for name, target in data.items():
+                _read_into(p, f, infos[name], target)
         contents.tensors.update(data)
     return contents
 
 
-def _parsed(source: GGUFSource) -> tuple[Path, dict[str, Any], dict[str, TensorInfo]]:
-    """A file's path, keys and tensor locations: from ``source`` when parsed, else parsed now."""
+@contextlib.contextmanager
+def _opened(
+    source: GGUFSource,
+) -> Iterator[tuple[Path, dict[str, Any], dict[str, TensorInfo], BinaryIO]]:
+    """A file's path, keys, tensor locations and the open file to read them through: parsed
+    ``source``'s own open file (:class:`GGUFContents`' ``file``), else the file opened for
+    this read alone (and a path's header parsed through it)."""
     if isinstance(source, GGUFContents):
-        return source.path, source.metadata, source.infos
+        if source.file is not None and not source.file.closed:
+            yield source.path, source.metadata, source.infos, source.file
+            return
+        with open(source.path, "rb") as f:
+            yield source.path, source.metadata, source.infos, f
+        return
     p = Path(source)
-    meta, infos, _ = parse_header(p)
-    return p, meta, {info.name: info for info in infos}
+    with open_gguf(p) as f:
+        meta, infos, _ = parse_header(p, f)
+        yield p, meta, {info.name: info for info in infos}, f
 
 
 def read_tensors_into(source: GGUFSource, targets: Mapping[str, torch.Tensor]) -> None:
     """Read the named tensors of a GGUF into ``targets`` (float32, or an integer tensor's own
     dtype; each of the stored shape), e.g. ``model.state_dict()``: each is dequantized into
     place a chunk at a time, so the cost beyond the targets is a few MiB, not a copy of them."""
-    p, _, infos = _parsed(source)
-    missing = [name for name in targets if name not in infos]
-    if missing:
-        raise GGUFError(
-            f"{p} has no tensor {shown(missing[0])} (of {len(missing)} missing); pass the model "
-            "file these tensors belong to"
-        )
-    _read_all_into(p, [infos[name] for name in targets], targets)
+    with _opened(source) as (p, _, infos, f):
+        missing = [name for name in targets if name not in infos]
+        if missing:
+            raise GGUFError(
+                f"{p} has no tensor {shown(missing[0])} (of {len(missing)} missing); pass the "
+                "model file these tensors belong to"
+            )
+        for name, target in targets.items():
+            _read_into(p, f, infos[name], target)
 
 
 def map_stored(source: GGUFSource, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -599,33 +625,29 @@ def map_stored(source: GGUFSource, like: Mapping[str, torch.Tensor]) -> dict[str
     past its end is a SIGBUS, as for llama.cpp); a file replaced by a new one (renamed over)
     leaves this mapping on the old one. The mapping is watched (``gguf.mapped_files``): a
     trainer checks between steps that the file is still the one mapped."""
-    p, _, infos = _parsed(source)
-    file_bytes = p.stat().st_size
-    for name, t in like.items():
-        info = infos.get(name)
-        if info is None or t.nbytes != info.n_bytes:
-            raise GGUFError(
-                f"{p} has no tensor {shown(name)} of {t.nbytes} stored bytes; pass the model file "
-                "these tensors belong to"
-            )
-        if info.offset + info.n_bytes > file_bytes:
-            raise GGUFError(f"{p} is truncated: tensor {shown(name)} ends past the end of the file")
-    if not like:
-        return {}
-    mapped = np.memmap(p, mode="c", dtype=np.uint8)
-    watch(p, mapped)  # a change to the file under the run is told, not a silent one or a SIGBUS
+    with _opened(source) as (p, _, infos, f):
+        file_bytes = os.fstat(f.fileno()).st_size
+        for name, t in like.items():
+            info = infos.get(name)
+            if info is None or t.nbytes != info.n_bytes:
+                raise GGUFError(
+                    f"{p} has no tensor {shown(name)} of {t.nbytes} stored bytes; pass the model "
+                    "file these tensors belong to"
+                )
+            if info.offset + info.n_bytes > file_bytes:
+                raise GGUFError(
+                    f"{p} is truncated: tensor {shown(name)} ends past the end of the file"
+                )
+        if not like:
+            return {}
+        mapped = np.memmap(f, mode="c", dtype=np.uint8)
+        watch(
+            p, mapped, f.fileno()
+        )  # a change to the file under the run is told, not a silent one or a SIGBUS
     return {
         name: torch.from_numpy(mapped[infos[name].offset :][: t.nbytes]).view(t.dtype).view(t.shape)
         for name, t in like.items()
     }
-
-
-def _read_all_into(
-    p: Path, infos: Sequence[TensorInfo], targets: Mapping[str, torch.Tensor]
-) -> None:
-    with open(p, "rb") as f:
-        for info in infos:
-            _read_into(p, f, info, targets[info.name])
 
 
 _DAMAGED_FIX = "use an older checkpoint (checkpoints/step-*.gguf) or a good copy"
@@ -655,18 +677,17 @@ def verify_gguf(source: GGUFSource) -> int:
     checkpoint's missing sha256 key.
     The bytes are hashed 16 MiB at a time, so checking costs no memory however large the file.
     """
-    p, meta, located = _parsed(source)
-    _check_checksums_kept(p, meta)
-    if STATE_SHA256_KEY in meta and meta[STATE_SHA256_KEY] != _state_sha256(meta):
-        raise GGUFError(
-            f"{p} is damaged: its training state keys (training.*, optimizer.*) do not match "
-            f"the sha256 recorded when it was written; {_DAMAGED_FIX}"
-        )
-    if TENSOR_SHA256_KEY not in meta:
-        return 0
-    infos = list(located.values())
-    recorded = _recorded_digests(p, meta[TENSOR_SHA256_KEY])
-    with open(p, "rb") as f:
+    with _opened(source) as (p, meta, located, f):
+        _check_checksums_kept(p, meta)
+        if STATE_SHA256_KEY in meta and meta[STATE_SHA256_KEY] != _state_sha256(meta):
+            raise GGUFError(
+                f"{p} is damaged: its training state keys (training.*, optimizer.*) do not match "
+                f"the sha256 recorded when it was written; {_DAMAGED_FIX}"
+            )
+        if TENSOR_SHA256_KEY not in meta:
+            return 0
+        infos = list(located.values())
+        recorded = _recorded_digests(p, meta[TENSOR_SHA256_KEY])
         damaged = [
             info.name
             for info in infos
@@ -685,9 +706,8 @@ def verify_gguf(source: GGUFSource) -> int:
 def nonfinite_tensors(source: GGUFSource) -> list[str]:
     """The float tensors holding a NaN or an infinity (a diverged run saved, or damage), read
     one at a time: memory for the largest tensor, not the model."""
-    p, _, infos = _parsed(source)
     bad = []
-    with open(p, "rb") as f:
+    with _opened(source) as (p, _, infos, f):
         for info in infos.values():
             target = torch.empty(info.np_shape, dtype=_dtype(info))
             if target.is_floating_point():

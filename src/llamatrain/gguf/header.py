@@ -13,10 +13,11 @@ it is one of the three modules that import the ``gguf`` package.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, BinaryIO, TypeAlias
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -24,7 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from llamatrain.errors import GGUFError, shown
 from llamatrain.gguf.export_types import EXPORT_TYPES
 
-__all__ = ["TensorInfo", "ValueType", "parse_header"]
+__all__ = ["TensorInfo", "ValueType", "open_gguf", "parse_header"]
 
 _V = GGUFValueType
 
@@ -179,11 +180,18 @@ class _Parser:
         return name, dims, raw_type, offset
 
 
-def _mapped(p: Path) -> memoryview:
-    """The file's bytes, memory-mapped (one open), after checking it is a GGUF at all."""
+def open_gguf(p: Path) -> BinaryIO:
+    """``p`` opened for reading, after checking that it is a file (one GGUFError naming it)."""
     if not p.is_file():
         raise GGUFError(f"GGUF file {str(p)!r} does not exist; check the path")
-    data = memoryview(np.memmap(p, mode="r", dtype=np.uint8)) if p.stat().st_size else None
+    return p.open("rb")
+
+
+def _mapped(p: Path, f: BinaryIO) -> memoryview | None:
+    """The bytes of the open file ``f``, memory-mapped (no second open), after checking it is
+    a GGUF at all."""
+    size = os.fstat(f.fileno()).st_size
+    data = memoryview(np.memmap(f, mode="r", dtype=np.uint8)) if size else None
     _check_magic(p, b"" if data is None else bytes(data[:4]))
     return data
 
@@ -196,9 +204,15 @@ def _check_magic(p: Path, head: bytes) -> None:
         )
 
 
-def parse_header(p: Path) -> tuple[dict[str, Any], list[TensorInfo], dict[str, ValueType]]:
-    """(metadata, tensor infos, metadata value types) of a GGUF; raises GGUFError."""
-    r = _Parser(_mapped(p))
+def parse_header(
+    p: Path, f: BinaryIO | None = None
+) -> tuple[dict[str, Any], list[TensorInfo], dict[str, ValueType]]:
+    """(metadata, tensor infos, metadata value types) of a GGUF; raises GGUFError. Read
+    through ``f``, the file already open (left open), or ``p`` opened for the parse alone."""
+    if f is None:
+        with open_gguf(p) as opened:
+            return parse_header(p, opened)
+    r = _Parser(_mapped(p, f))
     size = len(r.buf)
     try:
         r.take(4)

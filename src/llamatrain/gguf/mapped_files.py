@@ -89,9 +89,11 @@ _MAPPINGS: dict[int, _Mapping] = {}
 _KEYS = itertools.count()
 
 
-def watch(path: Path, mapped: np.memmap) -> None:
-    """Watch ``mapped`` (the whole of ``path``, mapped) for as long as it lives."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+def watch(path: Path, mapped: np.memmap, opened: int) -> None:
+    """Watch ``mapped`` (the whole of ``path``, mapped from the open descriptor ``opened``)
+    for as long as it lives, through a duplicate of that descriptor: the inode mapped, not
+    whatever the path names later, and the file not opened again."""
+    fd = os.dup(opened)
     stat = os.fstat(fd)
     key, start = next(_KEYS), mapped.ctypes.data
     end = start + mapped.nbytes

@@ -29,7 +29,7 @@ from llamatrain.gguf.file import read_gguf_metadata
 from llamatrain.hf.config import read_json_object
 from llamatrain.hf.folder import MODEL_CARD
 from llamatrain.hf.inside import file_in_folder
-from llamatrain.model_source import (
+from llamatrain.model_path import (
     BASE_PATH_KEY,
     BASE_SHA256_KEY,
     REFERENCE_PATH_KEY,

@@ -25,7 +25,7 @@ from llamatrain.checkpoint import DIVERGED_FIX, Checkpoint
 from llamatrain.config import Config, set_in
 from llamatrain.errors import ConfigError
 from llamatrain.model import Llama
-from llamatrain.model_source import LoraBase, check_same_model
+from llamatrain.model_path import LoraBase, check_same_model
 from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.parallel import Parallel
 

@@ -9,18 +9,19 @@ from pathlib import Path
 
 import torch
 
-from llamatrain.build import build_lora_base, read_model_source, run_choices
+from llamatrain.build import run_choices
 from llamatrain.config import Config
 from llamatrain.errors import ConfigError
 from llamatrain.lora import ALL_TARGETS
 from llamatrain.model import Llama
-from llamatrain.model_source import (
+from llamatrain.model_path import (
     LoraBase,
     describe_base,
     is_hf_folder,
     is_lora_checkpoint,
     model_file,
 )
+from llamatrain.model_source import build_lora_base, read_model_source
 
 __all__ = ["GRPO_REFERENCE_ROLE", "FrozenReference", "build_base_reference", "check_mappable"]
 

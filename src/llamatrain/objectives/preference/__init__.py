@@ -5,7 +5,7 @@ objective the trainer drives (:mod:`.objective`) and its config rules (:mod:`.ru
 from __future__ import annotations
 
 from llamatrain.config import Config
-from llamatrain.model_source import REFERENCE_ROLE, describe_base
+from llamatrain.model_path import REFERENCE_ROLE, describe_base
 from llamatrain.objectives.base import ObjectiveInputs, autocast_for, check_reference
 from llamatrain.objectives.preference.losses import OBJECTIVES
 from llamatrain.objectives.preference.objective import PreferenceObjective

@@ -31,7 +31,7 @@ from llamatrain.data.preferences import CHOSEN
 from llamatrain.errors import TrainingError
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
-from llamatrain.model_source import REFERENCE_ROLE
+from llamatrain.model_path import REFERENCE_ROLE
 from llamatrain.objectives.base import ObjectiveBase, StepContext, StepResult, batch_result
 from llamatrain.objectives.preference.losses import (
     OBJECTIVES,

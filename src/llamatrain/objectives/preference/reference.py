@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llamatrain import parallel
-from llamatrain.build import header_only, model_from_base, read_model_source
+from llamatrain.build import model_from_base
 from llamatrain.config import Config
 from llamatrain.data import TrainData
 from llamatrain.data.cache import read_description
@@ -37,7 +37,8 @@ from llamatrain.files import write_text_atomically, written_atomically
 from llamatrain.gguf.file import read_tensors_into
 from llamatrain.gguf.llama import LlamaFile
 from llamatrain.model import Llama
-from llamatrain.model_source import LoraBase
+from llamatrain.model_path import LoraBase
+from llamatrain.model_source import is_header_only, read_model_source
 from llamatrain.objectives.preference.losses import PairLogps, pair_slots, slot_pairs
 
 __all__ = [
@@ -314,7 +315,7 @@ def _initial_model(model: Llama, cfg: Config, device: torch.device, *, initial: 
 def _read_weights_into(model: Llama, source: LlamaFile) -> None:
     """``source``'s weights into ``model`` (same architecture, any device), one tensor at a
     time: no second copy of the model is ever held."""
-    lazily = header_only(source) and source.contents is not None
+    lazily = is_header_only(source) and source.contents is not None
     with torch.no_grad():
         for name, target in model.state_dict().items():
             if lazily:
