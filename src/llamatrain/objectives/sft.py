@@ -51,7 +51,6 @@ class SFTObjective(ObjectiveBase):
         inputs: torch.Tensor,
         targets: torch.Tensor,
         documents: torch.Tensor | None = None,
-        **extra: Any,
     ) -> float:
         """Under torchrun this rank computes its equal share of the batch's rows; the ranks'
         gradients are averaged in the last micro-step's backward, as is the loss after it, so
