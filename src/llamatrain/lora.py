@@ -41,7 +41,7 @@ from torch import nn
 
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.adapter import ALL_TARGETS, LORA_SUFFIXES, lora_settings_problem
-from llamatrain.gguf.file import DeferredTensor
+from llamatrain.gguf.write import DeferredTensor
 from llamatrain.model import Linear, Llama
 from llamatrain.model_config import VOCAB_TABLES
 from llamatrain.ops.dequantize import DEQUANTIZABLE, row_bytes
@@ -423,7 +423,7 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor | DeferredTensor]
     model without adapters gives its own tensors.
 
     Why deferred: merged weights are float32 over any base, so merging a 7B model at once
-    would hold 27 GB beside the base; a streaming writer (``llamatrain.gguf.file.write_gguf``)
+    would hold 27 GB beside the base; a streaming writer (``llamatrain.gguf.write.write_gguf``)
     reads one at a time, as llama.cpp's ``llama-export-lora`` merges one tensor at a time.
     A :class:`FrozenTable` or :class:`FrozenLinear` is deferred too, decoded when read, or a
     chunk of rows at a time by a writer that reads it so (the 1 GB float32 table of a 128k

@@ -24,7 +24,7 @@ from typing import Any
 from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import strategies as st
 
-from llamatrain.gguf.file import STATE_SHA256_KEY, TENSOR_SHA256_KEY, _state_sha256, read_gguf
+from llamatrain.gguf.file import STATE_SHA256_KEY, TENSOR_SHA256_KEY, read_gguf, state_sha256
 
 _V, _T = GGUFValueType, GGMLQuantizationType
 _PACK = {
@@ -171,7 +171,7 @@ def resign(layout: Layout) -> Layout:
         layout.keys[TENSOR_SHA256_KEY] = Key(_V.STRING, json.dumps(digests))
     if STATE_SHA256_KEY in layout.keys:
         plain = {name: key.value for name, key in layout.keys.items()}
-        layout.keys[STATE_SHA256_KEY] = Key(_V.STRING, _state_sha256(plain))
+        layout.keys[STATE_SHA256_KEY] = Key(_V.STRING, state_sha256(plain))
     return layout
 
 

@@ -18,7 +18,8 @@ from fuzz_bounds import bounded
 from llamatrain.cli import main
 from llamatrain.config import load_config
 from llamatrain.errors import ConfigError, GGUFError, LlamatrainError, TokenizerError
-from llamatrain.gguf.file import read_gguf, write_gguf
+from llamatrain.gguf.file import read_gguf
+from llamatrain.gguf.write import write_gguf
 from llamatrain.tokenizer import load_sentencepiece, read_hf_tokenizer
 from llamatrain.tokenizer.sentencepiece_proto import _bytes_field, _float_field, _int_field
 

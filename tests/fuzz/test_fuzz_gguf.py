@@ -20,13 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llamatrain.gguf.describe import describe_gguf
-from llamatrain.gguf.file import (
-    nonfinite_tensors,
-    read_gguf,
-    read_gguf_metadata,
-    verify_gguf,
-    write_gguf,
-)
+from llamatrain.gguf.file import nonfinite_tensors, read_gguf, read_gguf_metadata, verify_gguf
+from llamatrain.gguf.write import write_gguf
 
 pytestmark = pytest.mark.fuzz
 

@@ -28,9 +28,9 @@ from llamatrain.gguf.file import (
     read_gguf,
     read_gguf_metadata,
     typed_value,
-    write_gguf,
 )
 from llamatrain.gguf.llama import write_model
+from llamatrain.gguf.write import write_gguf
 
 SRC = Path(api.__file__).parent
 QUICK = {"train.steps": 2, "train.save_every": 2, "train.eval_every": 0, "output.export": "false"}

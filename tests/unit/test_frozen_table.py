@@ -27,8 +27,9 @@ from gguf import quants as gguf_quants
 from random_models import move_off_neutral
 
 from llamatrain.gguf import file as gguf_file
-from llamatrain.gguf.file import DeferredTensor, read_gguf, write_gguf
+from llamatrain.gguf.file import read_gguf
 from llamatrain.gguf.llama import read_model, write_model
+from llamatrain.gguf.write import DeferredTensor, write_gguf
 from llamatrain.lora import (
     ALL_TARGETS,
     FrozenTable,

@@ -32,13 +32,12 @@ from llamatrain.gguf.export_types import (
 from llamatrain.gguf.file import (
     STATE_SHA256_KEY,
     TENSOR_SHA256_KEY,
-    DeferredTensor,
     read_gguf,
     read_gguf_metadata,
     read_tensors_into,
     verify_gguf,
-    write_gguf,
 )
+from llamatrain.gguf.write import DeferredTensor, write_gguf
 
 
 def value_types(path: Path) -> dict[str, tuple[str, ...]]:

@@ -22,7 +22,8 @@ import torch
 
 from llamatrain.errors import LlamatrainError
 from llamatrain.gguf.describe import describe_gguf
-from llamatrain.gguf.file import read_gguf, read_gguf_metadata, verify_gguf, write_gguf
+from llamatrain.gguf.file import read_gguf, read_gguf_metadata, verify_gguf
+from llamatrain.gguf.write import write_gguf
 
 CASES = 400
 HUGE = [1 << 63, (1 << 64) - 1, 1 << 58, 1 << 32, (1 << 31) + 1, 0xFFFFFFFF]

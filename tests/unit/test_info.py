@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from llamatrain.gguf.describe import describe_gguf
-from llamatrain.gguf.file import write_gguf
 from llamatrain.gguf.llama import write_model, write_vocab
+from llamatrain.gguf.write import write_gguf
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.tokenizer import (
     TOKEN_TYPE_BYTE,

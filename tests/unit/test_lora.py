@@ -20,8 +20,8 @@ from gguf import quants as gguf_quants
 from llamatrain import activation_checkpointing as ac
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf import file as gguf_file
-from llamatrain.gguf.file import DeferredTensor, write_gguf
 from llamatrain.gguf.llama import LlamaFile
+from llamatrain.gguf.write import DeferredTensor, write_gguf
 from llamatrain.lora import (
     ALL_TARGETS,
     LoraLinear,

@@ -17,7 +17,8 @@ from gguf import GGUFValueType
 
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
-from llamatrain.gguf.file import read_gguf, write_gguf
+from llamatrain.gguf.file import read_gguf
+from llamatrain.gguf.write import write_gguf
 from llamatrain.lora import apply_lora, lora_state_dict
 from llamatrain.model import Llama, ModelConfig
 

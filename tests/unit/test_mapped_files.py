@@ -20,8 +20,9 @@ import torch
 from user_errors import error_of
 
 from llamatrain.gguf import mapped_files
-from llamatrain.gguf.file import map_stored, write_gguf
+from llamatrain.gguf.file import map_stored
 from llamatrain.gguf.mapped_files import check_mapped_files, faults_answered
+from llamatrain.gguf.write import write_gguf
 
 pytestmark = pytest.mark.skipif(not mapped_files._SUPPORTED, reason="Linux 64-bit only")
 

@@ -35,15 +35,9 @@ import numpy as np
 import torch
 
 from llamatrain.errors import ConfigError, GGUFError, shown
-from llamatrain.gguf.file import (
-    GGUFContents,
-    GGUFSource,
-    load_tensor_data,
-    read_gguf,
-    typed_value,
-    write_gguf,
-)
+from llamatrain.gguf.file import GGUFContents, GGUFSource, load_tensor_data, read_gguf, typed_value
 from llamatrain.gguf.llama import CHECKPOINT_TENSOR_PREFIXES, check_extras
+from llamatrain.gguf.write import write_gguf
 from llamatrain.model_config import PROJECTIONS
 
 __all__ = [

@@ -28,19 +28,16 @@ from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.gguf.export_types import general_file_type
 from llamatrain.gguf.file import (
     INTEGER_TYPES,
-    DeferredTensor,
     GGUFContents,
     GGUFSource,
-    TensorData,
-    TensorToWrite,
     load_tensor_data,
     read_gguf,
     read_gguf_metadata,
     typed_value,
-    write_gguf,
 )
 from llamatrain.gguf.key_kinds import CONFIG_KEY, check_key_kinds
 from llamatrain.gguf.vocab import tokenizer_from_metadata, tokenizer_metadata
+from llamatrain.gguf.write import DeferredTensor, TensorData, TensorToWrite, write_gguf
 from llamatrain.model_config import ARCHS, FAMILIES, ModelConfig, tensor_shapes
 from llamatrain.tokenizer import Tokenizer
 

@@ -28,8 +28,9 @@ from typing import Any
 from llamatrain.errors import ConfigError, GGUFError
 from llamatrain.files import check_target, is_gguf, replace_durably, temporary_path
 from llamatrain.gguf.export_types import EXPORT_TYPES, QUANTIZER_TYPES
-from llamatrain.gguf.file import GGUF_KIND, TensorData
+from llamatrain.gguf.file import GGUF_KIND
 from llamatrain.gguf.llama import write_model
+from llamatrain.gguf.write import TensorData
 from llamatrain.model_config import ModelConfig
 from llamatrain.tokenizer import Tokenizer
 

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 
 from llamatrain.errors import CheckpointError
 from llamatrain.files import staged_folder
-from llamatrain.gguf.file import DeferredTensor, TensorData
 from llamatrain.gguf.llama import LlamaFile
+from llamatrain.gguf.write import DeferredTensor, TensorData
 from llamatrain.hf.config import hf_config, model_config_from_hf, read_json_object
 from llamatrain.hf.inside import file_in_folder
 from llamatrain.hf.rope import hf_rope_scaling, rope_freqs_from_hf
