@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from llamatrain import activation_checkpointing, parallel
-from llamatrain.checkpoint import Checkpoint, CheckpointManager, check_compatible, load_checkpoint
+from llamatrain.checkpoint import Checkpoint, check_compatible, load_checkpoint
 from llamatrain.config import Config
 from llamatrain.data.cache import sha256_file
 from llamatrain.device import resolve_device
@@ -48,6 +48,7 @@ from llamatrain.model_source import (
     with_base,
 )
 from llamatrain.parallel import Parallel
+from llamatrain.run_checkpoints import CheckpointManager
 from llamatrain.tokenizer import Tokenizer, train_byte_bpe, train_spm
 
 __all__ = [

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from llamatrain import parallel
 from llamatrain.activation_checkpointing import segment_of
 from llamatrain.build import PreparedModel, prepare
-from llamatrain.checkpoint import Checkpoint, CheckpointManager, TrainingState
+from llamatrain.checkpoint import Checkpoint, TrainingState
 from llamatrain.config import Config, config_to_dict, sample_params, validate
 from llamatrain.convergence import ConvergenceTests
 from llamatrain.data import TrainData
@@ -57,6 +57,7 @@ from llamatrain.objectives.grpo.rewards import RewardFunction
 from llamatrain.optim import build_optimizer, lr_at, set_lr
 from llamatrain.plot import METRICS_FILE, read_records
 from llamatrain.report import RunPlan, RunReport, measure
+from llamatrain.run_checkpoints import CheckpointManager
 from llamatrain.tokenizer import Tokenizer
 from llamatrain.trackers import Trackers, open_trackers
 

@@ -31,11 +31,11 @@ pytestmark = pytest.mark.slow
 DRIVER = """
 import os, shutil, sys
 from pathlib import Path
-from llamatrain import checkpoint
+from llamatrain import run_checkpoints
 from llamatrain.cli import main
 
 base, change = Path(os.environ["BASE"]), os.environ["CHANGE"]
-save = checkpoint.CheckpointManager.save
+save = run_checkpoints.CheckpointManager.save
 
 
 def save_then_change(self, *args, **kwargs):
@@ -51,7 +51,7 @@ def save_then_change(self, *args, **kwargs):
     return path
 
 
-checkpoint.CheckpointManager.save = save_then_change
+run_checkpoints.CheckpointManager.save = save_then_change
 sys.exit(main(sys.argv[1:]))
 """
 """``llamatrain fit`` whose first checkpoint, once written, is copied to ``first.gguf``, and

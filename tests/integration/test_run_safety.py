@@ -19,7 +19,7 @@ import torch
 from random_models import BYTE_BPE, tiny_llama
 
 from llamatrain import api
-from llamatrain.checkpoint import CheckpointManager, load_checkpoint
+from llamatrain.checkpoint import load_checkpoint
 from llamatrain.errors import CheckpointError, LlamatrainError, OutputError
 from llamatrain.gguf.file import (
     PICKLED_STATE_KEYS,
@@ -31,6 +31,7 @@ from llamatrain.gguf.file import (
 )
 from llamatrain.gguf.llama import write_model
 from llamatrain.gguf.write import write_gguf
+from llamatrain.run_checkpoints import CheckpointManager
 
 SRC = Path(api.__file__).parent
 QUICK = {"train.steps": 2, "train.save_every": 2, "train.eval_every": 0, "output.export": "false"}
