@@ -70,6 +70,12 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from llamatrain.ops.attention_inputs import (
+    check_branches,
+    check_documents,
+    check_inputs,
+    check_padding,
+)
 from llamatrain.ops.dtypes import compute_dtype
 from llamatrain.ops.layout import layout_positions
 
@@ -452,85 +458,6 @@ def _document_bias(
     return bias.masked_fill_(hidden, -math.inf)[:, None, None]
 
 
-def _validate_documents(
-    documents: torch.Tensor, q: torch.Tensor, seq_kv: int, causal: bool
-) -> None:
-    """Packed documents need plain self-attention: causal, queries and keys the same tokens."""
-    B, _, T, _ = q.shape
-    if not causal or seq_kv != T:
-        raise ValueError(
-            f"documents need causal self-attention (seq_kv == seq); got causal={causal}, "
-            f"seq={T}, seq_kv={seq_kv}"
-        )
-    if tuple(documents.shape) != (B, T):
-        raise ValueError(f"documents must be shaped ({B}, {T}); got {tuple(documents.shape)}")
-    if documents.dtype.is_floating_point or documents.dtype == torch.bool:
-        raise ValueError(f"documents must hold integer ids; got {documents.dtype}")
-    if documents.device != q.device:
-        raise ValueError(f"documents are on {documents.device}, q on {q.device}")
-
-
-def _validate_branches(branches: torch.Tensor, documents: torch.Tensor | None) -> None:
-    """Branch ids split documents: they come with documents, shaped and typed alike."""
-    if documents is None:
-        raise ValueError("branches split documents: pass documents with them")
-    if branches.shape != documents.shape:
-        raise ValueError(
-            f"branches must be shaped like documents {tuple(documents.shape)}; got "
-            f"{tuple(branches.shape)}"
-        )
-    if branches.dtype.is_floating_point or branches.dtype == torch.bool:
-        raise ValueError(f"branches must hold integer ids; got {branches.dtype}")
-    if branches.device != documents.device:
-        raise ValueError(f"branches are on {branches.device}, documents on {documents.device}")
-
-
-def _validate_padding(padding: torch.Tensor, k: torch.Tensor) -> None:
-    """Padding marks key columns: one bool per row and kv position, beside the keys."""
-    B, _, S, _ = k.shape
-    if tuple(padding.shape) != (B, S) or padding.dtype != torch.bool:
-        raise ValueError(
-            f"padding must be ({B}, {S}) bools; got {tuple(padding.shape)} {padding.dtype}"
-        )
-    if padding.device != k.device:
-        raise ValueError(f"padding is on {padding.device}, k on {k.device}")
-
-
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            "flash_attn expects q, k, v shaped (batch, heads, seq, head_dim); got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    B, H, T, D = q.shape
-    Bk, Hkv, S, Dk = k.shape
-    if Bk != B:
-        raise ValueError(f"q and k/v batch sizes differ: {B} vs {Bk}")
-    if Dk != D:
-        raise ValueError(f"q and k/v head_dim differ: {D} vs {Dk}")
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(
-            f"n_heads ({H}) must be a multiple of n_kv_heads ({Hkv}) for grouped-query attention"
-        )
-    if T == 0 or S == 0:
-        raise ValueError(f"seq and seq_kv must be positive; got seq={T}, seq_kv={S}")
-    if causal and S < T:
-        raise ValueError(
-            f"causal attention needs seq_kv >= seq (the mask is aligned to the end); "
-            f"got seq={T}, seq_kv={S}"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.is_floating_point():
-        raise ValueError(f"flash_attn needs floating-point inputs; got {q.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-
-
 def flash_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -582,13 +509,13 @@ def flash_attn(
         (batch, n_heads, seq, head_dim) in q's dtype. bf16/fp16 inputs are computed with
         float32 accumulation.
     """
-    _validate(q, k, v, causal)
+    check_inputs(q, k, v, causal)
     if documents is not None:
-        _validate_documents(documents, q, k.shape[2], causal)
+        check_documents(documents, q, k.shape[2], causal)
     if branches is not None:
-        _validate_branches(branches, documents)
+        check_branches(branches, documents)
     if padding is not None:
-        _validate_padding(padding, k)
+        check_padding(padding, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     block = int(block_size)
