@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from llamatrain.errors import CheckpointError
 from llamatrain.gguf.file import GGUFContents, read_gguf, read_gguf_metadata
 from llamatrain.hf.weights import weight_files
+from llamatrain.plot import METRICS_FILE
 
 __all__ = [
     "BASE_PATH_KEY",
@@ -38,6 +39,7 @@ __all__ = [
     "describe_base",
     "existing_base",
     "is_hf_folder",
+    "is_run_folder",
     "is_lora_checkpoint",
     "model_file",
     "read_header",
@@ -73,16 +75,29 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def is_hf_folder(path: str | Path) -> bool:
-    """A folder that is not a run folder (one without ``checkpoints/``) is read as an HF
-    checkpoint folder."""
+def is_run_folder(path: str | Path) -> bool:
+    """A folder a run writes: ``checkpoints/``, or before its first checkpoint the
+    ``metrics.jsonl`` every fit starts with."""
     path = Path(path)
-    return path.is_dir() and not checkpoint_dir(path).is_dir()
+    return checkpoint_dir(path).is_dir() or (path / METRICS_FILE).is_file()
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A folder that is not a run folder (:func:`is_run_folder`) is read as an HF checkpoint
+    folder."""
+    path = Path(path)
+    return path.is_dir() and not is_run_folder(path)
 
 
 def model_file(path: str | Path) -> Path:
     """A run folder means its latest checkpoint; anything else names a file."""
     path = Path(path)
+    if path.is_dir() and not (checkpoint_dir(path) / LATEST).exists():
+        raise CheckpointError(
+            f"{path} is a run folder with no checkpoint yet (a run saves one every "
+            "train.save_every steps and when it ends); wait for one, or pass a checkpoint or a "
+            "GGUF"
+        )
     if path.is_dir():
         path = checkpoint_dir(path) / LATEST
     if not path.exists():

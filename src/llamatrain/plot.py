@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
-from llamatrain.errors import LlamatrainError
+from llamatrain.errors import LlamatrainError, LlamatrainWarning
 from llamatrain.files import written_atomically
 
 __all__ = [
     "METRICS_FILE",
     "CURVES_FILE",
     "can_plot",
+    "finite_value",
     "metrics_figure",
     "plot_metrics",
     "read_metrics",
@@ -60,30 +62,48 @@ def _metrics_path(run: str | Path) -> Path:
     return metrics
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Every record of a metrics file, in file order.
+MAX_STEP = 2**63 - 1
+"""The largest step a record may name (a checkpoint's counter is an int64)."""
 
-    A torn last line is skipped: the trainer may be writing it right now, or a crash (a
-    SIGKILL, a full disk) cut it; the records before it are whole, because each line is
-    written at once. Any other line that is not a record with an integer ``step`` is an error.
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every whole record of a metrics file (or of ``completions.jsonl``), in file order.
+
+    A log is data: a line that is not a JSON object with a ``step`` in 0..2^63-1 (cut by a
+    crash, edited, a number with more digits than Python reads, nested past its recursion
+    limit) is damaged and skipped, so it costs its own line, never the plot, the export or a
+    resume. A torn last line is skipped silently: the trainer may be writing it right now, or
+    a crash (a SIGKILL, a full disk) cut it, and the lines before it are whole because each is
+    written at once; the others are counted in one warning.
     """
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records, damaged = [], []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if number == len(lines):
-                continue
-            raise LlamatrainError(
-                f"{path}:{number} is not a JSON line ({e}); delete that line or the file"
-            ) from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise LlamatrainError(f"{path}:{number} is not a metrics record with a 'step'")
-        records.append(record)
+        record = _record(line)
+        if record is not None:
+            records.append(record)
+        elif number != len(lines):
+            damaged.append(number)
+    if damaged:
+        warnings.warn(
+            f"{path}: skipped {len(damaged)} damaged line(s), the first line {damaged[0]}: not "
+            "a JSON object with a step (0..2^63-1)",
+            LlamatrainWarning,
+            stacklevel=2,
+        )
     return records
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """The record ``line`` holds, or None when it is damaged (:func:`read_records`)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):  # JSONDecodeError, or an int past 4,300 digits
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return record if type(step) is int and 0 <= step <= MAX_STEP else None
 
 
 def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -102,16 +122,34 @@ def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
+PLOTTABLE = 1e300
+"""The largest magnitude a panel draws: matplotlib's margins and ticks around a value near
+float's maximum overflow (``arange: cannot compute length``)."""
+
+
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    """Steps and finite values of ``key`` (a NaN loss would blank a whole log-scale axis)."""
-    pairs = [(r["step"], float(r[key])) for r in records if _finite(r, key)]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+    """Steps and drawable values of ``key`` (:func:`_drawable`)."""
+    pairs = [(r["step"], _drawable(finite_value(r, key))) for r in records]
+    return [step for step, v in pairs if v is not None], [v for _, v in pairs if v is not None]
 
 
-def _finite(record: dict[str, Any], key: str) -> bool:
-    """Whether ``record`` holds a finite number under ``key``."""
+def _drawable(value: float | None) -> float | None:
+    """``value`` when a panel can draw it: finite (a NaN loss would blank a whole log-scale
+    axis) and within :data:`PLOTTABLE`."""
+    return value if value is not None and abs(value) <= PLOTTABLE else None
+
+
+def finite_value(record: dict[str, Any], key: str) -> float | None:
+    """``record[key]`` as a float when it is a finite number (not a bool, not an int past
+    float's range), else None."""
     value = record.get(key)
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def can_plot() -> bool:
@@ -160,15 +198,23 @@ def _reward_panel(ax: Any, train: list, evals: list) -> None:
     """The step's mean reward with a band of ± its std, and the held-out greedy reward."""
     steps, mean = _series(train, "reward")
     ax.plot(steps, mean, color="tab:purple", linewidth=1.2, label="train reward (mean)")
-    rows = [r for r in train if _finite(r, "reward") and _finite(r, "reward_std")]
-    if rows:
-        low = [r["reward"] - r["reward_std"] for r in rows]
-        high = [r["reward"] + r["reward_std"] for r in rows]
-        steps = [r["step"] for r in rows]
+    band = [(r["step"], *_band(r)) for r in train if _band(r) is not None]
+    if band:
+        steps, low, high = zip(*band, strict=True)
         ax.fill_between(steps, low, high, color="tab:purple", alpha=0.2, label="± std")
     steps, val = _series(evals, "val_reward")
     ax.plot(steps, val, "o--", color="tab:orange", linewidth=1.2, label="held-out reward (greedy)")
     ax.set(title="Reward", xlabel="optimizer step", ylabel="weighted reward")
+
+
+def _band(record: dict[str, Any]) -> tuple[float, float] | None:
+    """A training line's reward ± its std, or None where either bound cannot be drawn (±1e308
+    overflows, a value is missing)."""
+    mean, std = finite_value(record, "reward"), finite_value(record, "reward_std")
+    if mean is None or std is None:
+        return None
+    low, high = _drawable(mean - std), _drawable(mean + std)
+    return None if low is None or high is None else (low, high)
 
 
 def _functions_panel(ax: Any, train: list, evals: list) -> None:
@@ -249,6 +295,14 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
 def metrics_figure(train: list[dict[str, Any]], evals: list[dict[str, Any]], title: str) -> Any:
     """The figure :func:`plot_metrics` draws (a ``matplotlib.figure.Figure``): 1x3 panels,
     or 2x3 for a preference or a GRPO run."""
+    import matplotlib
+
+    with matplotlib.rc_context({"text.parse_math": False}):  # a "$" in a name is a dollar
+        return _figure(train, evals, title)
+
+
+def _figure(train: list[dict[str, Any]], evals: list[dict[str, Any]], title: str) -> Any:
+    """:func:`metrics_figure`'s figure, built while mathtext is off."""
     from matplotlib.figure import Figure
 
     kind = _run_kind(train + evals)

@@ -80,7 +80,7 @@ def test_fit_runs_from_any_folder_and_keeps_everything_in_the_run(tiny_run, cach
     saved = load_config(tiny_run.run_dir / "config.toml")  # the exact config, loadable again
     assert (saved.data.path, saved.output.dir, saved.model.dim, saved.train.steps) == (
         "sonnets",
-        "run",
+        str(tiny_run.run_dir),  # "run", resolved where it started (config.paths)
         64,
         60,
     )

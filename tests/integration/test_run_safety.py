@@ -20,7 +20,7 @@ from random_models import BYTE_BPE, tiny_llama
 
 from llamatrain import api
 from llamatrain.checkpoint import load_checkpoint
-from llamatrain.errors import CheckpointError, LlamatrainError, OutputError
+from llamatrain.errors import CheckpointError, LlamatrainError, LlamatrainWarning, OutputError
 from llamatrain.gguf.file import (
     PICKLED_STATE_KEYS,
     STATE_SHA256_KEY,
@@ -392,3 +392,29 @@ def test_an_hf_export_cards_the_entries_present_not_the_count_claimed(claiming, 
     assert "someone/grandparent" in card and "someone/data" in card
     card_head = card.split("---")[1]
     assert card_head.count("base_model") == 1, card_head
+
+
+# ---- 5. logs are data ------------------------------------------------------------------------
+
+
+def test_a_damaged_metrics_log_costs_its_lines_not_the_export_plot_or_resume(
+    quick_run, tiny_overrides, tmp_path
+):
+    """A line with more digits than Python reads is skipped with a warning; a loss of 10^400
+    is no value (before: tracebacks in export's model card, in plot, and on resume)."""
+    metrics = quick_run.run_dir / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 1, "loss": ' + "9" * 5000 + "}\n")
+        f.write('{"step": 2, "loss": ' + str(10**400) + ', "lr": 0.001}\n')
+    done = export_cli(str(quick_run.run_dir), "-o", str(tmp_path / "model.gguf"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "skipped 1 damaged line(s), the first line" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "llamatrain", "plot", str(quick_run.run_dir)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    with pytest.warns(LlamatrainWarning, match="skipped 1 damaged line"):
+        api.fit("tiny", overrides=tiny_overrides(**{**QUICK, "train.steps": 3}),
+                resume="latest", progress=False)  # fmt: skip
+    assert "9" * 5000 not in metrics.read_text()  # the resume kept the whole lines only

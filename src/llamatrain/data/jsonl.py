@@ -181,9 +181,12 @@ def _chat_line(
     messages: Any,
     need_assistant: bool,
     tools: tuple[Mapping[str, Any], ...] | None = None,
+    field: str = "messages",
 ) -> ChatLine:
+    """A conversation, checked; ``field`` is the key it was read from, as errors name it."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f'"messages" must be a non-empty list, not {_json_type(messages)}')
+        got = "an empty list" if messages == [] else _json_type(messages)
+        raise DataError(f'"{field}" must be a non-empty list, not {got}')
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):

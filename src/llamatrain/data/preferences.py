@@ -133,9 +133,10 @@ def parse_pair(line: str) -> PairLine:
 
 def _messages(key: str, value: Any) -> Messages:
     try:
-        return _chat_line(value, need_assistant=False).messages
+        return _chat_line(value, need_assistant=False, field=key).messages
     except DataError as problem:
-        raise DataError(f'"{key}": {problem}') from None
+        named = str(problem).startswith(f'"{key}"')  # an empty list says which field itself
+        raise DataError(str(problem) if named else f'"{key}": {problem}') from None
 
 
 def _reply(value: dict, key: str) -> Messages:
@@ -143,9 +144,8 @@ def _reply(value: dict, key: str) -> Messages:
     if isinstance(reply, str):
         return ({"role": "assistant", "content": reply},)
     if not isinstance(reply, list) or not reply:
-        raise DataError(
-            f'"{key}" must be text or a non-empty list of messages, not {_json_type(reply)}'
-        )
+        got = "an empty list" if reply == [] else _json_type(reply)
+        raise DataError(f'"{key}" must be text or a non-empty list of messages, not {got}')
     messages = _messages(key, reply)
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f'"{key}" has no "assistant" message: nothing of it would be scored')

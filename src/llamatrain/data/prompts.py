@@ -100,7 +100,7 @@ def parse_prompt_row(line: str | Mapping[str, Any]) -> tuple[str | list[dict], d
         raise DataError(f"a line must be a JSON object {_SHAPE}, not {_json_type(value)}")
     prompt = value.pop("prompt", None)
     if isinstance(prompt, list):
-        prompt = [dict(m) for m in _chat_line(prompt, need_assistant=False).messages]
+        prompt = [dict(m) for m in _chat_line(prompt, False, field="prompt").messages]
     elif not isinstance(prompt, str):
         raise DataError(
             f'a prompt row needs a "prompt", text or a list of messages, got {_json_type(prompt)}'

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -23,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from llamatrain.errors import LlamatrainError, LlamatrainWarning
 from llamatrain.gguf.adapter import ALL_TARGETS
 from llamatrain.gguf.file import read_gguf_metadata
 from llamatrain.hf.config import read_json_object
@@ -37,7 +35,7 @@ from llamatrain.model_path import (
     is_hf_folder,
     model_file,
 )
-from llamatrain.plot import METRICS_FILE, read_records
+from llamatrain.plot import METRICS_FILE, finite_value, read_records
 
 __all__ = [
     "BaseModel",
@@ -259,21 +257,14 @@ def _final_metrics(run_dir: Path | None, steps: int) -> dict[str, tuple[int, flo
     path = None if run_dir is None else run_dir / METRICS_FILE
     if path is None or not path.is_file():
         return {}
-    try:
-        records = read_records(path)
-    except LlamatrainError as err:  # a damaged log costs the card its losses, not the export
-        warnings.warn(
-            f"{err}; the model card leaves out the final metrics", LlamatrainWarning, stacklevel=2
-        )
-        return {}
     final: dict[str, tuple[int, float]] = {}
-    for record in records:
+    for record in read_records(path):  # a damaged line costs the card that line alone
         if record["step"] > steps:
             continue
         for key, _ in FINAL_METRICS:
-            value = record.get(key)
-            if type(value) in (int, float):
-                final[key] = (record["step"], float(value))
+            value = finite_value(record, key)
+            if value is not None:
+                final[key] = (record["step"], value)
     return final
 
 

@@ -55,10 +55,24 @@ def _front_matter(card: ModelCard) -> str:
 
 
 def _field(name: str, value: str | Sequence[str]) -> list[str]:
-    """A YAML field: a scalar on its line, a list one item a line; each value a JSON string."""
+    """A YAML field: a scalar on its line, a list one item a line; each value quoted."""
     if isinstance(value, str):
-        return [f"{name}: {json.dumps(value)}"]
-    return [f"{name}:", *(f"- {json.dumps(item)}" for item in value)]
+        return [f"{name}: {_quoted(value)}"]
+    return [f"{name}:", *(f"- {_quoted(item)}" for item in value)]
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a YAML double-quoted string: JSON's escapes of quotes, backslashes and
+    control characters, every other printable character as itself, and the rest escaped as
+    YAML reads them (``\\u2028``, ``\\U000e0001``). Not ASCII-only JSON: its surrogate pair
+    for an emoji (``\\ud83e\\udd99``) reads back from YAML as two broken characters."""
+    quoted = json.dumps(text, ensure_ascii=False)
+    return "".join(c if c.isprintable() else _yaml_escape(c) for c in quoted)
+
+
+def _yaml_escape(char: str) -> str:
+    code = ord(char)
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 # ------------------------------------------------------------------------------- body
