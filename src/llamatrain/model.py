@@ -210,11 +210,13 @@ class KVCache(nn.Module):
         return None if self.padding is None else self.padding[:, :end]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Append this step's k/v (batch, heads, t, hd) and return all keys/values so far."""
+        """Append this step's k/v (batch, heads, t, hd) and return all keys/values so far, in
+        the dtype this step computed them in: under bf16 autocast the queries are bf16 while
+        the cache keeps the model's float32 (which holds bf16 values exactly)."""
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.k[layer, :, :, :end].to(k.dtype), self.v[layer, :, :, :end].to(v.dtype)
 
 
 class Block(nn.Module):

@@ -123,3 +123,22 @@ def test_an_empty_prompt_is_refused_where_the_file_puts_no_bos_first(byte_model)
     for call in calls:
         with pytest.raises(ConfigError, match=refusal + r"add_bos_token = false\)[^\n]*$"):
             call()
+
+
+def test_decoding_under_bf16_autocast_reads_the_cache_in_the_steps_dtype() -> None:
+    """Under bf16 autocast (a QLoRA run's default on AMX CPUs, and its GRPO rollouts) the
+    queries are bf16 while the KV cache keeps the model's float32: the cache hands its keys
+    back in the step's dtype (float32 holds bf16 values exactly), so decoding runs, and the
+    cached decode's greedy tokens are those of whole forwards under the same autocast."""
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(**SMALL)).eval()
+    prompt = torch.randint(0, SMALL["vocab_size"], (2, 5))
+    greedy = SamplingParams(temperature=0.0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, prompt, 4, greedy, seed=0)
+        whole = prompt
+        for _ in range(4):
+            logits = model(whole)[:, -1].float()
+            whole = torch.cat([whole, logits.argmax(-1, keepdim=True)], dim=1)
+    assert out.shape == (2, 9)
+    assert torch.equal(out[:, :6], whole[:, :6])  # the prompt pass: the same bf16 products
