@@ -21,13 +21,13 @@ global backend or leaks figures into a notebook that is also showing its own plo
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from pathlib import Path
 from typing import Any
 
 from llamatrain.errors import LlamatrainError, LlamatrainWarning
 from llamatrain.files import written_atomically
+from llamatrain.numbers import finite_number
 
 __all__ = [
     "METRICS_FILE",
@@ -140,16 +140,8 @@ def _drawable(value: float | None) -> float | None:
 
 
 def finite_value(record: dict[str, Any], key: str) -> float | None:
-    """``record[key]`` as a float when it is a finite number (not a bool, not an int past
-    float's range), else None."""
-    value = record.get(key)
-    if type(value) not in (int, float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
+    """``record[key]`` as a finite float (``numbers.finite_number``), else None."""
+    return finite_number(record.get(key))
 
 
 def can_plot() -> bool:

@@ -32,7 +32,7 @@ import torch
 
 from llamatrain.errors import TrainingError, shown
 
-__all__ = ["NotAReward", "check_scale", "finite_number", "reward_value"]
+__all__ = ["NotAReward", "check_scale", "reward_value"]
 
 SQUARES_LIMIT = sys.float_info.max / 4
 """The bound on a batch's sum of squared rewards (see the module docstring): |r| ≲ 1e153."""
@@ -82,18 +82,6 @@ def _float(value: Real) -> float:
             f"a {type(value).__name__} that is not a float ({shown(repr(value), 40)}: "
             f"{type(e).__name__}: {shown(str(e), 80)})"
         ) from None
-
-
-def finite_number(value: Any) -> float | None:
-    """``value`` as a finite float when it is a real number other than a bool, else None
-    (a setting such as ``train.reward_weights``; converted here, so 10**400 is None)."""
-    if isinstance(value, bool) or not isinstance(value, Real):
-        return None
-    try:
-        number = float(value)
-    except Exception:
-        return None
-    return number if math.isfinite(number) else None
 
 
 def check_scale(

@@ -72,7 +72,8 @@ from typing import Any
 import torch
 
 from llamatrain.errors import ConfigError, DataError, TrainingError, shown
-from llamatrain.reward_values import NotAReward, finite_number, reward_value
+from llamatrain.numbers import finite_number
+from llamatrain.reward_values import NotAReward, reward_value
 from llamatrain.tools.specs import Named, import_function, split_spec
 from llamatrain.user_code import user_code
 
