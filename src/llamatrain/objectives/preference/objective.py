@@ -29,7 +29,7 @@ from llamatrain import parallel
 from llamatrain.checkpoint import DIVERGED_FIX, Checkpoint
 from llamatrain.data.preferences import CHOSEN
 from llamatrain.errors import TrainingError
-from llamatrain.lora import adapters_disabled
+from llamatrain.lora import adapters_disabled, lora_modules
 from llamatrain.model import Llama
 from llamatrain.model_path import REFERENCE_ROLE
 from llamatrain.objectives.base import ObjectiveBase, StepContext, StepResult, batch_result
@@ -265,7 +265,7 @@ class PreferenceObjective(ObjectiveBase):
                 f"train.objective = {self.objective!r} trains on rows of preference pairs "
                 "(llamatrain.data.preferences), which carry documents; this batch has none"
             )
-        if reference is None and self.table is not None:
+        if reference is None and self.needs_reference and not _has_adapters(ctx.model):
             raise TrainingError(
                 f"train.objective = {self.objective!r} over a full finetune needs the batch's "
                 "cached reference log-probs (train_step's reference=); this batch has none"
@@ -342,3 +342,9 @@ class PreferenceObjective(ObjectiveBase):
                 "llamatrain.api.fit"
             )
         super().check_resume(checkpoint)
+
+
+def _has_adapters(model: Llama) -> bool:
+    """Whether ``model`` has LoRA adapters to switch off for DPO/IPO's reference; a full
+    finetune has none, so its reference must be the cached table's rows."""
+    return any(True for _ in lora_modules(model))
