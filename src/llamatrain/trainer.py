@@ -131,7 +131,6 @@ class Trainer:
             prepared.logits_fn,
             self.device,
             self.parallel,
-            cfg.seqs_per_ubatch,
             self.train_step,
             data=data,
             progress=self.progress,

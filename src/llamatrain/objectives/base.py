@@ -64,14 +64,11 @@ class StepContext:
     """The model's forward (``logps_of=``: the targets' log-probs), wrapped alike."""
     device: torch.device
     parallel: Parallel
-    micro_batch: int
-    """Rows computed at once (``train.n_ubatch // data.n_ctx``)."""
     train_step: Callable[..., float]
     """One optimizer step on a step's work: zeroes the gradients, calls the objective's
     :meth:`Objective.accumulate` on ``*work`` (more than once for L-BFGS), checks the loss,
     clips and updates; returns the loss."""
     data: TrainData | None = None
-    tokenizer: Tokenizer | None = None
     progress: bool = False
     """Whether this rank shows progress bars (rank 0, when the run shows them)."""
     main: bool = True
@@ -79,6 +76,11 @@ class StepContext:
     run_dir: Path | None = None
     trackers: Trackers | None = None
     """The run's experiment trackers while ``fit`` runs (rank 0)."""
+
+    @property
+    def micro_batch(self) -> int:
+        """Rows computed at once (``train.n_ubatch // data.n_ctx``)."""
+        return self.cfg.seqs_per_ubatch
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The run's compute dtype for a forward (:func:`autocast_for`)."""
