@@ -52,11 +52,11 @@ def build_base_reference(cfg: Config, device: torch.device) -> FrozenReference |
     size in page cache the kernel can drop, never a float32 copy; on an accelerator, the
     file's size of device memory. Each block is decoded to float32 as a forward needs it,
     so its log-probs are those of the dequantized base. An HF folder (or a LoRA run, read
-    merged) has no file to map: it is refused with the conversion that gives one.
+    merged) has no file to map: the run's config rules refuse it first (:func:`check_mappable`),
+    naming the conversion that gives one.
     """
     if not cfg.holds_base_reference:
         return None
-    check_mappable(cfg)
     source = describe_base(cfg.model.init_from, "this GRPO run")
     base = read_model_source(cfg.model.init_from)
     model = build_lora_base(base, "quantized", ALL_TARGETS, **run_choices(cfg, base))
