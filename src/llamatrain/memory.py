@@ -195,8 +195,9 @@ def _rollout_tokens(cfg: Config) -> int:
 def _reference_bytes(
     cfg: Config, shapes: Mapping[str, tuple[int, ...]], stored_types: Mapping[str, str]
 ) -> int:
-    """The frozen base of a full finetune's GRPO (``build.build_base_reference``): every
-    matrix as its file stores it (float32 where no type is known), the rest float32."""
+    """The frozen base of a full finetune's GRPO
+    (``objectives.grpo.reference.build_base_reference``): every matrix as its file stores it
+    (float32 where no type is known), the rest float32."""
     if not cfg.holds_base_reference:
         return 0
     return sum(

@@ -479,8 +479,8 @@ class Config:
     def holds_base_reference(self) -> bool:
         """GRPO with a KL term (``train.beta > 0``) over a full finetune: its reference is the
         base it started from, held frozen beside the trained model as its GGUF stores it
-        (``build.build_base_reference``). A LoRA run's is its base with the adapters off,
-        which costs nothing more."""
+        (``objectives.grpo.reference.build_base_reference``). A LoRA run's is its base with the
+        adapters off, which costs nothing more."""
         t = self.train
         return t.objective == "grpo" and bool(t.beta) and not self.lora.rank
 
