@@ -91,9 +91,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
     from llamatrain.denormals import denormals_flushed
+    from llamatrain.gguf.mapped_files import reads_checked
     from llamatrain.memory import out_of_memory_in
 
-    with out_of_memory_in(**GENERATING), denormals_flushed():
+    with out_of_memory_in(**GENERATING), denormals_flushed(), reads_checked():
         _generate(args, params, seed)
     return 0
 
@@ -141,9 +142,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     seed = generation_seed(args.seed)
     check_max_tokens(args.max_tokens)
     from llamatrain.denormals import denormals_flushed
+    from llamatrain.gguf.mapped_files import reads_checked
     from llamatrain.memory import out_of_memory_in
 
-    with out_of_memory_in(**GENERATING), denormals_flushed():
+    with out_of_memory_in(**GENERATING), denormals_flushed(), reads_checked():
         _chat(args, params, seed)
     return 0
 
@@ -243,9 +245,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     from llamatrain import api
     from llamatrain.denormals import denormals_flushed
+    from llamatrain.gguf.mapped_files import reads_checked
     from llamatrain.memory import out_of_memory_in
 
-    with out_of_memory_in(**SCORING), denormals_flushed():
+    with out_of_memory_in(**SCORING), denormals_flushed(), reads_checked():
         model, tokenizer = api.load(args.checkpoint, lora=args.lora, dequantize=args.dequantize)
         result = api.perplexity(model, tokenizer, args.data, n_ctx=args.n_ctx)
     print(f"tokens:          {result.n_tokens}")
@@ -258,9 +261,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from llamatrain.gguf.mapped_files import reads_checked
     from llamatrain.memory import out_of_memory_in
 
-    with out_of_memory_in(**EXPORTING):
+    with out_of_memory_in(**EXPORTING), reads_checked():
         _export(args)
     return 0
 

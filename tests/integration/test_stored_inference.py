@@ -25,6 +25,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +247,53 @@ def test_chat_with_a_qlora_run_of_a_real_shape_holds_its_file_not_float32(
                       "float32_weights_gb": float32_weights / GB}))  # fmt: skip
     assert chat < file_bytes + kv_cache + GB
     assert chat < float32_weights / 2
+
+
+TRUNCATED_UNDER_THE_COMMAND = """
+import os, sys
+from llamatrain import api, cli
+path, opener = sys.argv[1:3]
+opens = getattr(api, opener)
+
+def open_then_truncate(*args, **kwargs):
+    opened = opens(*args, **kwargs)  # the weights mapped, not yet read
+    os.truncate(path, 4096)
+    return opened
+
+setattr(api, opener, open_then_truncate)
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["load", "generate", "{path}", "--prompt", "Shall I", "--max-tokens", "2"],
+        ["load", "eval", "{path}", "--data", str(SONNETS_PATH)],
+        ["model_to_export", "export", "{path}", "-o", "{path}.out", "--type", "q8_0"],
+    ],
+    ids=["generate", "eval", "export"],
+)
+def test_a_model_file_truncated_under_a_command_is_told_in_one_line(
+    files, tmp_path, command
+) -> None:
+    """A file cut short while ``generate``/``eval``/``export`` map it (a download rewritten,
+    a disk full elsewhere): reads past its new end would be SIGBUS, which kills the process with no
+    word; the command exits 1 with one line naming the file and how it changed, and writes
+    nothing. In a child
+    process, so that a regression is that child's death, not the test session's."""
+    path = tmp_path / "base.gguf"
+    path.write_bytes(files["q8_0"].read_bytes())
+    argv = [part.format(path=path) for part in command]
+    done = subprocess.run(
+        [sys.executable, "-c", TRUNCATED_UNDER_THE_COMMAND, str(path), *argv],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert lines == [
+        f"llamatrain: error: {path}, which this run maps, changed (it is 4,096 bytes, "
+        f"{files['q8_0'].stat().st_size:,} when the run mapped it); leave the file as it is "
+        "while a command reads it, and run the command again"
+    ], done.stderr
+    assert not Path(f"{path}.out").exists()  # export: nothing written from the zeros read

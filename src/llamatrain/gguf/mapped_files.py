@@ -48,12 +48,20 @@ import numpy as np
 
 from llamatrain.errors import TrainingError, shown
 
-__all__ = ["MappedFileChanged", "check_mapped_files", "faults_answered", "watch"]
+__all__ = [
+    "MappedFileChanged",
+    "READ_AGAIN_FIX",
+    "check_mapped_files",
+    "faults_answered",
+    "reads_checked",
+    "watch",
+]
 
 RESUME_FIX = (
     "put the file back as it was (the run's checkpoints record its sha256) and continue with "
     "--resume latest"
 )
+READ_AGAIN_FIX = "leave the file as it is while a command reads it, and run the command again"
 
 
 class MappedFileChanged(TrainingError):
@@ -87,6 +95,7 @@ class _Mapping:
 
 _MAPPINGS: dict[int, _Mapping] = {}
 _KEYS = itertools.count()
+_GONE_CHANGED: list[str] | None = None  # see reads_checked
 
 
 def watch(path: Path, mapped: np.memmap, opened: int) -> None:
@@ -102,10 +111,14 @@ def watch(path: Path, mapped: np.memmap, opened: int) -> None:
 
 
 def _forget(key: int) -> None:
-    """A mapping is gone: stop watching it and close its descriptor."""
+    """A mapping is gone: stop watching it and close its descriptor; inside
+    :func:`reads_checked`, a change to its file is kept to be told when the block ends."""
     mapping = _MAPPINGS.pop(key, None)
-    if mapping is not None:
-        os.close(mapping.fd)
+    if mapping is None:
+        return
+    if _GONE_CHANGED is not None and (how := _change(mapping)) is not None:
+        _GONE_CHANGED.append(_told(mapping, how))
+    os.close(mapping.fd)
 
 
 def _change(mapping: _Mapping) -> str | None:
@@ -120,12 +133,16 @@ def _change(mapping: _Mapping) -> str | None:
     return None
 
 
+def _told(mapping: _Mapping, how: str) -> str:
+    return f"{shown(str(mapping.path), None)}, which this run maps, changed ({how})"
+
+
 def changed_mapping() -> str | None:
     """What changed in the first watched file that did (its path and how), or None."""
     for mapping in tuple(_MAPPINGS.values()):
         how = _change(mapping)
         if how is not None:
-            return f"{shown(str(mapping.path), None)}, which this run maps, changed ({how})"
+            return _told(mapping, how)
     return None
 
 
@@ -220,3 +237,32 @@ def faults_answered() -> Iterator[None]:
     finally:
         _LIBC.sigaction(signal.SIGBUS, ctypes.byref(_previous), None)
         _installed = False
+
+
+@contextlib.contextmanager
+def reads_checked(fix: str = READ_AGAIN_FIX) -> Iterator[None]:
+    """A command that reads mapped weights (generate, chat, eval, export) ends in one line
+    naming the file when it changed under the command, not in SIGBUS: reads past a truncated
+    end give zeros (:func:`faults_answered`) and the change is told when the block ends, or in
+    place of whatever error computing over those zeros raised. A mapping dropped within the
+    block (the command's model freed) is told as well: its file's change is kept when it goes.
+    """
+    global _GONE_CHANGED
+    outer, _GONE_CHANGED = _GONE_CHANGED, []
+    try:
+        with faults_answered():
+            try:
+                yield
+            except Exception:
+                _check_read(fix)
+                raise
+        _check_read(fix)
+    finally:
+        _GONE_CHANGED = outer
+
+
+def _check_read(fix: str) -> None:
+    """Raise :class:`MappedFileChanged` for the first change seen inside :func:`reads_checked`."""
+    if _GONE_CHANGED:
+        raise MappedFileChanged(_GONE_CHANGED[0], fix)
+    check_mapped_files(fix=fix)
