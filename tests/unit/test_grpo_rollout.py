@@ -34,9 +34,10 @@ def seed_of(row: int) -> int:
 
 def sample(m: Llama, first: int, end: int) -> list[list[int]]:
     """The completions of rows [first, end) of the step, decoded on their own (a rank's share)."""
-    return sample_completions(
+    completions = sample_completions(
         m, PROMPTS[first:end], BUDGET, PARAMS, STOPS, lambda i: seed_of(first + i)
     )
+    return [c.tokens for c in completions]
 
 
 def test_a_rollouts_prompts_of_different_lengths_decode_as_one_batch():

@@ -216,8 +216,9 @@ def check_reference(used: LoraBase | None, checkpoint: Checkpoint | None, role: 
 
 
 def refuse_rewards(cfg: Config, rewards: Sequence[object] | None) -> None:
-    """Reward functions score GRPO's completions; an objective that samples none refuses
-    them, from the config (``train.rewards``) or from Python (``rewards=``)."""
+    """Reward functions score GRPO's completions and tools are called in its rollouts; an
+    objective that samples none refuses them, from the config (``train.rewards``,
+    ``train.tools``) or from Python (``rewards=``)."""
     objective = cfg.train.objective
     if cfg.train.rewards is not None:
         raise ConfigError(
@@ -230,6 +231,12 @@ def refuse_rewards(cfg: Config, rewards: Sequence[object] | None) -> None:
             f"rewards= score GRPO's completions; train.objective = {objective!r} "
             f"{set_in(cfg, 'train.objective')} samples none: set train.objective = 'grpo' "
             "or pass no rewards"
+        )
+    if cfg.train.tools:
+        raise ConfigError(
+            f"train.tools {set_in(cfg, 'train.tools', 'train.objective')} are called during "
+            f"GRPO's rollouts; train.objective = {objective!r} samples none: set "
+            "train.objective = 'grpo' or remove train.tools"
         )
 
 

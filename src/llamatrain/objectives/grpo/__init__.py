@@ -11,14 +11,16 @@ from llamatrain.objectives.base import ObjectiveInputs, check_reference
 from llamatrain.objectives.grpo.objective import GRPOObjective
 from llamatrain.objectives.grpo.reference import GRPO_REFERENCE_ROLE, build_base_reference
 from llamatrain.objectives.grpo.rewards import load as load_rewards
-from llamatrain.objectives.grpo.rules import DEFAULT_BETA, check
+from llamatrain.objectives.grpo.rules import DEFAULT_BETA, check, check_tool_template
+from llamatrain.tools.loading import load as load_tools
 
 __all__ = ["DEFAULT_BETA", "GRPOObjective", "build", "check"]
 
 
 def build(cfg: Config, inputs: ObjectiveInputs) -> GRPOObjective:
-    """GRPO over the run's tokenizer and chat template, its reward functions loaded
-    (importing the modules ``train.rewards`` names: the config's code, run now) and, over a
+    """GRPO over the run's tokenizer and chat template, its reward functions and tools loaded
+    (importing the modules ``train.rewards`` and ``train.tools`` name: the config's code, run
+    now) and, over a
     full finetune with a KL term, its frozen base mapped once (checked against a resumed
     checkpoint's record)."""
     t = cfg.train
@@ -30,4 +32,7 @@ def build(cfg: Config, inputs: ObjectiveInputs) -> GRPOObjective:
     if reference is not None:
         check_reference(reference.source, inputs.checkpoint, GRPO_REFERENCE_ROLE)
     template = None if inputs.data is None else inputs.data.chat_template
-    return GRPOObjective(cfg, inputs.tokenizer, template, rewards, inputs.ranks, reference)
+    tools = load_tools(t.tools) if t.tools else []
+    if tools:
+        check_tool_template(template)
+    return GRPOObjective(cfg, inputs.tokenizer, template, rewards, inputs.ranks, reference, tools)

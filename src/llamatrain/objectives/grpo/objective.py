@@ -53,16 +53,25 @@ from llamatrain.objectives.grpo.rollout import (
     Rollout,
     Scored,
     completion_metrics,
+    loss_mask,
     sample_completions,
     scored_logps,
     stop_ids,
     training_rows,
 )
 from llamatrain.objectives.grpo.rules import rollout_params
-from llamatrain.ops.sets import IGNORE_INDEX
+from llamatrain.objectives.grpo.tool_turns import (
+    ToolSettings,
+    ToolTurns,
+    counts,
+    row_record,
+    tool_metrics,
+)
+from llamatrain.objectives.grpo.turns import Completion
 from llamatrain.plot import read_records
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
+from llamatrain.tools.loading import Tool
 
 __all__ = ["COMPLETIONS_FILE", "COMPLETION_STEPS", "GRPOObjective"]
 
@@ -90,12 +99,20 @@ class GRPOObjective(ObjectiveBase):
         rewards: Sequence[Reward],
         ranks: int = 1,
         reference: FrozenReference | None = None,
+        tools: Sequence[Tool] = (),
     ) -> None:
         """``ranks``: how many DDP ranks share each step (each its whole groups).
         ``reference``: the frozen base the KL term scores against (a full finetune's, and
-        the file the checkpoints record); None: the trained model with its adapters off."""
+        the file the checkpoints record); None: the trained model with its adapters off.
+        ``tools``: what the model may call in its rollouts (``train.tools``, loaded)."""
         t = cfg.train
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, list(rewards)
+        self.template, self.tools = template, list(tools)
+        self.tool_settings = ToolSettings(
+            t.max_tool_calls if t.max_tool_calls is not None else t.max_completion_length,
+            t.tool_timeout,
+            t.tool_output_chars,
+        )
         self.loss_fn = GRPOLoss(t.loss_type, t.beta, t.epsilon, t.epsilon_high)
         self.stops = stop_ids(tokenizer, template)
         self.micro_batch = cfg.seqs_per_ubatch
@@ -148,31 +165,22 @@ class GRPOObjective(ObjectiveBase):
         first, mine = self._share(prompts)
         rows = [p for p in mine for _ in range(t.num_generations)]
         offset = first * t.num_generations  # this rank's first row in the step
-        params = rollout_params(t)
-        completions = sample_completions(
-            model,
-            [r.ids for r in rows],
-            t.max_completion_length,
-            params,
-            self.stops,
-            lambda i: abs(hash((t.seed, step, offset + i))) % 2**63,
-            autocast=autocast,
-            progress=progress,
-        )
-        truncated = torch.tensor([not c or c[-1] not in self.stops for c in completions])
-        texts = [self.tokenizer.decode(c) for c in completions]
-        inputs, targets = training_rows([r.ids for r in rows], completions, self.tokenizer.eos_id)
-        mask = (targets != IGNORE_INDEX).float()
-        if t.mask_truncated_completions:
-            mask = mask * (~truncated).float().unsqueeze(1)
+        seeds = lambda i: abs(hash((t.seed, step, offset + i))) % 2**63  # noqa: E731
+        completions, turns = self._sample(model, rows, rollout_params(t), seeds, autocast, progress)
+        truncated = torch.tensor([c.tokens[-1] not in self.stops for c in completions])
+        texts = [self.tokenizer.decode(c.tokens) for c in completions]
+        ids = [c.tokens for c in completions]
+        inputs, targets = training_rows([r.ids for r in rows], ids, self.tokenizer.eos_id)
+        mask = loss_mask(targets, completions, truncated, t.mask_truncated_completions)
         step_scored = Scored.gathered(
             Scored(
-                self._score(rows, texts, completions, step),
+                self._score(rows, texts, completions, step, turns),
                 [r.prompt for r in rows],
                 texts,
-                [len(c) for c in completions],
+                [sum(c.mask) for c in completions],
                 truncated.tolist(),
                 float(mask.sum()),
+                None if turns is None else counts(turns.logs),
             )
         )
         scored = score_rewards(
@@ -184,6 +192,8 @@ class GRPOObjective(ObjectiveBase):
         if t.beta > 0:
             ref = self._reference_logps(model, inputs, targets, autocast)
         metrics = scored.metrics | completion_metrics(step_scored.lengths, step_scored.truncated)
+        if step_scored.tools is not None:
+            metrics |= tool_metrics(step_scored.tools)
         return Rollout(
             inputs,
             targets,
@@ -221,21 +231,63 @@ class GRPOObjective(ObjectiveBase):
         first, end = rank * n // self.ranks, (rank + 1) * n // self.ranks
         return first, prompts[first:end]
 
+    def _sample(
+        self,
+        model: Llama,
+        rows: Sequence[PromptRow],
+        params: SamplingParams,
+        seeds: Callable[[int], int],
+        autocast: contextlib.AbstractContextManager,
+        progress: bool = False,
+    ) -> tuple[list[Completion], ToolTurns | None]:
+        """Each row's completion and, with tools, the tool rounds that answered its turns."""
+        turns = None
+        if self.tools:
+            prompts = [r.prompt for r in rows]
+            turns = ToolTurns(
+                self.tools, self.tool_settings, self.template, self.tokenizer, prompts
+            )
+        completions = sample_completions(
+            model,
+            [r.ids for r in rows],
+            self.cfg.train.max_completion_length,
+            params,
+            self.stops,
+            seeds,
+            autocast=autocast,
+            progress=progress,
+            responder=turns,
+        )
+        return completions, turns
+
     def _score(
-        self, rows: Sequence[PromptRow], texts: list[str], completions: list[list[int]], step: int
+        self,
+        rows: Sequence[PromptRow],
+        texts: list[str],
+        completions: list[Completion],
+        step: int,
+        turns: ToolTurns | None,
     ) -> torch.Tensor:
         """(N, F) each function's reward of each completion (NaN: None), TRL's arguments:
-        the prompts as given, the completions (messages for a conversation), their ids, every
-        other column (None where a row has none) and the trainer's state."""
+        the prompts as given, the completions (messages for a conversation: with tools its
+        calls, their results and the last reply, as TRL passes them), their ids, every other
+        column (None where a row has none) and the trainer's state."""
         prompts = [r.prompt for r in rows]
         names = dict.fromkeys(key for r in rows for key in r.columns)
         columns = {name: [r.columns.get(name) for r in rows] for name in names}
         state = TrainerState(global_step=step, max_steps=self.cfg.train.steps)
+        if turns is None:
+            given = trl_completions(prompts, texts)
+        else:
+            given = [
+                turns.final_messages(i, c.tokens[c.last_turn :], self.stops)
+                for i, c in enumerate(completions)
+            ]
         return score(
             self.rewards,
             prompts,
-            trl_completions(prompts, texts),
-            completions,
+            given,
+            [c.tokens for c in completions],
             columns,
             trainer_state=state,
         )
@@ -243,8 +295,10 @@ class GRPOObjective(ObjectiveBase):
     def _records(
         self, scored: Scored, rewards: torch.Tensor, advantages: torch.Tensor, step: int
     ) -> list[dict[str, Any]]:
-        """The completions table's rows (TRL's: prompt, completion, each reward, advantage)."""
-        return [
+        """The completions table's rows (TRL's: prompt, completion, each reward, advantage);
+        with tools the completion's text holds its calls and their results as the model read
+        them, and ``tools`` its calls, rounds and failed calls."""
+        records = [
             {
                 "step": step + 1,
                 "prompt": prompt,
@@ -259,6 +313,10 @@ class GRPOObjective(ObjectiveBase):
                 scored.prompts, scored.texts, scored.table, rewards, advantages, strict=True
             )
         ]
+        if scored.tools is not None:
+            for record, row in zip(records, scored.tools, strict=True):
+                record["tools"] = row_record(row)
+        return records
 
     # ---- the loss ----------------------------------------------------------------------
 
@@ -317,22 +375,18 @@ class GRPOObjective(ObjectiveBase):
         decodes and scores its share, the metrics are over them all."""
         t = self.cfg.train
         _, mine = self._share(prompts)
-        completions = sample_completions(
-            model,
-            [p.ids for p in mine],
-            t.max_completion_length,
-            SamplingParams(temperature=0.0),
-            self.stops,
-            lambda i: t.seed,
-            autocast=autocast,
-        )
-        texts = [self.tokenizer.decode(c) for c in completions]
-        truncated = [not c or c[-1] not in self.stops for c in completions]
-        table = self._score(mine, texts, completions, step)
-        lengths = [len(c) for c in completions]
-        held_out = Scored.gathered(Scored(table, [], [], lengths, truncated, 0.0))
+        greedy = SamplingParams(temperature=0.0)
+        completions, turns = self._sample(model, mine, greedy, lambda i: t.seed, autocast)
+        texts = [self.tokenizer.decode(c.tokens) for c in completions]
+        truncated = [c.tokens[-1] not in self.stops for c in completions]
+        table = self._score(mine, texts, completions, step, turns)
+        lengths = [sum(c.mask) for c in completions]
+        tools = None if turns is None else counts(turns.logs)
+        held_out = Scored.gathered(Scored(table, [], [], lengths, truncated, 0.0, tools))
         scored = score_rewards(held_out.table, self.weights, self.names, 1, "none")
         metrics = scored.metrics | completion_metrics(held_out.lengths, held_out.truncated)
+        if held_out.tools is not None:
+            metrics |= tool_metrics(held_out.tools)
         metrics.pop("frac_reward_zero_std")
         return metrics
 
