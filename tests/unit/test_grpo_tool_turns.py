@@ -1,14 +1,14 @@
 """A GRPO rollout with tools (``train.tools``): the turn-by-turn decode, the tool rounds and
 their tokens, against the chat template's own rendering of the same conversation.
 
-The model is a tiny random float32 llama over llama.cpp's Qwen2 vocabulary with the Qwen 2.5 template
-(the fixture's, byte-identical to the model's). What it "samples" is scripted: the decoder's
-draw is replaced by each row's next scripted token, so every case is exact — a good call, a call
-to an unknown tool, wrong arguments, a tool that raises, one that hangs past the timeout, an
-output cut to the cap, rounds spent, and the completion budget met before and after a tool's
-answer — while everything else (the KV-cache feed, the parsing, running the tools, rendering
-and tokenizing their messages, the masks) is the rollout's own. The KV cache's continuation is
-checked against a full forward of each row's tokens, in float64.
+The model is a tiny random float32 llama over llama.cpp's Qwen2 vocabulary with the Qwen 2.5
+template (the fixture's, byte-identical to the model's). What it "samples" is scripted: the
+decoder's draw is replaced by each row's next scripted token, so every case is exact — a good
+call, a call to an unknown tool, wrong arguments, a tool that raises, one that hangs past the
+timeout, an output cut to the cap, rounds spent, and the completion budget met before and
+after a tool's answer — while everything else (the KV-cache feed, the parsing, running the
+tools, rendering and tokenizing their messages, the masks) is the rollout's own. The KV
+cache's continuation is checked against a full forward of each row's tokens, in float64.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def test_the_loss_mask_is_the_models_tokens_and_drops_truncated_rows(setup, monk
     prompts = [prompt] * 2
     _, targets = training_rows(prompts, [c.tokens for c in completions], 0)
     truncated = torch.tensor([c.tokens[-1] not in stops for c in completions])
-    mask = loss_mask(targets, completions, truncated, mask_truncated=False)
+    mask = loss_mask(targets, completions, truncated, mask_truncated_rows=False)
     for row, completion in enumerate(completions):
         at = len(prompt) - 1
         assert mask[row, at : at + len(completion.tokens)].tolist() == completion.mask

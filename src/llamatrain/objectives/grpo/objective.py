@@ -46,7 +46,7 @@ from llamatrain.files import check_target, write_text_atomically
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
 from llamatrain.objectives.base import ObjectiveBase, StepContext, StepResult
-from llamatrain.objectives.grpo.loss import GRPOLoss, score_rewards
+from llamatrain.objectives.grpo.loss import GRPOLoss, score_rewards, truncated_completions
 from llamatrain.objectives.grpo.reference import GRPO_REFERENCE_ROLE, FrozenReference
 from llamatrain.objectives.grpo.rewards import Reward, TrainerState, score, trl_completions
 from llamatrain.objectives.grpo.rollout import (
@@ -167,9 +167,9 @@ class GRPOObjective(ObjectiveBase):
         offset = first * t.num_generations  # this rank's first row in the step
         seeds = lambda i: abs(hash((t.seed, step, offset + i))) % 2**63  # noqa: E731
         completions, turns = self._sample(model, rows, rollout_params(t), seeds, autocast, progress)
-        truncated = torch.tensor([c.tokens[-1] not in self.stops for c in completions])
-        texts = [self.tokenizer.decode(c.tokens) for c in completions]
         ids = [c.tokens for c in completions]
+        truncated = truncated_completions(ids, self.stops)
+        texts = [self.tokenizer.decode(c.tokens) for c in completions]
         inputs, targets = training_rows([r.ids for r in rows], ids, self.tokenizer.eos_id)
         mask = loss_mask(targets, completions, truncated, t.mask_truncated_completions)
         step_scored = Scored.gathered(

@@ -34,6 +34,7 @@ from llamatrain.errors import DataError
 from llamatrain.lora import decoded_base
 from llamatrain.memory import available_memory
 from llamatrain.model import Llama
+from llamatrain.objectives.grpo.loss import mask_truncated
 from llamatrain.objectives.grpo.turns import Completion, Responder, decode_turns
 from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.sampling import SamplingParams
@@ -200,19 +201,17 @@ def loss_mask(
     targets: torch.Tensor,
     completions: Sequence[Completion],
     truncated: torch.Tensor,
-    mask_truncated: bool,
+    mask_truncated_rows: bool,
 ) -> torch.Tensor:
     """(N, L) float: the targets the loss, the KL and the entropy count — a completion's
     tokens the model sampled (TRL's ``completion_mask * tool_mask``: a tool's answer and the
     template's tokens around it are 0), none of a truncated completion's with
-    ``mask_truncated`` (``train.mask_truncated_completions``)."""
+    ``mask_truncated_rows`` (``train.mask_truncated_completions``)."""
     mask = torch.zeros(targets.shape, dtype=torch.float32)
     for i, completion in enumerate(completions):
         positions = (targets[i] != IGNORE_INDEX).nonzero().squeeze(1)
         mask[i, positions] = torch.tensor(completion.mask, dtype=torch.float32)
-    if mask_truncated:
-        mask = mask * (~truncated).float().unsqueeze(1)
-    return mask
+    return mask_truncated(mask, truncated) if mask_truncated_rows else mask
 
 
 @torch.no_grad()
