@@ -13,6 +13,7 @@ cache's continuation is checked against a full forward of each row's tokens, in 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from pathlib import Path
@@ -23,8 +24,13 @@ from llama_cpp_files import vocab_dir as vocab_dir
 
 from llamatrain import Llama, ModelConfig
 from llamatrain.chat_template import ChatTemplate, prompt_ids
+from llamatrain.config import load_config
+from llamatrain.data.prompts import PromptRow
 from llamatrain.decoding import RowDecoder
 from llamatrain.gguf.llama import read_tokenizer
+from llamatrain.objectives import check
+from llamatrain.objectives.grpo.objective import GRPOObjective
+from llamatrain.objectives.grpo.rewards import load as load_rewards
 from llamatrain.objectives.grpo.rollout import (
     loss_mask,
     sample_completions,
@@ -280,3 +286,63 @@ def test_the_kv_cache_continues_as_a_full_forward_does(setup):
             alone = model(torch.tensor([row]))[0, -1]
             torch.testing.assert_close(decoder.logits[i], alone, rtol=0, atol=1e-10)
     assert decoder.cache.k.shape[3] > 6  # it grew
+
+
+def test_the_objectives_rollout_scores_conversations_and_logs_the_tools(setup, monkeypatch):
+    """GRPOObjective over tools: the reward functions get each completion as TRL passes a
+    tool conversation (the call, its result, the answer), the rows' mask leaves the tool's
+    tokens out, the step logs the tool metrics and the completions table each row's calls."""
+    model, tokenizer, template = setup
+    seen = []
+
+    def right(prompts, completions, completion_ids, **_):
+        seen.extend(completions)
+        return [float("42" in c[-1]["content"]) for c in completions]
+
+    overrides = [
+        'train.objective="grpo"',
+        'data.format="jsonl"',
+        'train.rewards=["builtin:format"]',
+        "train.num_generations=2",
+        "train.max_completion_length=120",
+        "data.n_ctx=1024",
+        "train.n_batch=2048",
+        "train.max_tool_calls=1",
+    ]
+    cfg = check(load_config("tiny", overrides))
+    rewards = load_rewards([right])
+    objective = GRPOObjective(cfg, tokenizer, template, rewards, tools=TOOLS)
+    text = template.render(PROMPT, add_generation_prompt=True, tools=SCHEMAS)
+    row = PromptRow(tuple(prompt_ids(tokenizer, text)), PROMPT, {})
+    scripts = [
+        call("multiply", '{"a": 6, "b": 7}') + "42<|im_end|>",
+        call("divide", '{"a": 6, "b": 7}') + "13<|im_end|>",
+    ]
+    tokens = [tokenizer.encode(s, special=True) for s in scripts]
+    drawn = [0, 0]
+
+    def scripted(self, rows):
+        out = [tokens[r][drawn[r]] for r in rows]
+        for r in rows:
+            drawn[r] += 1
+        return out
+
+    monkeypatch.setattr(RowDecoder, "sample", scripted)
+    rollout = objective.rollout([row], 0, model, contextlib.nullcontext())
+    assert [c[-1]["content"] for c in seen] == ["42", "13"]
+    assert seen[0][1] == {"role": "tool", "name": "multiply", "content": "42"}
+    assert seen[1][1]["content"].startswith("{'error': ")
+    good, bad = rollout.advantages.tolist()
+    assert good == -bad > 0.7  # rewards 1 and 0: ±0.5 / (their std + 1e-4)
+    answers = [len(tool_answer(tokenizer, m[1]["content"])) for m in seen]
+    assert rollout.mask.sum(dim=1).tolist() == [len(t) for t in tokens]
+    assert (rollout.targets != -100).sum(dim=1).tolist() == [
+        len(t) + a for t, a in zip(tokens, answers, strict=True)
+    ]
+    assert rollout.metrics["tools/call_frequency"] == 1.0
+    assert rollout.metrics["tools/failures/unknown_tool"] == 0.5
+    assert rollout.metrics["completions/mean_length"] == sum(map(len, tokens)) / 2
+    assert [r["tools"] for r in rollout.table] == [
+        {"calls": 1, "rounds": 1, "failures": {}},
+        {"calls": 1, "rounds": 1, "failures": {"unknown_tool": 1}},
+    ]
