@@ -8,7 +8,8 @@ timed out and left behind (Python cannot stop a thread; a daemon one does not ho
 at exit), and the rollout goes on. An ``async def`` tool runs to completion on its own event
 loop in that thread. Whatever the call raises, ``SystemExit`` and ``KeyboardInterrupt``
 included, becomes its error message: a tool cannot end the run. Its result, as ``str`` makes it
-(TRL's), is cut to ``max_chars`` characters with a note of how much was left out.
+(TRL's), is cut to ``max_chars`` characters with a note of how much was left out. A working
+directory the call changes is put back once it returns (``llamatrain.user_code``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamatrain.tools.loading import Tool
+from llamatrain.user_code import user_code
 
 __all__ = ["RAISED", "TIMED_OUT", "Outcome", "error_content", "run_call"]
 
@@ -47,8 +49,9 @@ def run_call(tool: Tool, arguments: dict[str, Any], timeout: float, max_chars: i
     worker = threading.Thread(
         target=_call_into, args=(tool, arguments, box), name=f"tool {tool.name}", daemon=True
     )
-    worker.start()
-    worker.join(timeout)
+    with user_code(f"tool {tool.name!r}"):  # its chdir undone (its exits are caught inside)
+        worker.start()
+        worker.join(timeout)
     if worker.is_alive():
         return Outcome(error_content(f"{tool.name} timed out after {timeout:g} s"), TIMED_OUT)
     if "error" in box:
