@@ -9,29 +9,22 @@ from pathlib import Path
 
 import pytest
 from llama_cpp_files import vocab_dir as vocab_dir
+from test_grpo_setup import GRPO
+from test_grpo_setup import checked as check_config
 
 from llamatrain.chat_template import BUILTIN_TEMPLATES, ChatTemplate
-from llamatrain.config import load_config
 from llamatrain.data.prompts import PromptEncoder
 from llamatrain.errors import ConfigError, DataError, LlamatrainWarning
 from llamatrain.gguf.llama import read_tokenizer
-from llamatrain.objectives import check
 from llamatrain.objectives.grpo.rules import check_tool_template
 from llamatrain.tools.loading import load
 from llamatrain.tools.running import RAISED, run_call
 
 TEMPLATES = Path(__file__).parents[1] / "fixtures" / "chat_templates"
-GRPO = [
-    'train.objective="grpo"',
-    'data.format="jsonl"',
-    'train.rewards=["builtin:exact_answer"]',
-    "train.num_generations=4",
-    "train.max_completion_length=16",
-]
 
 
 def checked(overrides):
-    return check(load_config("tiny", overrides))
+    return check_config("tiny", overrides)
 
 
 def test_tools_need_grpo_and_well_formed_specs():

@@ -1,5 +1,6 @@
 """Training curves: ``llamatrain.plot.plot_metrics`` and ``llamatrain plot``."""
 
+import functools
 import json
 import struct
 import sys
@@ -191,6 +192,14 @@ def write_grpo_metrics(run: Path) -> Path:
     return path
 
 
+def panel_lines(panels: dict, title: str) -> dict[str, tuple[list, list]]:
+    """Each line of the panel ``title``: its label → (x, y)."""
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in panels[title].lines
+    }
+
+
 def test_a_grpo_run_plots_its_rewards_lengths_and_entropy(tmp_path):
     from llamatrain.plot import metrics_figure
 
@@ -203,13 +212,7 @@ def test_a_grpo_run_plots_its_rewards_lengths_and_entropy(tmp_path):
         "Entropy and KL",
     }  # fmt: skip
     steps = list(range(1, 7))
-
-    def lines(title: str) -> dict[str, tuple[list, list]]:
-        return {
-            line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-            for line in panels[title].lines
-        }
-
+    lines = functools.partial(panel_lines, panels)
     reward = lines("Reward")
     assert reward["train reward (mean)"] == (steps, [s / 6 for s in steps])
     assert reward["held-out reward (greedy)"] == ([3, 6], [0.3, 0.6])
@@ -254,13 +257,7 @@ def test_a_grpo_run_with_tools_adds_the_tool_panels(tmp_path):
     panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
     assert {"Tool calls", "Failed calls by kind", "Failed calls", "Reward"} <= set(panels)
     steps = list(range(1, 7))
-
-    def lines(title: str) -> dict[str, tuple[list, list]]:
-        return {
-            line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-            for line in panels[title].lines
-        }
-
+    lines = functools.partial(panel_lines, panels)
     calls = lines("Tool calls")
     assert calls["train calls"] == (steps, [s / 2 for s in steps])
     assert calls["validation calls"] == ([3, 6], [2.0, 2.0])
