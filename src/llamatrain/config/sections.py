@@ -385,6 +385,15 @@ class TrainSection:
         "and the rollout goes on",
         gt=0,
     )
+    environment: str | None = setting(
+        None,
+        "grpo: a multi-turn task without tools: 'package.module:make_env' or "
+        "'path/to/file.py:make_env', a function making one environment per completion with "
+        "reset(row) -> the first user message (or None) and step(reply) -> the next user "
+        "message or None (the end); its messages are masked from the loss, and a reward() "
+        "method adds the reward column 'environment'. A config naming a module runs that "
+        "module: name only code you trust",
+    )
     tool_output_chars: int = setting(
         4096,
         "grpo: most characters of a tool's result the model is shown; more are cut, the cut "

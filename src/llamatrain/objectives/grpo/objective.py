@@ -46,9 +46,11 @@ from llamatrain.files import check_target, write_text_atomically
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
 from llamatrain.objectives.base import ObjectiveBase, StepContext, StepResult
+from llamatrain.objectives.grpo.environment import REWARD_NAME, Environment
 from llamatrain.objectives.grpo.loss import GRPOLoss, score_rewards, truncated_completions
+from llamatrain.objectives.grpo.multi_turn import MultiTurn, Turns
 from llamatrain.objectives.grpo.reference import GRPO_REFERENCE_ROLE, FrozenReference
-from llamatrain.objectives.grpo.rewards import Reward, TrainerState, score, trl_completions
+from llamatrain.objectives.grpo.rewards import Reward, TrainerState, score
 from llamatrain.objectives.grpo.rollout import (
     Rollout,
     Scored,
@@ -60,13 +62,7 @@ from llamatrain.objectives.grpo.rollout import (
     training_rows,
 )
 from llamatrain.objectives.grpo.rules import rollout_params
-from llamatrain.objectives.grpo.tool_turns import (
-    ToolSettings,
-    ToolTurns,
-    counts,
-    row_record,
-    tool_metrics,
-)
+from llamatrain.objectives.grpo.tool_turns import ToolSettings
 from llamatrain.objectives.grpo.turns import Completion
 from llamatrain.plot import read_records
 from llamatrain.sampling import SamplingParams
@@ -100,19 +96,22 @@ class GRPOObjective(ObjectiveBase):
         ranks: int = 1,
         reference: FrozenReference | None = None,
         tools: Sequence[Tool] = (),
+        environment: Environment | None = None,
     ) -> None:
         """``ranks``: how many DDP ranks share each step (each its whole groups).
         ``reference``: the frozen base the KL term scores against (a full finetune's, and
         the file the checkpoints record); None: the trained model with its adapters off.
-        ``tools``: what the model may call in its rollouts (``train.tools``, loaded)."""
+        ``tools``: what the model may call in its rollouts (``train.tools``, loaded);
+        ``environment``: what replies to its turns (``train.environment``, loaded)."""
         t = cfg.train
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, list(rewards)
-        self.template, self.tools = template, list(tools)
-        self.tool_settings = ToolSettings(
+        settings = ToolSettings(
             t.max_tool_calls if t.max_tool_calls is not None else t.max_completion_length,
             t.tool_timeout,
             t.tool_output_chars,
         )
+        self.turns = MultiTurn(tools, settings, environment, template, tokenizer)
+        self.environment_reward = environment is not None and environment.owns_reward
         self.loss_fn = GRPOLoss(t.loss_type, t.beta, t.epsilon, t.epsilon_high)
         self.stops = stop_ids(tokenizer, template)
         self.micro_batch = cfg.seqs_per_ubatch
@@ -122,8 +121,9 @@ class GRPOObjective(ObjectiveBase):
         self.held = None if reference is None else reference.model
         self.reference = None if reference is None else reference.source
         self.completions: list[dict] = []  # the last COMPLETION_STEPS steps' table
-        self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
-        self.names = [r.name for r in self.rewards]
+        weights = [r.weight for r in self.rewards] + [1.0] * self.environment_reward
+        self.weights = torch.tensor(weights, dtype=torch.float64)
+        self.names = [r.name for r in self.rewards] + [REWARD_NAME] * self.environment_reward
         self._rollout: Rollout | None = None
         self._metrics: dict[str, list[torch.Tensor]] = {}
 
@@ -166,21 +166,21 @@ class GRPOObjective(ObjectiveBase):
         rows = [p for p in mine for _ in range(t.num_generations)]
         offset = first * t.num_generations  # this rank's first row in the step
         seeds = lambda i: abs(hash((t.seed, step, offset + i))) % 2**63  # noqa: E731
-        completions, turns = self._sample(model, rows, rollout_params(t), seeds, autocast, progress)
+        turns, completions = self._sample(model, rows, rollout_params(t), seeds, autocast, progress)
         ids = [c.tokens for c in completions]
         truncated = truncated_completions(ids, self.stops)
         texts = [self.tokenizer.decode(c.tokens) for c in completions]
-        inputs, targets = training_rows([r.ids for r in rows], ids, self.tokenizer.eos_id)
+        inputs, targets = training_rows(turns.prompt_ids, ids, self.tokenizer.eos_id)
         mask = loss_mask(targets, completions, truncated, t.mask_truncated_completions)
         step_scored = Scored.gathered(
             Scored(
                 self._score(rows, texts, completions, step, turns),
-                [r.prompt for r in rows],
+                turns.prompts,
                 texts,
                 [sum(c.mask) for c in completions],
                 truncated.tolist(),
                 float(mask.sum()),
-                None if turns is None else counts(turns.logs),
+                turns.counts(),
             )
         )
         scored = score_rewards(
@@ -192,8 +192,7 @@ class GRPOObjective(ObjectiveBase):
         if t.beta > 0:
             ref = self._reference_logps(model, inputs, targets, autocast)
         metrics = scored.metrics | completion_metrics(step_scored.lengths, step_scored.truncated)
-        if step_scored.tools is not None:
-            metrics |= tool_metrics(step_scored.tools)
+        metrics |= self.turns.metrics(step_scored.tools)
         return Rollout(
             inputs,
             targets,
@@ -239,26 +238,21 @@ class GRPOObjective(ObjectiveBase):
         seeds: Callable[[int], int],
         autocast: contextlib.AbstractContextManager,
         progress: bool = False,
-    ) -> tuple[list[Completion], ToolTurns | None]:
-        """Each row's completion and, with tools, the tool rounds that answered its turns."""
-        turns = None
-        if self.tools:
-            prompts = [r.prompt for r in rows]
-            turns = ToolTurns(
-                self.tools, self.tool_settings, self.template, self.tokenizer, prompts
-            )
+    ) -> tuple[Turns, list[Completion]]:
+        """Each row's completion, and how its turns were answered (tools, an environment)."""
+        turns = self.turns.start(rows)
         completions = sample_completions(
             model,
-            [r.ids for r in rows],
+            turns.prompt_ids,
             self.cfg.train.max_completion_length,
             params,
             self.stops,
             seeds,
             autocast=autocast,
             progress=progress,
-            responder=turns,
+            responder=turns.responder,
         )
-        return completions, turns
+        return turns, completions
 
     def _score(
         self,
@@ -266,38 +260,36 @@ class GRPOObjective(ObjectiveBase):
         texts: list[str],
         completions: list[Completion],
         step: int,
-        turns: ToolTurns | None,
+        turns: Turns,
     ) -> torch.Tensor:
         """(N, F) each function's reward of each completion (NaN: None), TRL's arguments:
         the prompts as given, the completions (messages for a conversation: with tools its
         calls, their results and the last reply, as TRL passes them), their ids, every other
-        column (None where a row has none) and the trainer's state."""
-        prompts = [r.prompt for r in rows]
+        column (None where a row has none) and the trainer's state; then the environment's
+        own reward, when it has one."""
         names = dict.fromkeys(key for r in rows for key in r.columns)
         columns = {name: [r.columns.get(name) for r in rows] for name in names}
         state = TrainerState(global_step=step, max_steps=self.cfg.train.steps)
-        if turns is None:
-            given = trl_completions(prompts, texts)
-        else:
-            given = [
-                turns.final_messages(i, c.tokens[c.last_turn :], self.stops)
-                for i, c in enumerate(completions)
-            ]
-        return score(
+        table = score(
             self.rewards,
-            prompts,
-            given,
+            turns.prompts,
+            turns.completions(completions, texts, self.stops),
             [c.tokens for c in completions],
             columns,
             trainer_state=state,
         )
+        if not self.environment_reward:
+            return table
+        own = torch.tensor(turns.rewards(), dtype=torch.float64)
+        return torch.cat([table, own[:, None]], dim=1)
 
     def _records(
         self, scored: Scored, rewards: torch.Tensor, advantages: torch.Tensor, step: int
     ) -> list[dict[str, Any]]:
         """The completions table's rows (TRL's: prompt, completion, each reward, advantage);
-        with tools the completion's text holds its calls and their results as the model read
-        them, and ``tools`` its calls, rounds and failed calls."""
+        with tools (or an environment) the completion's text holds its calls and their results
+        (the environment's replies) as the model read them, and ``tools`` its calls, rounds
+        and failed calls (``environment`` its replies)."""
         records = [
             {
                 "step": step + 1,
@@ -315,7 +307,7 @@ class GRPOObjective(ObjectiveBase):
         ]
         if scored.tools is not None:
             for record, row in zip(records, scored.tools, strict=True):
-                record["tools"] = row_record(row)
+                record[self.turns.key] = self.turns.record(row)
         return records
 
     # ---- the loss ----------------------------------------------------------------------
@@ -376,17 +368,16 @@ class GRPOObjective(ObjectiveBase):
         t = self.cfg.train
         _, mine = self._share(prompts)
         greedy = SamplingParams(temperature=0.0)
-        completions, turns = self._sample(model, mine, greedy, lambda i: t.seed, autocast)
+        turns, completions = self._sample(model, mine, greedy, lambda i: t.seed, autocast)
         texts = [self.tokenizer.decode(c.tokens) for c in completions]
         truncated = [c.tokens[-1] not in self.stops for c in completions]
         table = self._score(mine, texts, completions, step, turns)
         lengths = [sum(c.mask) for c in completions]
-        tools = None if turns is None else counts(turns.logs)
-        held_out = Scored.gathered(Scored(table, [], [], lengths, truncated, 0.0, tools))
+        mine_scored = Scored(table, [], [], lengths, truncated, 0.0, turns.counts())
+        held_out = Scored.gathered(mine_scored)
         scored = score_rewards(held_out.table, self.weights, self.names, 1, "none")
         metrics = scored.metrics | completion_metrics(held_out.lengths, held_out.truncated)
-        if held_out.tools is not None:
-            metrics |= tool_metrics(held_out.tools)
+        metrics |= self.turns.metrics(held_out.tools)
         metrics.pop("frac_reward_zero_std")
         return metrics
 

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 from llamatrain.chat_template import ChatTemplate
 from llamatrain.config import Config, TrainSection, check_sampler, set_in
 from llamatrain.errors import ConfigError, LlamatrainWarning
+from llamatrain.objectives.grpo.environment import ENVIRONMENT
 from llamatrain.objectives.grpo.reference import check_mappable
 from llamatrain.objectives.grpo.rewards import RewardFunction
 from llamatrain.objectives.grpo.rewards import check as check_rewards
 from llamatrain.sampling import SamplingParams
 from llamatrain.tools.calls import CallFormat, call_syntax
 from llamatrain.tools.loading import check as check_tools
+from llamatrain.tools.specs import split_spec
 
 __all__ = ["DEFAULT_BETA", "check", "check_tool_template", "rollout_params"]
 
@@ -73,6 +75,14 @@ def check(cfg: Config, rewards: Sequence[str | RewardFunction] | None) -> None:
         )
     if t.tools is not None:
         check_tools(t.tools)
+    if t.environment is not None:
+        split_spec(t.environment, ENVIRONMENT)
+        if t.tools:
+            where = set_in(cfg, "train.tools", "train.environment")
+            raise ConfigError(
+                f"train.tools and train.environment {where} both answer the model's turns; "
+                "give one of them (an environment can run the tools itself in step)"
+            )
     check_mappable(cfg)  # before the base is read for the model
 
 

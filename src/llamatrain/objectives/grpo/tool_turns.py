@@ -12,12 +12,8 @@ schema refuses: :class:`~llamatrain.tools.calls.FailedCall`), or one that raised
 ``train.tool_timeout`` (:mod:`llamatrain.tools.running`). Failed calls are answered too, so the
 model reads what it did wrong.
 
-The answer's tokens are the chat template's rendering of the conversation so far, the reply as
-an assistant message with its ``tool_calls`` and the tool messages after it, with the
-generation prompt, from the reply's end-of-turn marker on: the text a chat-data conversation
-holding these messages has between that assistant turn's end and the next assistant turn (TRL's
-``_get_tool_suffix_ids``, over the row's own conversation rather than a stand-in), tokenized as
-a rendered chat is (control tokens parsed).
+The answer's tokens are the chat template's rendering of the tool messages after the reply
+(:func:`~.answers.answer_tokens`).
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from typing import Any
 import torch
 
 from llamatrain.chat_template import ChatTemplate
-from llamatrain.errors import TrainingError
+from llamatrain.objectives.grpo.answers import answer_tokens
 from llamatrain.tokenizer import Tokenizer
 from llamatrain.tools.calls import (
     UNKNOWN_TOOL,
@@ -112,11 +108,16 @@ class ToolTurns:
         log.rounds += 1
         assistant = _assistant_message(reply.content, reply.calls)
         results = [self._result(call, log) for call in reply.calls]
-        tokens = self._tokens(row, assistant, results)
+        before = [*self.prompts[row], *log.messages, assistant]
+        tokens = answer_tokens(self.template, self.tokenizer, before, results, self.schemas)
         if len(tokens) > room:
             return None
         log.messages += [assistant, *results]
         return tokens
+
+    def counts(self) -> torch.Tensor:
+        """Each row's :func:`counts`."""
+        return counts(self.logs)
 
     def final_messages(self, row: int, last_turn: Sequence[int], stops: frozenset[int]) -> list:
         """Row ``row``'s completion as messages, TRL's shape: its rounds' assistant and tool
@@ -138,25 +139,6 @@ class ToolTurns:
         if outcome.failure is not None:
             log.failures[outcome.failure] += 1
         return _tool_message(call.name, outcome.content)
-
-    def _tokens(
-        self, row: int, assistant: dict[str, Any], results: list[dict[str, Any]]
-    ) -> list[int]:
-        """The tokens between the reply's end-of-turn marker and the next assistant turn."""
-        before = [*self.prompts[row], *self.logs[row].messages, assistant]
-        tools = self.schemas
-        replied = self.template.render(before, tools=tools)
-        full = self.template.render([*before, *results], add_generation_prompt=True, tools=tools)
-        marker = self.template.end_of_turn
-        end = replied.rfind(marker)
-        if end < 0 or not full.startswith(replied[: end + len(marker)]):
-            raise TrainingError(
-                f"the chat template {self.template.name} renders a conversation with tool "
-                "messages that does not continue the one without them, so a tool's result "
-                "cannot be appended to a rollout; use a template that renders tool messages "
-                "after the assistant's turn (Qwen 2.5/3, Llama 3.x, Hermes)"
-            )
-        return self.tokenizer.encode(full[end + len(marker) :], special=True)
 
 
 def _assistant_message(content: str, calls: Sequence[ToolCall | FailedCall]) -> dict[str, Any]:
