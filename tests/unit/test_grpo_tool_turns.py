@@ -110,20 +110,25 @@ def call(name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call><|im_end|>'
 
 
+def scripted(monkeypatch, tokenizer, texts: list[str]) -> list[list[int]]:
+    """Make the decoder "sample" each row's tokens of ``texts`` in order (the rows' own
+    draws, whatever rows wait); returns the tokens."""
+    tokens = [tokenizer.encode(text, special=True) for text in texts]
+    drawn = [0] * len(texts)
+
+    def next_of(self, rows):
+        for row in rows:
+            drawn[row] += 1
+        return [tokens[row][drawn[row] - 1] for row in rows]
+
+    monkeypatch.setattr(RowDecoder, "sample", next_of)
+    return tokens
+
+
 def decode(setup, monkeypatch, scripts, budget=400, max_rounds=3, timeout=0.5):
     """Each row's completion and the tool rounds, each row "sampling" its script's tokens."""
     model, tokenizer, template = setup
-    tokens = [tokenizer.encode("".join(s), special=True) for s in scripts]
-    drawn = [0] * len(scripts)
-
-    def scripted(self, rows):
-        out = []
-        for row in rows:
-            out.append(tokens[row][drawn[row]])
-            drawn[row] += 1
-        return out
-
-    monkeypatch.setattr(RowDecoder, "sample", scripted)
+    scripted(monkeypatch, tokenizer, ["".join(s) for s in scripts])
     prompt = prompt_ids(
         tokenizer, template.render(PROMPT, add_generation_prompt=True, tools=SCHEMAS)
     )
@@ -318,16 +323,7 @@ def test_the_objectives_rollout_scores_conversations_and_logs_the_tools(setup, m
         call("multiply", '{"a": 6, "b": 7}') + "42<|im_end|>",
         call("divide", '{"a": 6, "b": 7}') + "13<|im_end|>",
     ]
-    tokens = [tokenizer.encode(s, special=True) for s in scripts]
-    drawn = [0, 0]
-
-    def scripted(self, rows):
-        out = [tokens[r][drawn[r]] for r in rows]
-        for r in rows:
-            drawn[r] += 1
-        return out
-
-    monkeypatch.setattr(RowDecoder, "sample", scripted)
+    tokens = scripted(monkeypatch, tokenizer, scripts)
     rollout = objective.rollout([row], 0, model, contextlib.nullcontext())
     assert [c[-1]["content"] for c in seen] == ["42", "13"]
     assert seen[0][1] == {"role": "tool", "name": "multiply", "content": "42"}
