@@ -14,6 +14,10 @@ with ``cls.__new__``, holding only what the methods read: :func:`grpo_trainer`):
 - ``_compute_loss`` on what that returned, with the policy being trained: the loss, its
   gradient and the loss metrics.
 
+With ``tools``, ``_generate`` also returns a ``tool_mask`` (runs of tool tokens inside the
+completions, :func:`tool_masks`), as TRL's tool-calling loop does, and our side's mask is
+``rollout.loss_mask`` over each completion's sampled-token mask: the multi-turn rollouts' loss.
+
 Our side lays each completion after its prompt in one right-padded row, takes the log-probs and
 the entropies from the chunked head (``model(…, logps_of=targets, with_entropy=True)``, what the
 trainer logs; TRL's from the full logits), the reference with the adapters off, and calls

@@ -192,7 +192,7 @@ class GRPOObjective(ObjectiveBase):
         if t.beta > 0:
             ref = self._reference_logps(model, inputs, targets, autocast)
         metrics = scored.metrics | completion_metrics(step_scored.lengths, step_scored.truncated)
-        metrics |= self.turns.metrics(step_scored.tools)
+        metrics |= self.turns.metrics(step_scored.turns)
         return Rollout(
             inputs,
             targets,
@@ -305,8 +305,8 @@ class GRPOObjective(ObjectiveBase):
                 scored.prompts, scored.texts, scored.table, rewards, advantages, strict=True
             )
         ]
-        if scored.tools is not None:
-            for record, row in zip(records, scored.tools, strict=True):
+        if scored.turns is not None:
+            for record, row in zip(records, scored.turns, strict=True):
                 record[self.turns.key] = self.turns.record(row)
         return records
 
@@ -377,7 +377,7 @@ class GRPOObjective(ObjectiveBase):
         held_out = Scored.gathered(mine_scored)
         scored = score_rewards(held_out.table, self.weights, self.names, 1, "none")
         metrics = scored.metrics | completion_metrics(held_out.lengths, held_out.truncated)
-        metrics |= self.turns.metrics(held_out.tools)
+        metrics |= self.turns.metrics(held_out.turns)
         metrics.pop("frac_reward_zero_std")
         return metrics
 

@@ -79,8 +79,8 @@ class Scored:
     """What one rank sampled and scored, as the ranks exchange it: (n, F) rewards (NaN:
     None), the prompts as the reward functions got them, the completions' texts, lengths
     (the model's tokens, the stop token counted, tool tokens not: TRL's) and whether each was
-    truncated, the targets it counts for the loss, and with tools each row's counts
-    (``tool_turns.counts``)."""
+    truncated, the targets it counts for the loss, and with tools (an environment) each row's
+    counts of calls (replies): ``multi_turn.Turns.counts``."""
 
     table: torch.Tensor
     prompts: list[Any]
@@ -88,7 +88,7 @@ class Scored:
     lengths: list[int]
     truncated: list[bool]
     counted: float
-    tools: torch.Tensor | None = None
+    turns: torch.Tensor | None = None
 
     @staticmethod
     def gathered(mine: Scored) -> Scored:
@@ -101,7 +101,7 @@ class Scored:
             [n for p in parts for n in p.lengths],
             [t for p in parts for t in p.truncated],
             sum(p.counted for p in parts),
-            None if mine.tools is None else torch.cat([p.tools for p in parts]),
+            None if mine.turns is None else torch.cat([p.turns for p in parts]),
         )
 
 
