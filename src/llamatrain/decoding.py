@@ -9,8 +9,10 @@ tokens in one forward per step, a chunk as wide as the longest row's: a row with
 (one sampled token, or none while it waits) leaves the rest of its slots empty, marked in the
 cache's ``padding`` so that no attention reads them (``KVCache``'s padding holds interior
 holes as it holds left padding). Each row keeps its own rope positions, counting only its own
-tokens, so a row's logits are those of its tokens decoded alone, to float rounding. The cache
-grows (a copy, doubling) when a step needs more slots than it has.
+tokens, so a row's logits are those of its tokens decoded alone, to float rounding. Only each
+row's last position goes through the lm head: a prompt pass over a large vocabulary holds
+(rows, vocab) logits, not (rows, longest prompt, vocab). The cache grows (a copy, doubling)
+when a step needs more slots than it has.
 """
 
 from __future__ import annotations
@@ -60,9 +62,9 @@ class RowDecoder:
         offsets = torch.arange(width, device=self.device)
         self.cache.padding[:, start : start + width] = offsets >= lengths[:, None]
         positions = self.positions[:, None] + offsets
-        logits = self.model(chunk.to(self.device), cache=self.cache, positions=positions)
-        last = (lengths - 1).clamp(min=0)
-        fresh = logits[torch.arange(rows, device=self.device), last]
+        hidden = self.model.hidden_states(chunk.to(self.device), self.cache, positions=positions)
+        last = hidden[torch.arange(rows, device=self.device), (lengths - 1).clamp(min=0)]
+        fresh = self.model.head_logits(last[:, None])[:, 0]  # each row's last token's only
         fed = (lengths > 0)[:, None]
         self.logits = fresh if self.logits is None else torch.where(fed, fresh, self.logits)
         self.positions += lengths

@@ -44,7 +44,9 @@ def sample(m: Llama, first: int, end: int) -> list[list[int]]:
 def test_a_rollouts_prompts_of_different_lengths_decode_as_one_batch():
     m = model()
     batches: list[int] = []
-    hook = m.register_forward_hook(lambda _m, args, _out: batches.append(args[0].shape[0]))
+    hook = m.token_embd.register_forward_hook(
+        lambda _m, args, _out: batches.append(args[0].shape[0])
+    )
     completions = sample(m, 0, len(PROMPTS))
     hook.remove()
     assert len({len(p) for p in PROMPTS}) == 4
