@@ -29,6 +29,7 @@ from llamatrain.data.prompts import PromptRow
 from llamatrain.decoding import RowDecoder
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.objectives import check
+from llamatrain.objectives.grpo.answers import answer_tokens
 from llamatrain.objectives.grpo.objective import GRPOObjective
 from llamatrain.objectives.grpo.rewards import load as load_rewards
 from llamatrain.objectives.grpo.rollout import (
@@ -147,12 +148,16 @@ def decode(setup, monkeypatch, scripts, budget=400, max_rounds=3, timeout=0.5):
     return prompt, completions, turns, stops
 
 
-def tool_answer(tokenizer, *contents: str) -> list[int]:
-    """The tokens Qwen 2.5's template puts between an assistant's call turn and the next
+def qwen_answer(*contents: str) -> str:
+    """The text Qwen 2.5's template puts between an assistant's call turn and the next
     assistant turn for these tool results, written out by hand from its source."""
     responses = "\n".join(f"<tool_response>\n{c}\n</tool_response>" for c in contents)
-    text = f"\n<|im_start|>user\n{responses}<|im_end|>\n<|im_start|>assistant\n"
-    return tokenizer.encode(text, special=True)
+    return f"\n<|im_start|>user\n{responses}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def tool_answer(tokenizer, *contents: str) -> list[int]:
+    """:func:`qwen_answer`'s tokens."""
+    return tokenizer.encode(qwen_answer(*contents), special=True)
 
 
 def model_and_tool_parts(completion) -> tuple[list[int], list[list[int]]]:
@@ -342,3 +347,38 @@ def test_the_objectives_rollout_scores_conversations_and_logs_the_tools(setup, m
         {"calls": 1, "rounds": 1, "failures": {}},
         {"calls": 1, "rounds": 1, "failures": {"unknown_tool": 1}},
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "eos", "expected"),
+    [
+        ("qwen2.5", "<|im_end|>", qwen_answer("42")),
+        ("qwen3", "<|im_end|>", qwen_answer("42")),  # its last turn's empty <think> block aside
+        ("smollm3", "<|im_end|>", "\n<|im_start|>user\n42<|im_end|>\n<|im_start|>assistant\n"),
+        (
+            "llama3.1",
+            "<|eot_id|>",
+            '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|>'
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+    ],
+)
+def test_each_familys_answer_is_what_its_template_puts_between_the_turns(
+    setup, name, eos, expected
+):
+    """The tokens after a call turn: the text each template renders between that assistant
+    turn and the next, written out by hand from the template's source."""
+    _, tokenizer, _ = setup
+    template = ChatTemplate((TEMPLATES / f"{name}.jinja").read_text(), eos_token=eos, name=name)
+    product = {"name": "multiply", "arguments": {"a": 6, "b": 7}}
+    before = [
+        *PROMPT,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": product}],
+        },
+    ]
+    result = [{"role": "tool", "name": "multiply", "content": "42"}]
+    tokens = answer_tokens(template, tokenizer, before, result, SCHEMAS)
+    assert tokens == tokenizer.encode(expected, special=True)
