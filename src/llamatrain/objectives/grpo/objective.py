@@ -165,7 +165,10 @@ class GRPOObjective(ObjectiveBase):
         first, mine = self._share(prompts)
         rows = [p for p in mine for _ in range(t.num_generations)]
         offset = first * t.num_generations  # this rank's first row in the step
-        seeds = lambda i: abs(hash((t.seed, step, offset + i))) % 2**63  # noqa: E731
+
+        def seeds(i: int) -> int:  # row i's sampler: the same in any batch, on any rank
+            return abs(hash((t.seed, step, offset + i))) % 2**63
+
         turns, completions = self._sample(model, rows, rollout_params(t), seeds, autocast, progress)
         ids = [c.tokens for c in completions]
         truncated = truncated_completions(ids, self.stops)
