@@ -8,7 +8,9 @@ and its plot gets panels for them in place of perplexity. A GRPO run's lines car
 names (``reward``, ``reward_std``, ``rewards/<function>/mean``, ``completions/mean_length``
 (``min_``, ``max_``), ``entropy``, ``kl``), its evaluations the held-out greedy reward
 (``val_reward``, ``val_rewards/<function>/mean``, no ``val_loss``), and its plot shows the
-reward (mean ± std), each function's reward, the completion lengths and the entropy and KL.
+reward (mean ± std), each function's reward, the completion lengths and the entropy and KL; one
+that called tools (``tools/call_frequency``) adds a row: calls and turns per completion, failed
+calls by kind, and the share of calls that failed.
 This module reads that file (nothing else), so a run can be plotted while it trains, after it
 finished, or on another machine with only the file copied over.
 
@@ -261,6 +263,35 @@ def _grpo_panels(axes: Any, train: list, evals: list) -> None:
     _entropy_panel(entropy_ax, train)
 
 
+TOOL_KEY = "tools/call_frequency"
+"""A GRPO run that logged this called tools (``train.tools``): its plot adds their panels."""
+
+
+def _called_tools(records: list[dict[str, Any]]) -> bool:
+    return any(TOOL_KEY in r or f"val_{TOOL_KEY}" in r for r in records)
+
+
+def _tool_panels(axes: Any, train: list, evals: list) -> None:
+    """Tool calls and assistant turns per completion, failed calls per completion by kind,
+    and the share of calls that failed."""
+    calls_ax, kinds_ax, share_ax = axes
+    _train_and_val(calls_ax, train, evals, TOOL_KEY, "tab:blue", "calls")
+    _train_and_val(calls_ax, train, evals, "tools/turns", "tab:gray", "turns")
+    calls_ax.set(title="Tool calls", xlabel="optimizer step", ylabel="per completion")
+    kinds = dict.fromkeys(
+        key.removeprefix("val_").removeprefix("tools/failures/")
+        for record in train + evals
+        for key in record
+        if key.removeprefix("val_").startswith("tools/failures/")
+    )
+    for i, kind in enumerate(kinds):
+        steps, values = _series(train, f"tools/failures/{kind}")
+        kinds_ax.plot(steps, values, color=f"C{i % 10}", linewidth=1.2, label=kind)
+    kinds_ax.set(title="Failed calls by kind", xlabel="optimizer step", ylabel="per completion")
+    _train_and_val(share_ax, train, evals, "tools/failure_frequency", "tab:red", "failed share")
+    share_ax.set(title="Failed calls", xlabel="optimizer step", ylabel="failed / calls")
+
+
 def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw loss (train and validation), learning rate and validation perplexity to a PNG;
     for a preference run (one that logged reward metrics), the reward margin, the reward
@@ -286,7 +317,7 @@ def plot_metrics(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def metrics_figure(train: list[dict[str, Any]], evals: list[dict[str, Any]], title: str) -> Any:
     """The figure :func:`plot_metrics` draws (a ``matplotlib.figure.Figure``): 1x3 panels,
-    or 2x3 for a preference or a GRPO run."""
+    2x3 for a preference or a GRPO run, 3x3 for a GRPO run with tools."""
     import matplotlib
 
     with matplotlib.rc_context({"text.parse_math": False}):  # a "$" in a name is a dollar
@@ -304,11 +335,16 @@ def _figure(train: list[dict[str, Any]], evals: list[dict[str, Any]], title: str
         extra = [ppl_ax]
         _perplexity_panel(ppl_ax, evals)
     else:
-        fig = Figure(figsize=(13, 8), layout="constrained")
-        (loss_ax, lr_ax, third), (fourth, fifth, sixth) = fig.subplots(2, 3)
+        tools = kind == "grpo" and _called_tools(train + evals)
+        fig = Figure(figsize=(13, 12 if tools else 8), layout="constrained")
+        grid = fig.subplots(3 if tools else 2, 3)
+        (loss_ax, lr_ax, third), (fourth, fifth, sixth) = grid[:2]
         extra = [third, fourth, fifth, sixth]
         panels = _grpo_panels if kind == "grpo" else _preference_panels
         panels(extra, train, evals)
+        if tools:
+            _tool_panels(grid[2], train, evals)
+            extra += list(grid[2])
     fig.suptitle(f"llamatrain run: {title}", fontweight="bold")
 
     steps, loss = _series(train, "loss")

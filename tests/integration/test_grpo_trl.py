@@ -14,6 +14,10 @@ with ``cls.__new__``, holding only what the methods read: :func:`grpo_trainer`):
 - ``_compute_loss`` on what that returned, with the policy being trained: the loss, its
   gradient and the loss metrics.
 
+With ``tools``, ``_generate`` also returns a ``tool_mask`` (runs of tool tokens inside the
+completions, :func:`tool_masks`), as TRL's tool-calling loop does, and our side's mask is
+``rollout.loss_mask`` over each completion's sampled-token mask: the multi-turn rollouts' loss.
+
 Our side lays each completion after its prompt in one right-padded row, takes the log-probs and
 the entropies from the chunked head (``model(…, logps_of=targets, with_entropy=True)``, what the
 trainer logs; TRL's from the full logits), the reference with the adapters off, and calls
@@ -47,12 +51,9 @@ from random_models import randomly_adapted
 
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
-from llamatrain.objectives.grpo.loss import (
-    GRPOLoss,
-    mask_truncated,
-    score_rewards,
-    truncated_completions,
-)
+from llamatrain.objectives.grpo.loss import GRPOLoss, score_rewards, truncated_completions
+from llamatrain.objectives.grpo.rollout import loss_mask
+from llamatrain.objectives.grpo.turns import Completion
 from llamatrain.ops.sets import IGNORE_INDEX
 
 pytest.importorskip("trl")
@@ -104,6 +105,22 @@ def rollout(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
             prompts.append(prompt)
             completions.append(ids)
     return prompts, completions
+
+
+def tool_masks(seed: int = 0) -> list[list[int]]:
+    """Each completion's tool mask as a multi-turn rollout leaves it (TRL's ``tool_mask``): 0
+    on a run of tool tokens inside each completion of 4 tokens or more (the model wrote its
+    call before them and its reply after), 1 on every token the model sampled."""
+    rng = np.random.default_rng(seed + 2)
+    masks = []
+    for ids in rollout(seed)[1]:
+        mask = [1] * len(ids)
+        if len(ids) >= 4:
+            start = int(rng.integers(1, len(ids) - 2))
+            end = int(rng.integers(start + 1, len(ids) - 1))
+            mask[start:end] = [0] * (end - start)
+        masks.append(mask)
+    return masks
 
 
 def reward_columns(seed: int = 0) -> list[list[float | None]]:
@@ -192,7 +209,8 @@ def grpo_trainer(rollout_model: Llama, reference: Llama | None, case: dict) -> G
 
     def generate(prompt_texts):
         texts = [" ".join(map(str, ids)) for ids in completions]
-        return prompts, completions, None, texts, None, {}, None, None
+        masks = tool_masks() if case["tools"] else None
+        return prompts, completions, masks, texts, None, {}, None, None
 
     trainer = stand_in(
         GRPOTrainer,
@@ -290,9 +308,11 @@ def ours(policy: Llama, rollout_model: Llama, case: dict):
         case["scale_rewards"],
     )
     inputs, targets = our_rows()
-    mask = targets != IGNORE_INDEX
-    if case["mask_truncated_completions"]:
-        mask = mask_truncated(mask, truncated_completions(rollout()[1], {EOS, PAD}))
+    ids = rollout()[1]
+    masks = tool_masks() if case["tools"] else [[1] * len(c) for c in ids]
+    completions = [Completion(c, m) for c, m in zip(ids, masks, strict=True)]
+    truncated = truncated_completions(ids, {EOS, PAD})
+    mask = loss_mask(targets, completions, truncated, case["mask_truncated_completions"])
     with torch.no_grad():
         old = None if case["num_iterations"] == 1 else rollout_model(inputs, logps_of=targets)
         with adapters_disabled(policy):
@@ -402,6 +422,7 @@ def case_of(**changes) -> dict:
         "use_bias_correction_kl": True,
         "mask_truncated_completions": False,
         "scale_rewards": "group",
+        "tools": False,
     }
     return {**case, **changes}
 
@@ -423,6 +444,24 @@ def case_id(case: dict) -> str:
 @pytest.mark.parametrize("case", GRID, ids=case_id)
 def test_loss_matches_trls_grpo_trainer(case):
     """The issue's grid: loss_type × β ∈ {0, 0.04} × ε_high ∈ {ε, 0.28} × μ ∈ {1, 2}."""
+    assert_within_tolerance(gaps(case))
+
+
+TOOL_GRID = [
+    case_of(tools=True, loss_type=lt, beta=beta, num_iterations=mu, mask_truncated_completions=mt)
+    for lt, beta, mu, mt in itertools.product(
+        ("grpo", "bnpo", "dr_grpo", "dapo"), (0.0, 0.04), (1, 2), (False, True)
+    )
+]
+
+
+@pytest.mark.parametrize("case", TOOL_GRID, ids=case_id)
+def test_multi_turn_masks_match_trls_tool_path(case):
+    """A rollout whose completions hold tool tokens: TRL's ``tool_mask`` from ``_generate``
+    against our loss mask (``rollout.loss_mask`` over each completion's sampled-token mask),
+    with every loss type, the KL, μ = 2 and truncated completions masked."""
+    masks = tool_masks()
+    assert sum(m.count(0) for m in masks) >= 8 and all(m[0] == m[-1] == 1 for m in masks)
     assert_within_tolerance(gaps(case))
 
 

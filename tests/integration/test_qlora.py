@@ -247,7 +247,8 @@ def test_decoding_token_by_token_holds_the_stored_base_decoded_once(q4_0_run, mo
     greedy = SamplingParams(temperature=0.0)
 
     def rollout() -> list[list[int]]:
-        return sample_completions(model, prompts, 8, greedy, frozenset({2}), lambda i: i)
+        completions = sample_completions(model, prompts, 8, greedy, frozenset({2}), lambda i: i)
+        return [c.tokens for c in completions]
 
     with_decoded = rollout()
     monkeypatch.setattr(grpo_rollout, "_decoding_budget", lambda device: 0)

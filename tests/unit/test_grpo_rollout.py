@@ -1,6 +1,7 @@
 """A GRPO rollout's decode (``grpo_rollout.sample_completions``): a step's prompts of different
 lengths, with their groups, decode as one batch, and each row draws what it draws alone with its
-own seed, so any split of the rows (DDP ranks' shares) samples the same completions.
+own seed, so any split of the rows (DDP ranks' shares) samples the same completions — also
+when turns are answered (a tool's result) and rows wait for one another.
 
 A float64 model, so the padded batch's rounding (see ``test_generate_ragged``) cannot move a
 sampled token across a boundary: the completions compare exactly.
@@ -34,15 +35,18 @@ def seed_of(row: int) -> int:
 
 def sample(m: Llama, first: int, end: int) -> list[list[int]]:
     """The completions of rows [first, end) of the step, decoded on their own (a rank's share)."""
-    return sample_completions(
+    completions = sample_completions(
         m, PROMPTS[first:end], BUDGET, PARAMS, STOPS, lambda i: seed_of(first + i)
     )
+    return [c.tokens for c in completions]
 
 
 def test_a_rollouts_prompts_of_different_lengths_decode_as_one_batch():
     m = model()
     batches: list[int] = []
-    hook = m.register_forward_hook(lambda _m, args, _out: batches.append(args[0].shape[0]))
+    hook = m.token_embd.register_forward_hook(
+        lambda _m, args, _out: batches.append(args[0].shape[0])
+    )
     completions = sample(m, 0, len(PROMPTS))
     hook.remove()
     assert len({len(p) for p in PROMPTS}) == 4
@@ -60,3 +64,35 @@ def test_each_row_draws_as_it_does_in_any_split_of_the_rows():
     assert sample(m, 0, half) + sample(m, half, len(PROMPTS)) == whole  # two ranks' shares
     assert [sample(m, i, i + 1)[0] for i in range(len(PROMPTS))] == whole  # each row alone
     assert whole[0] != whole[1]  # a group's rows draw apart (their own seeds)
+
+
+class Answers:
+    """A responder that answers each row's first two turns with one to three tokens (a tool's
+    result stand-in, its length the turn's), so rows wait, take answers and go on at different
+    steps."""
+
+    def __init__(self) -> None:
+        self.turns: dict[int, int] = {}
+
+    def answer(self, row, turn, room):
+        self.turns[row] = self.turns.get(row, 0) + 1
+        tokens = [40 + self.turns[row], 50, 51][: 1 + len(turn) % 3]
+        return tokens if self.turns[row] <= 2 and len(tokens) <= room else None
+
+
+def test_with_answers_between_turns_each_row_still_draws_as_it_does_alone():
+    """The rows' draws stay their own across answered turns (a resumed step redraws them):
+    the whole step's completions equal each row's decoded alone, and answers were given."""
+    m = model()
+
+    def turns(first, end):
+        completions = sample_completions(
+            m, PROMPTS[first:end], 24, PARAMS, frozenset({2, 3, 4}), lambda i: seed_of(first + i),
+            responder=Answers(),
+        )  # fmt: skip
+        return [(c.tokens, c.mask) for c in completions]
+
+    whole = turns(0, len(PROMPTS))
+    assert [turns(i, i + 1)[0] for i in range(len(PROMPTS))] == whole
+    answered = [sum(a != b for a, b in zip(mask, mask[1:], strict=False)) for _, mask in whole]
+    assert sum(n > 0 for n in answered) >= 4 and max(answered) >= 3  # some twice

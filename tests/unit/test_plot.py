@@ -1,5 +1,6 @@
 """Training curves: ``llamatrain.plot.plot_metrics`` and ``llamatrain plot``."""
 
+import functools
 import json
 import struct
 import sys
@@ -191,6 +192,14 @@ def write_grpo_metrics(run: Path) -> Path:
     return path
 
 
+def panel_lines(panels: dict, title: str) -> dict[str, tuple[list, list]]:
+    """Each line of the panel ``title``: its label → (x, y)."""
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in panels[title].lines
+    }
+
+
 def test_a_grpo_run_plots_its_rewards_lengths_and_entropy(tmp_path):
     from llamatrain.plot import metrics_figure
 
@@ -203,13 +212,7 @@ def test_a_grpo_run_plots_its_rewards_lengths_and_entropy(tmp_path):
         "Entropy and KL",
     }  # fmt: skip
     steps = list(range(1, 7))
-
-    def lines(title: str) -> dict[str, tuple[list, list]]:
-        return {
-            line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-            for line in panels[title].lines
-        }
-
+    lines = functools.partial(panel_lines, panels)
     reward = lines("Reward")
     assert reward["train reward (mean)"] == (steps, [s / 6 for s in steps])
     assert reward["held-out reward (greedy)"] == ([3, 6], [0.3, 0.6])
@@ -232,3 +235,35 @@ def test_a_grpo_run_plots_its_rewards_lengths_and_entropy(tmp_path):
     (twin,) = [ax for ax in fig.axes if ax.get_ylabel() == "KL (nats/token)"]
     assert list(twin.lines[0].get_ydata()) == pytest.approx([0.001 * s for s in steps])
     assert png_size(plot_metrics(tmp_path / "run")) == (1300, 800)
+
+
+def test_a_grpo_run_with_tools_adds_the_tool_panels(tmp_path):
+    from llamatrain.plot import metrics_figure
+
+    path = write_grpo_metrics(tmp_path / "run")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records:
+        if "loss" in record:
+            s = record["step"]
+            record |= {
+                "tools/call_frequency": s / 2, "tools/failure_frequency": 1 / s,
+                "tools/turns": 1 + s / 2, "tools/failures/unknown_tool": 0.5,
+                "tools/failures/timed_out": s / 10,
+            }  # fmt: skip
+        else:
+            record |= {"val_tools/call_frequency": 2.0, "val_tools/failure_frequency": 0.0}
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fig = metrics_figure(*read_metrics(path), "run")
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert {"Tool calls", "Failed calls by kind", "Failed calls", "Reward"} <= set(panels)
+    steps = list(range(1, 7))
+    lines = functools.partial(panel_lines, panels)
+    calls = lines("Tool calls")
+    assert calls["train calls"] == (steps, [s / 2 for s in steps])
+    assert calls["validation calls"] == ([3, 6], [2.0, 2.0])
+    assert calls["train turns"][1] == [1 + s / 2 for s in steps]
+    kinds = lines("Failed calls by kind")
+    assert kinds["unknown_tool"][1] == [0.5] * 6
+    assert kinds["timed_out"][1] == pytest.approx([s / 10 for s in steps])
+    assert lines("Failed calls")["train failed share"][1] == pytest.approx([1 / s for s in steps])
+    assert png_size(plot_metrics(tmp_path / "run")) == (1300, 1200)

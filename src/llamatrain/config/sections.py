@@ -364,6 +364,42 @@ class TrainSection:
         False,
         "grpo: leave completions cut at max_completion_length (no stop token) out of the loss",
     )
+    tools: list[str] | None = setting(
+        None,
+        "grpo: Python functions the model may call during its rollouts (TRL's tools): "
+        "'package.module:function' or 'path/to/file.py:function', whose type hints and "
+        "docstring make the schema the chat template renders; a call in the model's format "
+        "is run and its result appended as a tool message (masked from the loss), and the "
+        "completion goes on. Needs prompts as messages and a template that renders tools. A "
+        "config naming a module runs that module: name only code you trust",
+    )
+    max_tool_calls: int | None = setting(
+        None,
+        "grpo: most tool rounds a completion may have (TRL's max_tool_calling_iterations: a "
+        "round runs every call of one reply); unset = no limit but max_completion_length",
+        ge=0,
+    )
+    tool_timeout: float = setting(
+        10.0,
+        "grpo: seconds a tool call may run; one still running then is answered as timed out "
+        "and the rollout goes on",
+        gt=0,
+    )
+    environment: str | None = setting(
+        None,
+        "grpo: a multi-turn task without tools: 'package.module:make_env' or "
+        "'path/to/file.py:make_env', a function making one environment per completion with "
+        "reset(row) -> the first user message (or None) and step(reply) -> the next user "
+        "message or None (the end); its messages are masked from the loss, and a reward() "
+        "method adds the reward column 'environment'. A config naming a module runs that "
+        "module: name only code you trust",
+    )
+    tool_output_chars: int = setting(
+        4096,
+        "grpo: most characters of a tool's result the model is shown; more are cut, the cut "
+        "said at its end",
+        gt=0,
+    )
 
 
 @dataclass

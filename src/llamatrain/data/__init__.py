@@ -73,6 +73,7 @@ from llamatrain.data.windows import (
     val_batches,
 )
 from llamatrain.errors import LlamatrainWarning
+from llamatrain.tools.loading import load as load_tools
 
 if TYPE_CHECKING:
     from llamatrain.config import Config
@@ -262,7 +263,8 @@ def _prompt_data(
     template = resolve_chat_template(d.chat_template, model_template, tokenizer)
     bad = BadLines(d.on_bad_line)
     span, room = d.n_ctx + 1, t.max_completion_length
-    encoder = PromptEncoder(tokenizer, template)
+    tools = [tool.schema for tool in load_tools(t.tools)] if t.tools else None
+    encoder = PromptEncoder(tokenizer, template, tools)
     rows, too_long = read_prompts(paths, encoder, bad, format=d.format, span=span, room=room)
     notes = bad.summaries()
     if too_long:

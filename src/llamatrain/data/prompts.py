@@ -73,14 +73,26 @@ class PromptRows:
 class PromptEncoder:
     """A row's prompt as tokens: text as a completion line's prompt, messages rendered with
     ``template`` and its generation prompt (ConfigError at the first conversation if there
-    is no template)."""
+    is no template). With ``tools`` (GRPO's ``train.tools``, their JSON schemas) the
+    template renders them too, and a prompt must be messages: a text prompt has no place to
+    tell the model of them (DataError, a bad row)."""
 
-    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None) -> None:
-        self.tokenizer, self.template = tokenizer, template
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.tokenizer, self.template, self.tools = tokenizer, template, tools
 
     def encode(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         tok = self.tokenizer
         if isinstance(prompt, str):
+            if self.tools:
+                raise DataError(
+                    "with train.tools a prompt is a list of messages (the chat template "
+                    "renders the tools with them), not text"
+                )
             ids = tok.encode(prompt)
             return [tok.bos_id, *ids] if needs_bos(tok, ids) else ids
         if self.template is None:
@@ -89,7 +101,8 @@ class PromptEncoder:
                 "(tokenizer.chat_template) to render the prompts' messages with; set "
                 "data.chat_template to one of chatml, llama-3, llama-2"
             )
-        return prompt_ids(tok, self.template.render(prompt, add_generation_prompt=True))
+        text = self.template.render(prompt, add_generation_prompt=True, tools=self.tools)
+        return prompt_ids(tok, text)
 
 
 def parse_prompt_row(line: str | Mapping[str, Any]) -> tuple[str | list[dict], dict[str, Any]]:

@@ -216,8 +216,9 @@ def check_reference(used: LoraBase | None, checkpoint: Checkpoint | None, role: 
 
 
 def refuse_rewards(cfg: Config, rewards: Sequence[object] | None) -> None:
-    """Reward functions score GRPO's completions; an objective that samples none refuses
-    them, from the config (``train.rewards``) or from Python (``rewards=``)."""
+    """Reward functions score GRPO's completions, tools and environments answer its turns; an
+    objective that samples none refuses them, from the config (``train.rewards``,
+    ``train.tools``, ``train.environment``) or from Python (``rewards=``)."""
     objective = cfg.train.objective
     if cfg.train.rewards is not None:
         raise ConfigError(
@@ -231,6 +232,13 @@ def refuse_rewards(cfg: Config, rewards: Sequence[object] | None) -> None:
             f"{set_in(cfg, 'train.objective')} samples none: set train.objective = 'grpo' "
             "or pass no rewards"
         )
+    for key in ("tools", "environment"):
+        if getattr(cfg.train, key):
+            raise ConfigError(
+                f"train.{key} {set_in(cfg, f'train.{key}', 'train.objective')} answers turns "
+                f"of GRPO's rollouts; train.objective = {objective!r} samples none: set "
+                f"train.objective = 'grpo' or remove train.{key}"
+            )
 
 
 def autocast_for(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:

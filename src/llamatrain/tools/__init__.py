@@ -10,7 +10,11 @@
   the generic JSON form), failed calls as data. :mod:`~llamatrain.tools.formats` finds them
   in the text, :mod:`~llamatrain.tools.call_json` reads their JSON strictly and within
   bounds, :mod:`~llamatrain.tools.arguments` checks their arguments against the schema.
+- :mod:`~llamatrain.tools.running`: one call run for a rollout, in a worker thread cut at
+  ``train.tool_timeout``, its output cut at ``train.tool_output_chars``, a fault returned as
+  its error (TRL's), never raised.
 
-The standard library and :mod:`llamatrain.errors` are all this package needs (no torch):
-running the tools, their timeouts and output limits belong to the GRPO rollout.
+The standard library, :mod:`llamatrain.errors` and :mod:`llamatrain.user_code` are all this
+package needs (no torch): the rollout's turns, masks and metrics are GRPO's
+(``objectives.grpo.turns``, ``objectives.grpo.tool_turns``).
 """

@@ -24,6 +24,7 @@ from typing import Any
 from llamatrain.errors import ConfigError, shown
 from llamatrain.tools.schema import json_schema
 from llamatrain.tools.specs import Named, import_function, split_spec
+from llamatrain.user_code import user_code
 
 __all__ = ["TOOLS", "Tool", "check", "load"]
 
@@ -69,7 +70,11 @@ def load(specs: Sequence[str | Callable[..., Any]]) -> list[Tool]:
 
 
 def _tool(spec: str | Callable[..., Any]) -> Tool:
-    fn = import_function(spec, TOOLS) if isinstance(spec, str) else spec
+    if isinstance(spec, str):
+        with user_code(f"tool {shown(spec)!r}: running its module", ConfigError):
+            fn = import_function(spec, TOOLS)
+    else:
+        fn = spec
     if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
         named = spec if isinstance(spec, str) else repr(spec)
         raise ConfigError(

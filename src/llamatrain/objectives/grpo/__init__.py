@@ -6,19 +6,22 @@ full finetune's frozen KL reference (:mod:`.reference`), the objective the train
 from __future__ import annotations
 
 from llamatrain.config import Config
-from llamatrain.errors import TrainingError
+from llamatrain.errors import ConfigError, TrainingError
 from llamatrain.objectives.base import ObjectiveInputs, check_reference
+from llamatrain.objectives.grpo.environment import load_environment
 from llamatrain.objectives.grpo.objective import GRPOObjective
 from llamatrain.objectives.grpo.reference import GRPO_REFERENCE_ROLE, build_base_reference
 from llamatrain.objectives.grpo.rewards import load as load_rewards
-from llamatrain.objectives.grpo.rules import DEFAULT_BETA, check
+from llamatrain.objectives.grpo.rules import DEFAULT_BETA, check, check_tool_template
+from llamatrain.tools.loading import load as load_tools
 
 __all__ = ["DEFAULT_BETA", "GRPOObjective", "build", "check"]
 
 
 def build(cfg: Config, inputs: ObjectiveInputs) -> GRPOObjective:
-    """GRPO over the run's tokenizer and chat template, its reward functions loaded
-    (importing the modules ``train.rewards`` names: the config's code, run now) and, over a
+    """GRPO over the run's tokenizer and chat template, its reward functions, tools and
+    environment loaded (importing the modules ``train.rewards``, ``train.tools`` and
+    ``train.environment`` name: the config's code, run now) and, over a
     full finetune with a KL term, its frozen base mapped once (checked against a resumed
     checkpoint's record)."""
     t = cfg.train
@@ -30,4 +33,15 @@ def build(cfg: Config, inputs: ObjectiveInputs) -> GRPOObjective:
     if reference is not None:
         check_reference(reference.source, inputs.checkpoint, GRPO_REFERENCE_ROLE)
     template = None if inputs.data is None else inputs.data.chat_template
-    return GRPOObjective(cfg, inputs.tokenizer, template, rewards, inputs.ranks, reference)
+    tools = load_tools(t.tools) if t.tools else []
+    if tools:
+        check_tool_template(template)
+    environment = None if t.environment is None else load_environment(t.environment)
+    if environment is not None and template is None:
+        raise ConfigError(
+            "train.environment needs a chat template to render its conversations with; set "
+            "data.chat_template (the model's own: 'auto')"
+        )
+    return GRPOObjective(
+        cfg, inputs.tokenizer, template, rewards, inputs.ranks, reference, tools, environment
+    )

@@ -46,23 +46,28 @@ from llamatrain.files import check_target, write_text_atomically
 from llamatrain.lora import adapters_disabled
 from llamatrain.model import Llama
 from llamatrain.objectives.base import ObjectiveBase, StepContext, StepResult
-from llamatrain.objectives.grpo.loss import GRPOLoss, score_rewards
+from llamatrain.objectives.grpo.environment import REWARD_NAME, Environment
+from llamatrain.objectives.grpo.loss import GRPOLoss, score_rewards, truncated_completions
+from llamatrain.objectives.grpo.multi_turn import MultiTurn, Turns
 from llamatrain.objectives.grpo.reference import GRPO_REFERENCE_ROLE, FrozenReference
-from llamatrain.objectives.grpo.rewards import Reward, TrainerState, score, trl_completions
+from llamatrain.objectives.grpo.rewards import Reward, TrainerState, score
 from llamatrain.objectives.grpo.rollout import (
     Rollout,
     Scored,
     completion_metrics,
+    loss_mask,
     sample_completions,
     scored_logps,
     stop_ids,
     training_rows,
 )
 from llamatrain.objectives.grpo.rules import rollout_params
-from llamatrain.ops.sets import IGNORE_INDEX
+from llamatrain.objectives.grpo.tool_turns import ToolSettings
+from llamatrain.objectives.grpo.turns import Completion
 from llamatrain.plot import read_records
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
+from llamatrain.tools.loading import Tool
 
 __all__ = ["COMPLETIONS_FILE", "COMPLETION_STEPS", "GRPOObjective"]
 
@@ -90,12 +95,23 @@ class GRPOObjective(ObjectiveBase):
         rewards: Sequence[Reward],
         ranks: int = 1,
         reference: FrozenReference | None = None,
+        tools: Sequence[Tool] = (),
+        environment: Environment | None = None,
     ) -> None:
         """``ranks``: how many DDP ranks share each step (each its whole groups).
         ``reference``: the frozen base the KL term scores against (a full finetune's, and
-        the file the checkpoints record); None: the trained model with its adapters off."""
+        the file the checkpoints record); None: the trained model with its adapters off.
+        ``tools``: what the model may call in its rollouts (``train.tools``, loaded);
+        ``environment``: what replies to its turns (``train.environment``, loaded)."""
         t = cfg.train
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, list(rewards)
+        settings = ToolSettings(
+            t.max_tool_calls if t.max_tool_calls is not None else t.max_completion_length,
+            t.tool_timeout,
+            t.tool_output_chars,
+        )
+        self.turns = MultiTurn(tools, settings, environment, template, tokenizer)
+        self.environment_reward = environment is not None and environment.owns_reward
         self.loss_fn = GRPOLoss(t.loss_type, t.beta, t.epsilon, t.epsilon_high)
         self.stops = stop_ids(tokenizer, template)
         self.micro_batch = cfg.seqs_per_ubatch
@@ -105,8 +121,9 @@ class GRPOObjective(ObjectiveBase):
         self.held = None if reference is None else reference.model
         self.reference = None if reference is None else reference.source
         self.completions: list[dict] = []  # the last COMPLETION_STEPS steps' table
-        self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
-        self.names = [r.name for r in self.rewards]
+        weights = [r.weight for r in self.rewards] + [1.0] * self.environment_reward
+        self.weights = torch.tensor(weights, dtype=torch.float64)
+        self.names = [r.name for r in self.rewards] + [REWARD_NAME] * self.environment_reward
         self._rollout: Rollout | None = None
         self._metrics: dict[str, list[torch.Tensor]] = {}
 
@@ -148,31 +165,25 @@ class GRPOObjective(ObjectiveBase):
         first, mine = self._share(prompts)
         rows = [p for p in mine for _ in range(t.num_generations)]
         offset = first * t.num_generations  # this rank's first row in the step
-        params = rollout_params(t)
-        completions = sample_completions(
-            model,
-            [r.ids for r in rows],
-            t.max_completion_length,
-            params,
-            self.stops,
-            lambda i: abs(hash((t.seed, step, offset + i))) % 2**63,
-            autocast=autocast,
-            progress=progress,
-        )
-        truncated = torch.tensor([not c or c[-1] not in self.stops for c in completions])
-        texts = [self.tokenizer.decode(c) for c in completions]
-        inputs, targets = training_rows([r.ids for r in rows], completions, self.tokenizer.eos_id)
-        mask = (targets != IGNORE_INDEX).float()
-        if t.mask_truncated_completions:
-            mask = mask * (~truncated).float().unsqueeze(1)
+
+        def seeds(i: int) -> int:  # row i's sampler: the same in any batch, on any rank
+            return abs(hash((t.seed, step, offset + i))) % 2**63
+
+        turns, completions = self._sample(model, rows, rollout_params(t), seeds, autocast, progress)
+        ids = [c.tokens for c in completions]
+        truncated = truncated_completions(ids, self.stops)
+        texts = [self.tokenizer.decode(c.tokens) for c in completions]
+        inputs, targets = training_rows(turns.prompt_ids, ids, self.tokenizer.eos_id)
+        mask = loss_mask(targets, completions, truncated, t.mask_truncated_completions)
         step_scored = Scored.gathered(
             Scored(
-                self._score(rows, texts, completions, step),
-                [r.prompt for r in rows],
+                self._score(rows, texts, completions, step, turns),
+                turns.prompts,
                 texts,
-                [len(c) for c in completions],
+                [sum(c.mask) for c in completions],
                 truncated.tolist(),
                 float(mask.sum()),
+                turns.counts(),
             )
         )
         scored = score_rewards(
@@ -184,6 +195,7 @@ class GRPOObjective(ObjectiveBase):
         if t.beta > 0:
             ref = self._reference_logps(model, inputs, targets, autocast)
         metrics = scored.metrics | completion_metrics(step_scored.lengths, step_scored.truncated)
+        metrics |= self.turns.metrics(step_scored.turns)
         return Rollout(
             inputs,
             targets,
@@ -221,30 +233,67 @@ class GRPOObjective(ObjectiveBase):
         first, end = rank * n // self.ranks, (rank + 1) * n // self.ranks
         return first, prompts[first:end]
 
+    def _sample(
+        self,
+        model: Llama,
+        rows: Sequence[PromptRow],
+        params: SamplingParams,
+        seeds: Callable[[int], int],
+        autocast: contextlib.AbstractContextManager,
+        progress: bool = False,
+    ) -> tuple[Turns, list[Completion]]:
+        """Each row's completion, and how its turns were answered (tools, an environment)."""
+        turns = self.turns.start(rows)
+        completions = sample_completions(
+            model,
+            turns.prompt_ids,
+            self.cfg.train.max_completion_length,
+            params,
+            self.stops,
+            seeds,
+            autocast=autocast,
+            progress=progress,
+            responder=turns.responder,
+        )
+        return turns, completions
+
     def _score(
-        self, rows: Sequence[PromptRow], texts: list[str], completions: list[list[int]], step: int
+        self,
+        rows: Sequence[PromptRow],
+        texts: list[str],
+        completions: list[Completion],
+        step: int,
+        turns: Turns,
     ) -> torch.Tensor:
         """(N, F) each function's reward of each completion (NaN: None), TRL's arguments:
-        the prompts as given, the completions (messages for a conversation), their ids, every
-        other column (None where a row has none) and the trainer's state."""
-        prompts = [r.prompt for r in rows]
+        the prompts as given, the completions (messages for a conversation: with tools its
+        calls, their results and the last reply, as TRL passes them), their ids, every other
+        column (None where a row has none) and the trainer's state; then the environment's
+        own reward, when it has one."""
         names = dict.fromkeys(key for r in rows for key in r.columns)
         columns = {name: [r.columns.get(name) for r in rows] for name in names}
         state = TrainerState(global_step=step, max_steps=self.cfg.train.steps)
-        return score(
+        table = score(
             self.rewards,
-            prompts,
-            trl_completions(prompts, texts),
-            completions,
+            turns.prompts,
+            turns.completions(completions, texts, self.stops),
+            [c.tokens for c in completions],
             columns,
             trainer_state=state,
         )
+        if not self.environment_reward:
+            return table
+        own = torch.tensor(turns.rewards(), dtype=torch.float64)
+        return torch.cat([table, own[:, None]], dim=1)
 
     def _records(
         self, scored: Scored, rewards: torch.Tensor, advantages: torch.Tensor, step: int
     ) -> list[dict[str, Any]]:
-        """The completions table's rows (TRL's: prompt, completion, each reward, advantage)."""
-        return [
+        """The completions table's rows (TRL's: prompt, completion, each reward, advantage);
+        with tools (or an environment) the completion's text holds its calls and their results
+        (the environment's replies) as the model read them, and ``tools`` its calls, rounds
+        and failed calls (``environment`` its replies)."""
+        records = [
             {
                 "step": step + 1,
                 "prompt": prompt,
@@ -259,6 +308,10 @@ class GRPOObjective(ObjectiveBase):
                 scored.prompts, scored.texts, scored.table, rewards, advantages, strict=True
             )
         ]
+        if scored.turns is not None:
+            for record, row in zip(records, scored.turns, strict=True):
+                record[self.turns.key] = self.turns.record(row)
+        return records
 
     # ---- the loss ----------------------------------------------------------------------
 
@@ -317,22 +370,17 @@ class GRPOObjective(ObjectiveBase):
         decodes and scores its share, the metrics are over them all."""
         t = self.cfg.train
         _, mine = self._share(prompts)
-        completions = sample_completions(
-            model,
-            [p.ids for p in mine],
-            t.max_completion_length,
-            SamplingParams(temperature=0.0),
-            self.stops,
-            lambda i: t.seed,
-            autocast=autocast,
-        )
-        texts = [self.tokenizer.decode(c) for c in completions]
-        truncated = [not c or c[-1] not in self.stops for c in completions]
-        table = self._score(mine, texts, completions, step)
-        lengths = [len(c) for c in completions]
-        held_out = Scored.gathered(Scored(table, [], [], lengths, truncated, 0.0))
+        greedy = SamplingParams(temperature=0.0)
+        turns, completions = self._sample(model, mine, greedy, lambda i: t.seed, autocast)
+        texts = [self.tokenizer.decode(c.tokens) for c in completions]
+        truncated = [c.tokens[-1] not in self.stops for c in completions]
+        table = self._score(mine, texts, completions, step, turns)
+        lengths = [sum(c.mask) for c in completions]
+        mine_scored = Scored(table, [], [], lengths, truncated, 0.0, turns.counts())
+        held_out = Scored.gathered(mine_scored)
         scored = score_rewards(held_out.table, self.weights, self.names, 1, "none")
         metrics = scored.metrics | completion_metrics(held_out.lengths, held_out.truncated)
+        metrics |= self.turns.metrics(held_out.turns)
         metrics.pop("frac_reward_zero_std")
         return metrics
 

@@ -1,20 +1,21 @@
 """GRPO's rollouts: completions sampled from the model being trained, laid into rows for the
 loss, with what the ranks exchange of them.
 
-Completions come from our own KV-cache decoder (``llamatrain.generate``) on the very weights,
-LoRA adapters on: no second copy, no weight sync. Sampling is temperature only (top-k, top-p
-and min-p off), so a sampled token's log-prob is the training forward's
-``log_softmax(logits / temperature)`` (TRL's convention). A completion ends at its first stop
-token (EOS, or the chat template's end-of-turn token), included; one without is truncated at
-``max_completion_length``.
+Completions come from our own KV-cache decoder (``llamatrain.decoding``, through
+:mod:`.turns`) on the very weights, LoRA adapters on: no second copy, no weight sync. Sampling is
+temperature only (top-k, top-p and min-p off), so a sampled token's log-prob is the training
+forward's ``log_softmax(logits / temperature)`` (TRL's convention). A completion ends at its
+first stop token (EOS, or the chat template's end-of-turn token), included; one without is
+truncated at ``max_completion_length``. With ``train.tools`` a stop token may instead end a
+turn whose tool calls are run and answered (:mod:`.tool_turns`): the completion goes on after
+the answer, whose tokens the loss never sees (the rows' ``mask``).
 
 A step's rows (this rank's share) decode as one batch, prompts of every length and their
-groups together: the prompts are left-padded to the longest, each row's rope positions are its
-own and the padding is masked out of every attention (``generate_stream``), so each row's
-logits are its unpadded decode's, to float rounding. Each row's sampler is seeded by
-``(train.seed, step, its index in the step)``: a row draws what it would in any batch, so a
-resumed run draws what the uninterrupted run drew, with no generator state to store, and a row
-draws alike on any number of ranks.
+groups together: each row's rope positions are its own and the cache slots it leaves empty are
+masked out of every attention, so each row's logits are its unpadded decode's, to float
+rounding. Each row's sampler is seeded by ``(train.seed, step, its index in the step)``: a row
+draws what it would in any batch, so a resumed run draws what the uninterrupted run drew, with
+no generator state to store, and a row draws alike on any number of ranks.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from tqdm.auto import tqdm
 from llamatrain import parallel
 from llamatrain.chat_template import ChatTemplate
 from llamatrain.errors import DataError
-from llamatrain.generate import generate_stream
 from llamatrain.lora import decoded_base
 from llamatrain.memory import available_memory
 from llamatrain.model import Llama
+from llamatrain.objectives.grpo.loss import mask_truncated
+from llamatrain.objectives.grpo.turns import Completion, Responder, decode_turns
 from llamatrain.ops.sets import IGNORE_INDEX
 from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
@@ -42,6 +44,7 @@ __all__ = [
     "Rollout",
     "Scored",
     "completion_metrics",
+    "loss_mask",
     "sample_completions",
     "scored_logps",
     "stop_ids",
@@ -75,8 +78,9 @@ class Rollout:
 class Scored:
     """What one rank sampled and scored, as the ranks exchange it: (n, F) rewards (NaN:
     None), the prompts as the reward functions got them, the completions' texts, lengths
-    (tokens, the stop token counted) and whether each was truncated, and the targets it
-    counts for the loss."""
+    (the model's tokens, the stop token counted, tool tokens not: TRL's) and whether each was
+    truncated, the targets it counts for the loss, and with tools (an environment) each row's
+    counts of calls (replies): ``multi_turn.Turns.counts``."""
 
     table: torch.Tensor
     prompts: list[Any]
@@ -84,6 +88,7 @@ class Scored:
     lengths: list[int]
     truncated: list[bool]
     counted: float
+    turns: torch.Tensor | None = None
 
     @staticmethod
     def gathered(mine: Scored) -> Scored:
@@ -96,6 +101,7 @@ class Scored:
             [n for p in parts for n in p.lengths],
             [t for p in parts for t in p.truncated],
             sum(p.counted for p in parts),
+            None if mine.turns is None else torch.cat([p.turns for p in parts]),
         )
 
 
@@ -131,36 +137,38 @@ def sample_completions(
     *,
     autocast: contextlib.AbstractContextManager | None = None,
     progress: bool = False,
-) -> list[list[int]]:
+    responder: Responder | None = None,
+) -> list[Completion]:
     """Each prompt's completion: its sampled tokens up to and including its first stop token
-    (all ``max_new_tokens`` when none came). The prompts, of any lengths, decode as one batch
-    (``generate_stream``'s ragged prompts), prompt i's sampler seeded by ``seeds(i)``; a
-    progress bar counts finished completions.
+    (all ``max_new_tokens`` when none came), or with a ``responder`` (the tools) its turns and
+    the answers between them (:func:`~.turns.decode_turns`). The prompts, of any lengths,
+    decode as one batch, prompt i's sampler seeded by ``seeds(i)``; a progress bar counts
+    finished completions.
 
     One batch, not batches of a bounded size: it holds every row's KV cache at once (rows x
-    (longest prompt + ``max_new_tokens``) positions) and its prompt pass the (rows, longest
-    prompt, vocab) logits, as a step whose prompts share one length always did; the training
-    step that follows holds the same rows' activations."""
+    (longest prompt + ``max_new_tokens``) positions, more when answers leave some rows' slots
+    empty) and its prompt pass the (rows, longest prompt, vocab) logits, as a step whose
+    prompts share one length always did; the training step that follows holds the same rows'
+    activations."""
     if not prompts:
         return []
     bar = tqdm(
         total=len(prompts), desc="rollout", unit="completion", leave=False, disable=not progress
     )
     device = next(model.parameters()).device
-    stop_tensor = torch.tensor(sorted(stops), device=device)
     row_seeds = [seeds(i) for i in range(len(prompts))]
     decoded = decoded_base(model, _decoding_budget(device))
     with _evaluating(model), decoded, autocast or contextlib.nullcontext(), bar:
-        stream = generate_stream(model, prompts, max_new_tokens, params, row_seeds, stops)
-        done, new = 0, []
-        for token in stream:
-            new.append(token)
-            finished = int(torch.isin(token, stop_tensor).sum())  # stopped rows repeat it
-            bar.update(max(finished - done, 0))
-            done = max(done, finished)
-        bar.update(len(prompts) - done)
-    sampled = torch.stack(new, dim=1).tolist() if new else [[] for _ in prompts]
-    return [_until_stop(ids, stops) for ids in sampled]
+        return decode_turns(
+            model,
+            prompts,
+            max_new_tokens,
+            params,
+            stops,
+            row_seeds,
+            responder,
+            ended=lambda _row: bar.update(1),
+        )
 
 
 def _decoding_budget(device: torch.device) -> int | None:
@@ -172,14 +180,6 @@ def _decoding_budget(device: torch.device) -> int | None:
         return None
     available = available_memory()
     return None if available is None else available // 2
-
-
-def _until_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
-    """``ids`` up to and including the first stop token (a stopped row repeats it after)."""
-    for n, token in enumerate(ids):
-        if token in stops:
-            return ids[: n + 1]
-    return ids
 
 
 def training_rows(
@@ -195,6 +195,23 @@ def training_rows(
         inputs[i, : len(row) - 1] = torch.tensor(row[:-1])
         targets[i, len(prompt) - 1 : len(row) - 1] = torch.tensor(row[len(prompt) :])
     return inputs, targets
+
+
+def loss_mask(
+    targets: torch.Tensor,
+    completions: Sequence[Completion],
+    truncated: torch.Tensor,
+    mask_truncated_rows: bool,
+) -> torch.Tensor:
+    """(N, L) float: the targets the loss, the KL and the entropy count — a completion's
+    tokens the model sampled (TRL's ``completion_mask * tool_mask``: a tool's answer and the
+    template's tokens around it are 0), none of a truncated completion's with
+    ``mask_truncated_rows`` (``train.mask_truncated_completions``)."""
+    mask = torch.zeros(targets.shape, dtype=torch.float32)
+    for i, completion in enumerate(completions):
+        positions = (targets[i] != IGNORE_INDEX).nonzero().squeeze(1)
+        mask[i, positions] = torch.tensor(completion.mask, dtype=torch.float32)
+    return mask_truncated(mask, truncated) if mask_truncated_rows else mask
 
 
 @torch.no_grad()

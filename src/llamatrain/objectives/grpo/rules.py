@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
+from llamatrain.chat_template import ChatTemplate
 from llamatrain.config import Config, TrainSection, check_sampler, set_in
-from llamatrain.errors import ConfigError
+from llamatrain.errors import ConfigError, LlamatrainWarning
+from llamatrain.objectives.grpo.environment import ENVIRONMENT
 from llamatrain.objectives.grpo.reference import check_mappable
 from llamatrain.objectives.grpo.rewards import RewardFunction
 from llamatrain.objectives.grpo.rewards import check as check_rewards
 from llamatrain.sampling import SamplingParams
+from llamatrain.tools.calls import CallFormat, call_syntax
+from llamatrain.tools.loading import check as check_tools
+from llamatrain.tools.specs import split_spec
 
-__all__ = ["DEFAULT_BETA", "check", "rollout_params"]
+__all__ = ["DEFAULT_BETA", "check", "check_tool_template", "rollout_params"]
 
 DEFAULT_BETA = 0.0
 """``train.beta`` unset: TRL's GRPOConfig default (no KL term)."""
@@ -67,6 +73,16 @@ def check(cfg: Config, rewards: Sequence[str | RewardFunction] | None) -> None:
             "watches a validation loss, which GRPO has not (it reports the held-out reward); "
             "watch the 'train' loss or set optim.opt_max_no_improvement = 0"
         )
+    if t.tools is not None:
+        check_tools(t.tools)
+    if t.environment is not None:
+        split_spec(t.environment, ENVIRONMENT)
+        if t.tools:
+            where = set_in(cfg, "train.tools", "train.environment")
+            raise ConfigError(
+                f"train.tools and train.environment {where} both answer the model's turns; "
+                "give one of them (an environment can run the tools itself in step)"
+            )
     check_mappable(cfg)  # before the base is read for the model
 
 
@@ -96,3 +112,25 @@ def rollout_params(train: TrainSection) -> SamplingParams:
     """GRPO's rollout sampler (temperature only, so that a sampled token's log-prob is the
     training forward's): one home, checked by :func:`check` before the first step."""
     return SamplingParams(temperature=train.temperature, top_k=None, top_p=None, min_p=0.0)
+
+
+def check_tool_template(template: ChatTemplate | None) -> None:
+    """ConfigError unless ``template`` can show the model its tools (``train.tools``): it
+    must render ``tools`` into the prompt; a template without a call format of its own
+    (Hermes' ``<tool_call>``, Llama 3.x's ``ipython``) gets llama.cpp's generic JSON form,
+    which is said once as a warning. Also refuses a call syntax llamatrain cannot parse."""
+    if template is None or "tools" not in template.source:
+        name = "no chat template" if template is None else f"the chat template {template.name}"
+        raise ConfigError(
+            f"train.tools needs a chat template that renders tools into the prompt, and "
+            f"{name} does not; set data.chat_template to a template with tools (Qwen 2.5/3, "
+            "Llama 3.1+, Hermes: e.g. the model's own from its GGUF)"
+        )
+    if call_syntax(template.source).format is CallFormat.GENERIC:
+        warnings.warn(
+            f"the chat template {template.name} has no tool-call format of its own; the "
+            'rollouts read calls in llama.cpp\'s generic JSON form ({"tool_call": {"name": '
+            '..., "arguments": {...}}}), which llama-server --jinja parses for it too',
+            LlamatrainWarning,
+            stacklevel=2,
+        )

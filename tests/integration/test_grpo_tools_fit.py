@@ -1,0 +1,109 @@
+"""GRPO with tools end to end: ``llamatrain.fit`` from a GGUF base whose chat template renders
+tools (a tiny random llama over llama.cpp's Qwen2 vocabulary, the Qwen 2.5 template in its
+metadata), message prompts and ``train.tools`` naming a file's function.
+
+The model's draws are scripted (as in ``test_grpo_tool_turns``): each completion calls the tool
+(a good call in one row of a group, a call to an unknown tool in the other) and then answers,
+so the run goes through everything a tool-using run does — the prompts rendered with the
+tools, the tool rounds, their tokens masked, the rewards of the conversations, the tool
+metrics in metrics.jsonl, the completions table, the tool panels of the plot and the adapter
+exported as every LoRA run's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from llama_cpp_files import vocab_dir as vocab_dir
+
+from llamatrain import Llama, ModelConfig, api
+from llamatrain.decoding import RowDecoder
+from llamatrain.gguf.llama import read_tokenizer
+from llamatrain.plot import metrics_figure, read_metrics, read_records
+
+TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "qwen2.5.jinja"
+TOOLS = '''
+def multiply(a: float, b: float) -> float:
+    """Multiply two numbers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+'''
+REWARDS = """
+def right(prompts, completions, completion_ids, answer, **_):
+    return [float(c[-1]["content"] == a) for c, a in zip(completions, answer)]
+"""
+REPLIES = [
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
+    "42<|im_end|>",
+    '<tool_call>\n{"name": "divide", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
+    "13<|im_end|>",
+]
+
+
+@pytest.mark.slow
+def test_a_tool_using_grpo_run_trains_logs_and_exports(tmp_path, vocab_dir, monkeypatch):
+    tokenizer = read_tokenizer(vocab_dir / "ggml-vocab-qwen2.gguf")
+    torch.manual_seed(0)
+    shape = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=512)
+    model = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, **shape))
+    template = {"tokenizer.chat_template": TEMPLATE.read_text()}
+    base = api.export_gguf(model, tokenizer, tmp_path / "base.gguf", inherited=template)
+    (tmp_path / "tools.py").write_text(TOOLS)
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    prompts = tmp_path / "prompts.jsonl"
+    row = {"prompt": [{"role": "user", "content": "What is 6 times 7?"}], "answer": "42"}
+    prompts.write_text((json.dumps(row) + "\n") * 4)
+    replies = [tokenizer.encode(r, special=True) for r in REPLIES]
+
+    def scripted(self, rows):  # a decoder's row r draws REPLIES[r % 2] token by token
+        drawn = self.__dict__.setdefault("drawn", {})
+        for r in rows:
+            drawn[r] = drawn.get(r, -1) + 1
+        return [replies[r % 2][drawn[r]] for r in rows]
+
+    monkeypatch.setattr(RowDecoder, "sample", scripted)
+    run = tmp_path / "run"
+    api.fit(
+        "tiny",
+        overrides=[
+            f'model.init_from="{base}"',
+            f'data.path="{prompts}"',
+            'data.format="jsonl"',
+            "data.n_ctx=512",
+            "data.val_fraction=0.0",
+            f'data.cache_dir="{tmp_path / "cache"}"',
+            f'output.dir="{run}"',
+            'train.objective="grpo"',
+            f'train.rewards=["{tmp_path / "rewards.py"}:right"]',
+            f'train.tools=["{tmp_path / "tools.py"}:multiply"]',
+            "train.num_generations=2",
+            "train.max_completion_length=80",
+            "train.n_batch=1024",
+            "train.steps=2",
+            "train.eval_every=0",
+            "train.sample_tokens=0",
+            "train.log_every=1",
+            "lora.rank=4",
+            "lora.alpha=8",
+        ],
+        progress=False,
+    )
+    train, _ = read_metrics(run)
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert record["tools/call_frequency"] == 1.0
+        assert record["tools/failures/unknown_tool"] == 0.5
+        assert record["reward"] == 0.5 and record["rewards/right/mean"] == 0.5
+    table = read_records(run / "completions.jsonl")
+    assert [r["tools"]["failures"] for r in table[:2]] == [{}, {"unknown_tool": 1}]
+    assert "<tool_response>\n42\n</tool_response>" in table[0]["completion"]
+    titles = {ax.get_title() for ax in metrics_figure(*read_metrics(run), "run").axes}
+    assert {"Tool calls", "Failed calls by kind"} <= titles
+    assert (run / "adapter-f32.gguf").exists()
