@@ -86,3 +86,16 @@ def file_size_limit() -> Callable[[int], contextlib.AbstractContextManager[None]
             signal.signal(signal.SIGXFSZ, handler)
 
     return limit
+
+
+@pytest.fixture
+def decoded_products(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Quantized products by decode-then-matmul (the kernels of ``ops.quantized_matmul``
+    switched off): for tests of that path's exactness, which the kernels' 8-bit activations
+    would blur (they are checked in test_quantized_matmul.py)."""
+    from llamatrain.ops.kernel_build import load_kernels
+
+    monkeypatch.setenv("LLAMATRAIN_KERNELS", "0")
+    load_kernels.cache_clear()
+    yield
+    load_kernels.cache_clear()

@@ -83,15 +83,3 @@ def code_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for key in [k for k in sys.modules if k.startswith(str(tmp_path.resolve()))]:
         del sys.modules[key]
 
-
-@pytest.fixture
-def decoded_products(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Quantized products by decode-then-matmul (the kernels of ``ops.quantized_matmul``
-    switched off): for tests of that path's exactness, which the kernels' 8-bit activations
-    would blur (they are checked in test_quantized_matmul.py)."""
-    from llamatrain.ops.kernel_build import load_kernels
-
-    monkeypatch.setenv("LLAMATRAIN_KERNELS", "0")
-    load_kernels.cache_clear()
-    yield
-    load_kernels.cache_clear()

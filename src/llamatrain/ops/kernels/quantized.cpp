@@ -23,18 +23,20 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int kMaxBlock = 256;  // values in the largest block (the K types' super-block)
 constexpr int kTile = 4;        // activation rows per pass over a weight row
 
 float half_to_float(const uint8_t* p) {
     uint16_t h;
     std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
     uint32_t bits;
     if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
@@ -54,10 +56,10 @@ float half_to_float(const uint8_t* p) {
 // One block unpacked: its quants as int8 and, per 32 values, the scale of values 0-15 (lo)
 // and 16-31 (hi) and the offset (off), so that value i = scale * q[i] + off.
 struct Unpacked {
-    int8_t* q;
-    float* lo;
-    float* hi;
-    float* off;
+    int8_t* __restrict q;
+    float* __restrict lo;
+    float* __restrict hi;
+    float* __restrict off;
 };
 
 using Unpack = void (*)(const uint8_t* block, Unpacked out);
@@ -68,21 +70,36 @@ void set_scales(Unpacked out, int sub, float lo, float hi, float off) {
     out.off[sub] = off;
 }
 
+// The low and the high nibbles of ``n`` bytes (16 or 32) as int8 values minus ``bias``.
+template <int N>
+inline void split_nibbles(const uint8_t* __restrict src, int8_t* __restrict low,
+                          int8_t* __restrict high, int8_t bias) {
+#if defined(__AVX2__)
+    const __m128i mask = _mm_set1_epi8(0x0F), offset = _mm_set1_epi8(bias);
+    for (int i = 0; i < N; i += 16) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        const __m128i l = _mm_sub_epi8(_mm_and_si128(v, mask), offset);
+        const __m128i h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), offset);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(low + i), l);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(high + i), h);
+    }
+#else
+    for (int i = 0; i < N; ++i) {
+        low[i] = static_cast<int8_t>((src[i] & 0x0F) - bias);
+        high[i] = static_cast<int8_t>((src[i] >> 4) - bias);
+    }
+#endif
+}
+
 void unpack_q4_0(const uint8_t* b, Unpacked out) {
     const float d = half_to_float(b);
-    for (int i = 0; i < 16; ++i) {
-        out.q[i] = static_cast<int8_t>((b[2 + i] & 0x0F) - 8);
-        out.q[16 + i] = static_cast<int8_t>((b[2 + i] >> 4) - 8);
-    }
+    split_nibbles<16>(b + 2, out.q, out.q + 16, 8);
     set_scales(out, 0, d, d, 0.0f);
 }
 
 void unpack_q4_1(const uint8_t* b, Unpacked out) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
-    for (int i = 0; i < 16; ++i) {
-        out.q[i] = static_cast<int8_t>(b[4 + i] & 0x0F);
-        out.q[16 + i] = static_cast<int8_t>(b[4 + i] >> 4);
-    }
+    split_nibbles<16>(b + 4, out.q, out.q + 16, 0);
     set_scales(out, 0, d, d, m);
 }
 
@@ -114,13 +131,7 @@ void k_scales(const uint8_t* b, Unpacked out) {
 }
 
 void unpack_q4_k(const uint8_t* b, Unpacked out) {
-    const uint8_t* qs = b + 16;
-    for (int j = 0; j < 4; ++j, qs += 32) {
-        for (int l = 0; l < 32; ++l) {
-            out.q[64 * j + l] = static_cast<int8_t>(qs[l] & 0x0F);
-            out.q[64 * j + 32 + l] = static_cast<int8_t>(qs[l] >> 4);
-        }
-    }
+    for (int j = 0; j < 4; ++j) split_nibbles<32>(b + 16 + 32 * j, out.q + 64 * j, out.q + 64 * j + 32, 0);
     k_scales(b, out);
 }
 
@@ -159,40 +170,95 @@ void unpack_q6_k(const uint8_t* b, Unpacked out) {
     }
 }
 
+struct Rows;
+using UnpackRows = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t k,
+                            Rows* out);
+using DecodeBlocks = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows,
+                              int64_t blocks, float* out);
+
 struct Format {
     int values;   // per block
     int bytes;    // per block
     bool offset;  // whether any block has a nonzero offset (the forward then adds off . xs)
-    Unpack unpack;
+    UnpackRows unpack_rows;
+    DecodeBlocks decode_blocks;
 };
-
-// Indexed by the type ids of quantized_matmul.KERNEL_TYPES.
-const Format kFormats[] = {
-    {32, 18, false, unpack_q4_0},  {32, 20, true, unpack_q4_1},   {32, 34, false, unpack_q8_0},
-    {256, 144, true, unpack_q4_k}, {256, 176, true, unpack_q5_k}, {256, 210, false, unpack_q6_k},
-};
-constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
 // A run of weight rows unpacked (quants, and per 32 values lo / hi / off), reused per thread.
 struct Rows {
     std::vector<int8_t> q;
     std::vector<float> lo, hi, off;
+};
 
-    void unpack(const Format& f, const uint8_t* w, int64_t row_stride, int64_t rows, int64_t k) {
-        const int64_t subs = k / 32, blocks = k / f.values, per_block = f.values / 32;
-        q.resize(rows * k);
-        lo.resize(rows * subs);
-        hi.resize(rows * subs);
-        off.resize(rows * subs);
-        for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t sub = r * subs + b * per_block;
-                f.unpack(w + r * row_stride + b * f.bytes,
-                         {&q[r * k + b * f.values], &lo[sub], &hi[sub], &off[sub]});
+// Rows of blocks unpacked into ``out``; a template over the type's unpack, so it is inlined.
+template <Unpack U, int V, int B>
+void unpack_rows(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t k, Rows* out) {
+    const int64_t subs = k / 32, blocks = k / V;
+    out->q.resize(rows * k);
+    out->lo.resize(rows * subs);
+    out->hi.resize(rows * subs);
+    out->off.resize(rows * subs);
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t sub = r * subs + b * (V / 32);
+            U(w + r * row_stride + b * B,
+              {&out->q[r * k + b * V], &out->lo[sub], &out->hi[sub], &out->off[sub]});
+        }
+    }
+}
+
+// 32 values scale * q + off (scale lo for the first 16, hi for the rest), each operation
+// rounded to float32 as ggml's dequantize_row_* rounds it.
+inline void decode_32(const int8_t* q, float lo, float hi, float off, float* out) {
+#if defined(__AVX2__)
+    const __m128i bytes[2] = {_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))};
+    const __m256 scales[2] = {_mm256_set1_ps(lo), _mm256_set1_ps(hi)};
+    const __m256 offset = _mm256_set1_ps(off);
+    for (int half = 0; half < 2; ++half) {
+        const __m256i low = _mm256_cvtepi8_epi32(bytes[half]);
+        const __m256i high = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes[half], bytes[half]));
+        const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(low), scales[half]);
+        const __m256 b = _mm256_mul_ps(_mm256_cvtepi32_ps(high), scales[half]);
+        _mm256_storeu_ps(out + 16 * half, _mm256_add_ps(a, offset));
+        _mm256_storeu_ps(out + 16 * half + 8, _mm256_add_ps(b, offset));
+    }
+#else
+    for (int i = 0; i < 32; ++i) out[i] = (i < 16 ? lo : hi) * static_cast<float>(q[i]) + off;
+#endif
+}
+
+// The first ``blocks`` blocks of a run of weight rows as floats, ``out[row][value]`` (a row's
+// blocks are contiguous: read in order, where one block of many rows would be a strided walk
+// over pages); ggml's float arithmetic.
+template <Unpack U, int V, int B>
+void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t blocks,
+                   float* out) {
+    int8_t q[V];
+    float lo[V / 32], hi[V / 32], off[V / 32];
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t b = 0; b < blocks; ++b) {
+            U(w + r * row_stride + b * B, {q, lo, hi, off});
+            float* values = out + (r * blocks + b) * V;
+            for (int s = 0; s < V / 32; ++s) {
+                decode_32(q + 32 * s, lo[s], hi[s], off[s], values + 32 * s);
             }
         }
     }
+}
+
+template <Unpack U, int V, int B, bool Offset>
+constexpr Format format() {
+    return {V, B, Offset, unpack_rows<U, V, B>, decode_blocks<U, V, B>};
+}
+
+// Indexed by the type ids of quantized_matmul.KERNEL_TYPES.
+const Format kFormats[] = {
+    format<unpack_q4_0, 32, 18, false>(),  format<unpack_q4_1, 32, 20, true>(),
+    format<unpack_q8_0, 32, 34, false>(),  format<unpack_q4_k, 256, 144, true>(),
+    format<unpack_q5_k, 256, 176, true>(), format<unpack_q6_k, 256, 210, false>(),
 };
+constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
 // x quantized per 32 values: int8 quants, the scale d and d * sum(q) of each block.
 struct Activations {
@@ -303,47 +369,66 @@ void tile_rows(const Format& f, const Rows& w, int64_t rows, int64_t o0, const A
     }
 }
 
-// Decoded values of a run of weight rows' block b: out[row][i], ggml's float arithmetic.
-void decode_block(const Format& f, const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b,
-                  float* out) {
-    int8_t q[kMaxBlock];
-    float lo[8], hi[8], off[8];
-    for (int64_t r = 0; r < rows; ++r) {
-        f.unpack(w + r * row_stride + b * f.bytes, {q, lo, hi, off});
-        float* values = out + r * f.values;
-        for (int i = 0; i < f.values; ++i) {
-            const int s = i / 32;
-            values[i] = ((i % 32) < 16 ? lo[s] : hi[s]) * static_cast<float>(q[i]) + off[s];
-        }
-    }
+// dx[m0 .. m0+R, c .. c+32] += sum over the panel's rows o of gt[o, m] * panel[o][c ..].
+#if defined(__AVX2__)
+// One row of dx's 32 columns in registers, or (R = 4) four: named accumulators, not an array,
+// which GCC would keep on the stack and store every iteration.
+inline void add_32(float* out, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), a0));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), a1));
+    _mm256_storeu_ps(out + 16, _mm256_add_ps(_mm256_loadu_ps(out + 16), a2));
+    _mm256_storeu_ps(out + 24, _mm256_add_ps(_mm256_loadu_ps(out + 24), a3));
 }
 
-// dx[m0 .. m0+R, c .. c+32] += sum over the panel's rows o of gt[o, m] * panel[o][c ..].
 template <int R>
 void add_panel(const float* panel, int64_t width, int64_t rows, const float* gt, int64_t m,
                int64_t m0, float* dx, int64_t k) {
-#if defined(__AVX2__)
-    __m256 acc[R][4];
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t o = 0; o < rows; ++o) {
-        const float* w = panel + o * width;
-        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-        const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
+    if constexpr (R != 4) {
         for (int r = 0; r < R; ++r) {
-            const __m256 g = _mm256_broadcast_ss(gt + o * m + m0 + r);
-            acc[r][0] = _mm256_fmadd_ps(g, w0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(g, w1, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(g, w2, acc[r][2]);
-            acc[r][3] = _mm256_fmadd_ps(g, w3, acc[r][3]);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t o = 0; o < rows; ++o) {
+                const float* w = panel + o * width;
+                const __m256 g = _mm256_broadcast_ss(gt + o * m + m0 + r);
+                a0 = _mm256_fmadd_ps(g, _mm256_loadu_ps(w), a0);
+                a1 = _mm256_fmadd_ps(g, _mm256_loadu_ps(w + 8), a1);
+                a2 = _mm256_fmadd_ps(g, _mm256_loadu_ps(w + 16), a2);
+                a3 = _mm256_fmadd_ps(g, _mm256_loadu_ps(w + 24), a3);
+            }
+            add_32(dx + (m0 + r) * k, a0, a1, a2, a3);
         }
+    } else {
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+        __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+        __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+        __m256 a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+        for (int64_t o = 0; o < rows; ++o) {
+            const float* w = panel + o * width;
+            const float* g = gt + o * m + m0;
+            const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+            const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
+            __m256 b = _mm256_broadcast_ss(g);
+            a00 = _mm256_fmadd_ps(b, w0, a00), a01 = _mm256_fmadd_ps(b, w1, a01);
+            a02 = _mm256_fmadd_ps(b, w2, a02), a03 = _mm256_fmadd_ps(b, w3, a03);
+            b = _mm256_broadcast_ss(g + 1);
+            a10 = _mm256_fmadd_ps(b, w0, a10), a11 = _mm256_fmadd_ps(b, w1, a11);
+            a12 = _mm256_fmadd_ps(b, w2, a12), a13 = _mm256_fmadd_ps(b, w3, a13);
+            b = _mm256_broadcast_ss(g + 2);
+            a20 = _mm256_fmadd_ps(b, w0, a20), a21 = _mm256_fmadd_ps(b, w1, a21);
+            a22 = _mm256_fmadd_ps(b, w2, a22), a23 = _mm256_fmadd_ps(b, w3, a23);
+            b = _mm256_broadcast_ss(g + 3);
+            a30 = _mm256_fmadd_ps(b, w0, a30), a31 = _mm256_fmadd_ps(b, w1, a31);
+            a32 = _mm256_fmadd_ps(b, w2, a32), a33 = _mm256_fmadd_ps(b, w3, a33);
+        }
+        add_32(dx + m0 * k, a00, a01, a02, a03);
+        add_32(dx + (m0 + 1) * k, a10, a11, a12, a13);
+        add_32(dx + (m0 + 2) * k, a20, a21, a22, a23);
+        add_32(dx + (m0 + 3) * k, a30, a31, a32, a33);
     }
-    for (int r = 0; r < R; ++r) {
-        float* out = dx + (m0 + r) * k;
-        for (int j = 0; j < 4; ++j)
-            _mm256_storeu_ps(out + 8 * j, _mm256_add_ps(_mm256_loadu_ps(out + 8 * j), acc[r][j]));
-    }
+}
 #else
+template <int R>
+void add_panel(const float* panel, int64_t width, int64_t rows, const float* gt, int64_t m,
+               int64_t m0, float* dx, int64_t k) {
     float acc[R][32] = {};
     for (int64_t o = 0; o < rows; ++o) {
         const float* w = panel + o * width;
@@ -354,8 +439,8 @@ void add_panel(const float* panel, int64_t width, int64_t rows, const float* gt,
     }
     for (int r = 0; r < R; ++r)
         for (int i = 0; i < 32; ++i) dx[(m0 + r) * k + i] += acc[r][i];
-#endif
 }
+#endif
 
 template <typename Step>
 void over_tiles(int64_t m, Step step) {
@@ -386,7 +471,7 @@ int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const f
 #pragma omp for schedule(dynamic, 1)
         for (int64_t o0 = 0; o0 < n; o0 += chunk) {
             const int64_t count = std::min(chunk, n - o0);
-            rows.unpack(f, w + o0 * row_stride, row_stride, count, k);
+            f.unpack_rows(w + o0 * row_stride, row_stride, count, k, &rows);
             over_tiles(m, [&](int64_t m0, int tile) {
                 switch (tile) {
                     case 4: tile_rows<4>(f, rows, count, o0, a, m0, k, n, y); break;
@@ -401,30 +486,40 @@ int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const f
 }
 
 // dx (m, k) += G . W with G given as gt (n, m); W as lt_matmul's. 0, or -1 as lt_matmul.
+// Each task owns a tile of dx's columns (whole blocks, up to kTileValues) and walks W's rows
+// a panel at a time: the panel decoded once, then added into every row of dx.
 int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* gt,
                 int64_t m, int64_t k, float* dx, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
     const Format& f = kFormats[type];
-    const int64_t blocks = k / f.values;
-    const int64_t panel_rows = std::max(1, 8192 / f.values);  // 32 KiB of decoded floats
+    // a panel of 32 KiB of floats, as deep as it can be: each panel adds its sums into dx once,
+    // and dx's rows (k floats apart) contend for the same cache sets
+    constexpr int64_t kPanelValues = 8192, kTileValues = 128;
+    const int64_t tile_blocks = std::max<int64_t>(1, kTileValues / f.values);
+    const int64_t panel_rows = kPanelValues / (tile_blocks * f.values);
+    const int64_t tiles = (k / f.values + tile_blocks - 1) / tile_blocks;
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> panel(panel_rows * f.values);
+        std::vector<float> panel(kPanelValues);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t first = t * tile_blocks;
+            const int64_t blocks = std::min(tile_blocks, k / f.values - first);
+            const int64_t width = blocks * f.values;
             for (int64_t o0 = 0; o0 < n; o0 += panel_rows) {
                 const int64_t rows = std::min(panel_rows, n - o0);
-                decode_block(f, w + o0 * row_stride, row_stride, rows, b, panel.data());
-                for (int64_t c = 0; c < f.values; c += 32) {
-                    float* out = dx + b * f.values + c;
+                f.decode_blocks(w + o0 * row_stride + first * f.bytes, row_stride, rows, blocks,
+                                panel.data());
+                const float* g = gt + o0 * m;
+                for (int64_t c = 0; c < width; c += 32) {
+                    float* out = dx + first * f.values + c;
                     const float* cols = panel.data() + c;
-                    const float* g = gt + o0 * m;
                     over_tiles(m, [&](int64_t m0, int tile) {
                         switch (tile) {
-                            case 4: add_panel<4>(cols, f.values, rows, g, m, m0, out, k); break;
-                            case 3: add_panel<3>(cols, f.values, rows, g, m, m0, out, k); break;
-                            case 2: add_panel<2>(cols, f.values, rows, g, m, m0, out, k); break;
-                            default: add_panel<1>(cols, f.values, rows, g, m, m0, out, k); break;
+                            case 4: add_panel<4>(cols, width, rows, g, m, m0, out, k); break;
+                            case 3: add_panel<3>(cols, width, rows, g, m, m0, out, k); break;
+                            case 2: add_panel<2>(cols, width, rows, g, m, m0, out, k); break;
+                            default: add_panel<1>(cols, width, rows, g, m, m0, out, k); break;
                         }
                     });
                 }
