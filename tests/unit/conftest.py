@@ -82,4 +82,3 @@ def code_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield tmp_path
     for key in [k for k in sys.modules if k.startswith(str(tmp_path.resolve()))]:
         del sys.modules[key]
-

@@ -35,6 +35,7 @@ from llamatrain.ops.quantized_matmul import (
     blocks_matmul,
     blocks_matmul_t,
     kernel_rows,
+    max_rows,
 )
 
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -162,6 +163,17 @@ def test_without_a_compiler_one_warning_then_the_decoded_path(monkeypatch, tmp_p
         assert torch.equal(first, second)
     finally:
         load_kernels.cache_clear()
+
+
+def test_long_products_keep_the_decoded_path() -> None:
+    """Past max_rows (prompt evaluation, training steps) PyTorch's GEMM over decoded chunks is
+    the faster route (the module docstring's figures): the kernels stop there."""
+    w_blocks = stored("Q4_0", 4, 64)
+    for direction in ("forward", "backward"):
+        limit = max_rows(direction)
+        assert kernel_rows(w_blocks, "Q4_0", 64, limit, direction=direction)
+        assert not kernel_rows(w_blocks, "Q4_0", 64, limit + 1, direction=direction)
+    assert not kernel_rows(w_blocks, "Q4_0", 64, 1, torch.float64)  # gradchecks stay exact
 
 
 def test_switched_off_by_the_environment(monkeypatch) -> None:

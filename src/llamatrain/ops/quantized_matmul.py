@@ -18,10 +18,24 @@ Types: :data:`KERNEL_TYPES` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: the types of Q4
 Q5_K_M and Q8_0 files); others return None and keep the caller's decode-then-matmul path, as
 does everything when the library cannot be built (one warning, :mod:`kernel_build`).
 
-When a product takes the kernels (:func:`kernel_rows`): float32 products at any number of
-rows M. Under bf16/f16 autocast, only while M is at most :data:`LOW_PRECISION_MAX_ROWS`:
-where the CPU has AMX, PyTorch's bf16 GEMM over decoded chunks overtakes the integer kernel
-for larger M (prompt evaluation, training steps); see that constant for the figures.
+When a product takes the kernels (:func:`kernel_rows`): while its rows M (tokens) are at most
+:func:`max_rows`. At batch 1-16 (decoding, GRPO rollouts) the kernels win by several times; for
+longer products (prompt evaluation, training steps) PyTorch's GEMM over decoded chunks catches
+up, sooner in bf16 on AMX (and with AVX-512 in float32), so the limit depends on the CPU and
+the dtype. Measured single-thread CPU times (2048 x 8192 and 8192 x 2048 matrices, Q4_0 and
+Q4_K; the decoded path with the compiled decoders QLoRA uses, ``ops.decode_kernels``), on a
+shared Sapphire Rapids core (AVX-512, VNNI, AMX), kernel time / decoded time::
+
+    forward  float32  M=8  0.33-0.38   M=16 0.42-0.56   M=64 0.74-1.01   M=128 0.97-1.54
+             bf16     M=8  0.49-0.55   M=16 0.77-0.90   M=32 1.25-1.56   M=64  1.64-2.04
+    backward float32  M=16 0.47-0.88   M=32 0.74-0.97   M=64 0.64-1.07   M=256 1.37-1.85
+             bf16     M=16 0.78-1.06   M=32 1.16-1.56
+
+At M=1 against the eager decoders inference uses: a float32 Q4_0 forward 1.7-2.1 ms against
+23-26 ms, Q4_K 2.0-2.1 against 35-47 (0.04-0.09); at M=256 (compiled) 100-181 ms against
+78-94. Where bf16 is emulated (no AMX, no AVX512-BF16) its GEMM is
+slower than the kernels at every M (AVX2 emulated: a Q4_0 backward of 64 rows 4.8 s decoded
+in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ from llamatrain.ops.kernel_build import load_kernels
 
 __all__ = [
     "KERNEL_TYPES",
-    "LOW_PRECISION_MAX_ROWS",
+    "max_rows",
     "blocks_matmul",
     "blocks_matmul_t",
     "kernel_backward",
@@ -48,8 +62,19 @@ KERNEL_TYPES: dict[str, int] = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_
 
 _BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
-LOW_PRECISION_MAX_ROWS = 16
-"""Rows M up to which a bf16/f16 (autocast) product still takes the integer kernel."""
+MAX_ROWS = {"forward": 64, "backward": 32}
+"""Rows M up to which a float32 product takes the kernels (the module docstring's figures)."""
+AMX_BF16_MAX_ROWS = {"forward": 16, "backward": 8}
+"""The same under bf16/f16 autocast on a CPU whose bf16 GEMM runs on AMX tiles."""
+
+
+def max_rows(direction: str) -> int | None:
+    """The most rows M for which a ``"forward"`` (x·Wᵀ) or ``"backward"`` (G·W) product takes
+    the kernels under the autocast state in force; None: any M (bf16 emulated, no AMX)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return MAX_ROWS[direction]
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return AMX_BF16_MAX_ROWS[direction] if amx and amx() else None
 
 
 def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
@@ -84,18 +109,19 @@ def kernel_rows(
     n_in: int,
     rows: int,
     dtype: torch.dtype = torch.float32,
+    direction: str = "forward",
 ) -> bool:
-    """Whether a product of ``rows`` activation rows of ``dtype`` with these blocks takes the
-    kernels: a CPU weight of a kernel type whose rows are whole blocks, inside the row limit
-    of the autocast dtype in force, the library loaded."""
+    """Whether a ``direction`` product of ``rows`` activation rows of ``dtype`` with these
+    blocks takes the kernels: a CPU weight of a kernel type whose rows are whole blocks,
+    ``rows`` within :func:`max_rows`, the library loaded."""
     if qtype not in KERNEL_TYPES or blocks.device.type != "cpu" or n_in % _BLOCK_VALUES[qtype]:
         return False
     if dtype not in _OPERAND_DTYPES:
         return False
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.stride(-1) != 1:
         return False
-    low = torch.is_autocast_enabled("cpu")
-    return (not low or rows <= LOW_PRECISION_MAX_ROWS) and _functions() is not None
+    limit = max_rows(direction)
+    return (limit is None or rows <= limit) and _functions() is not None
 
 
 def _call(which: int, blocks: torch.Tensor, qtype: str, operand, m: int, k: int, out) -> None:
@@ -154,6 +180,6 @@ def kernel_backward(
 ) -> torch.Tensor | None:
     """``G·W`` by :func:`blocks_matmul_t` (float32, as the decoded path sums it), or None
     where :func:`kernel_rows` says no."""
-    if not kernel_rows(blocks, qtype, n_in, g.shape[0], g.dtype):
+    if not kernel_rows(blocks, qtype, n_in, g.shape[0], g.dtype, "backward"):
         return None
     return blocks_matmul_t(g, blocks, qtype, n_in)
