@@ -113,6 +113,24 @@ def test_backward_matches_the_float64_product(qtype: str, m: int) -> None:
         assert (dx - g.double() @ w).abs().le(bound).all()
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+def test_threads_split_the_work_not_the_values(qtype: str) -> None:
+    """Each output is summed by one thread in one order: 1 or 3 threads, the same bits."""
+    w_blocks = stored(qtype, 70, 512)
+    x, g = torch.randn(9, 512), torch.randn(9, 70)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            results.append(
+                (blocks_matmul(x, w_blocks, qtype), blocks_matmul_t(g, w_blocks, qtype, 512))
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 def test_row_slices_of_a_larger_tensor() -> None:
     """A view of some rows (a chunk of a vocabulary table, a mapped file) is read in place."""
     w_blocks = stored("Q4_0", 64, 256)

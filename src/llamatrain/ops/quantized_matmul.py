@@ -33,7 +33,10 @@ shared Sapphire Rapids core (AVX-512, VNNI, AMX), kernel time / decoded time::
 
 At M=1 against the eager decoders inference uses: a float32 Q4_0 forward 1.7-2.1 ms against
 23-26 ms, Q4_K 2.0-2.1 against 35-47 (0.04-0.09); at M=256 (compiled) 100-181 ms against
-78-94. Where bf16 is emulated (no AMX, no AVX512-BF16) its GEMM is
+78-94. The AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
+``-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``) crosses
+over at the same M: float32 forward M=64 0.75-1.08, backward M=64 0.72-1.22 (M=32 unmeasured
+there), M=128 0.97-1.33. Where bf16 is emulated (no AMX, no AVX512-BF16) its GEMM is
 slower than the kernels at every M (AVX2 emulated: a Q4_0 backward of 64 rows 4.8 s decoded
 in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
 """

@@ -453,21 +453,22 @@ void over_tiles(int64_t m, Step step) {
 
 extern "C" {
 
-int lt_abi_version() { return 1; }
-
 // y (m, n) = x (m, k) . W^T, W's n rows of blocks row_stride bytes apart. 0, or -1 for a
 // type id without a format or a k that is not whole blocks.
 int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
               int64_t m, int64_t k, float* y, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
     const Format& f = kFormats[type];
-    Activations a;
+    // kept per thread across calls: a buffer freed and allocated again every product would be
+    // fresh pages to fault in each time (glibc maps large blocks anew)
+    static thread_local Activations buffers;
+    Activations& a = buffers;  // the calling thread's, shared with the team below
     quantize_rows(x, m, k, &a, threads);
     // rows a task: a small run unpacked once and used for every tile of x's rows
     const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(16, n / (4 * threads)));
 #pragma omp parallel num_threads(threads)
     {
-        Rows rows;
+        static thread_local Rows rows;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t o0 = 0; o0 < n; o0 += chunk) {
             const int64_t count = std::min(chunk, n - o0);
@@ -500,7 +501,7 @@ int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const
     const int64_t tiles = (k / f.values + tile_blocks - 1) / tile_blocks;
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> panel(kPanelValues);
+        static thread_local std::vector<float> panel(kPanelValues);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tiles; ++t) {
             const int64_t first = t * tile_blocks;
