@@ -44,6 +44,7 @@ in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -80,11 +81,9 @@ def max_rows(direction: str) -> int | None:
     return AMX_BF16_MAX_ROWS[direction] if amx and amx() else None
 
 
-def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-    """The library's two products with their C signatures, or None without the library."""
-    library = load_kernels()
-    if library is None:
-        return None
+@functools.cache
+def _signed(library: ctypes.CDLL) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    """The library's two products with their C signatures (set once per library loaded)."""
     signature = [
         ctypes.c_int,  # type id
         ctypes.c_void_p,  # W's blocks
@@ -100,6 +99,12 @@ def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     for function in products:
         function.argtypes, function.restype = signature, ctypes.c_int
     return products
+
+
+def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """The library's two products, or None without the library."""
+    library = load_kernels()
+    return None if library is None else _signed(library)
 
 
 _OPERAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
