@@ -465,7 +465,8 @@ int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const f
     Activations& a = buffers;  // the calling thread's, shared with the team below
     quantize_rows(x, m, k, &a, threads);
     // rows a task: a small run unpacked once and used for every tile of x's rows
-    const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(16, n / (4 * threads)));
+    const int64_t chunk =
+        m <= kTile ? 1 : std::max<int64_t>(1, std::min<int64_t>(16, n / (4 * threads)));
 #pragma omp parallel num_threads(threads)
     {
         static thread_local Rows rows;
