@@ -208,7 +208,7 @@ def _base_backward(
     if _whole(weight, qtype, g, chunk_rows):
         return torch.mm(g, weight)
     dx = None if chunk_rows else kernel_backward(g, weight, qtype, n_in)
-    if dx is not None:  # W decoded in registers (ops.quantized_matmul)
+    if dx is not None:  # W decoded a panel at a time (ops.quantized_matmul)
         return dx
     g = _in_matmul_dtype(g)
     total = torch.promote_types(g.dtype, torch.float32)

@@ -11,8 +11,8 @@ faster. These are the same scheme (``ops/kernels/quantized.cpp``, built on first
   finer than llama.cpp's 256-value Q8_K), integer dot products against each block, scaled in
   float. Not the exact product of x with the decoded W: off by x's rounding to 8 bits, as
   llama.cpp's own.
-- :func:`blocks_matmul_t`, ``dx = G·W``: W decoded in registers (ggml's float arithmetic),
-  G kept float32: the exact product up to float32 summation order (QLoRA's backward).
+- :func:`blocks_matmul_t`, ``dx = G·W``: W decoded a 32 KiB panel at a time (ggml's float
+  arithmetic), G kept float32: the exact product up to float32 summation order (QLoRA's backward).
 
 Types: :data:`KERNEL_TYPES` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: the types of Q4_K_M,
 Q5_K_M and Q8_0 files); others return None and keep the caller's decode-then-matmul path, as
@@ -162,7 +162,7 @@ def blocks_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Te
 
 def blocks_matmul_t(g: torch.Tensor, blocks: torch.Tensor, qtype: str, n_in: int) -> torch.Tensor:
     """``G·W`` as float32 (M, in) for G (M, out) and W's ``qtype`` blocks (out, row bytes),
-    W decoded in registers, G unrounded. Call where :func:`kernel_rows` says yes."""
+    W decoded a panel at a time, G unrounded. Call where :func:`kernel_rows` says yes."""
     gt = g.detach().to(torch.float32).t().contiguous()
     dx = torch.zeros(g.shape[0], n_in, dtype=torch.float32)
     _call(1, blocks, qtype, gt, g.shape[0], n_in, dx)

@@ -1,4 +1,5 @@
-// Products over GGUF blocks as stored, never a float copy of the weight (llamatrain.ops.quantized_matmul).
+// Products over GGUF blocks as stored, never a float copy of the weight
+// (llamatrain.ops.quantized_matmul).
 //
 // lt_matmul:   y  = x . W^T   x (m, k) float32 -> y (m, n)   W (n, k) as its blocks
 // lt_matmul_t: dx = G . W     G given transposed, gt (n, m)  -> dx (m, k), added into
@@ -14,7 +15,7 @@
 // The K types are quantized against 32-value activation blocks too (llama.cpp's Q8_K uses
 // 256): a finer scale, so closer to the exact product, and one activation format for all.
 //
-// The backward is a decode in registers: each thread owns whole blocks of dx's columns and
+// The backward decodes W a little at a time, never whole: each thread owns whole blocks of dx's columns and
 // walks W's rows a panel at a time, decoding the panel's blocks (ggml's arithmetic, float32)
 // into an L1-sized buffer and adding G[m, o] * W[o, cols] into dx, four rows of dx at a time
 // held in registers. Built with -ffp-contract=off, so the decoded values are ggml's, bit for bit.
@@ -29,14 +30,14 @@
 
 namespace {
 
-constexpr int kTile = 4;        // activation rows per pass over a weight row
+constexpr int kTile = 4;  // activation rows per pass over a weight row
 
 float half_to_float(const uint8_t* p) {
     uint16_t h;
     std::memcpy(&h, p, 2);
 #if defined(__F16C__)
     return _cvtsh_ss(h);
-#endif
+#else
     const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
     uint32_t bits;
     if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
@@ -51,6 +52,7 @@ float half_to_float(const uint8_t* p) {
     float value;
     std::memcpy(&value, &bits, 4);
     return value;
+#endif
 }
 
 // One block unpacked: its quants as int8 and, per 32 values, the scale of values 0-15 (lo)
