@@ -19,26 +19,33 @@ Q5_K_M and Q8_0 files); others return None and keep the caller's decode-then-mat
 does everything when the library cannot be built (one warning, :mod:`kernel_build`).
 
 When a product takes the kernels (:func:`kernel_rows`): while its rows M (tokens) are at most
-:func:`max_rows`. At batch 1-16 (decoding, GRPO rollouts) the kernels win by several times; for
-longer products (prompt evaluation, training steps) PyTorch's GEMM over decoded chunks catches
-up, sooner in bf16 on AMX (and with AVX-512 in float32), so the limit depends on the CPU and
-the dtype. Measured single-thread CPU times (2048 x 8192 and 8192 x 2048 matrices, Q4_0 and
-Q4_K; the decoded path with the compiled decoders QLoRA uses, ``ops.decode_kernels``), on a
-shared Sapphire Rapids core (AVX-512, VNNI, AMX), kernel time / decoded time::
+:func:`max_rows`. At batch 1-8 (decoding, GRPO rollouts) the kernels win by 2-6x; for longer
+products (prompt evaluation, training steps) PyTorch's GEMM over decoded chunks catches up,
+sooner in bf16 on AMX, so the limit depends on the dtype. Measured single-thread CPU times
+(``time.thread_time``; 2048 x 8192 and 8192 x 2048 matrices, Q4_0 and Q4_K; the decoded path
+with the compiled decoders, ``ops.decode_kernels``, as QLoRA runs it) on a shared Sapphire
+Rapids core (AVX-512, VNNI, AMX), kernel time / decoded time::
 
-    forward  float32  M=8  0.33-0.38   M=16 0.42-0.56   M=64 0.74-1.01   M=128 0.97-1.54
-             bf16     M=8  0.49-0.55   M=16 0.77-0.90   M=32 1.25-1.56   M=64  1.64-2.04
-    backward float32  M=16 0.47-0.88   M=32 0.74-0.97   M=64 0.64-1.07   M=256 1.37-1.85
-             bf16     M=16 0.78-1.06   M=32 1.16-1.56
+    forward  float32  M=1 0.16-0.19  M=8 0.32-0.38  M=16 0.55-0.78  M=32 0.74-1.20
+                      M=64 0.92-1.35  M=256 1.39-2.13
+             bf16     M=1 0.16-0.20  M=8 0.49-0.52  M=16 0.76-1.05  M=32 1.47-2.08
+    backward float32  M=1 0.31-0.76  M=8 0.51-0.88  M=16 0.64-0.90  M=32 0.85-1.16
+                      M=64 1.15-1.45  M=256 1.72-1.92
+             bf16     M=8 0.55-0.87  M=16 0.70-1.23  M=32 1.23-1.75
 
-At M=1 against the eager decoders inference uses: a float32 Q4_0 forward 1.7-2.1 ms against
-23-26 ms, Q4_K 2.0-2.1 against 35-47 (0.04-0.09); at M=256 (compiled) 100-181 ms against
-78-94. The AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
-``-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``) crosses
-over at the same M: float32 forward M=64 0.75-1.08, backward M=64 0.72-1.22 (M=32 unmeasured
-there), M=128 0.97-1.33. Where bf16 is emulated (no AMX, no AVX512-BF16) its GEMM is
-slower than the kernels at every M (AVX2 emulated: a Q4_0 backward of 64 rows 4.8 s decoded
-in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
+Runs on the shared machine vary by up to ~30% (an earlier one measured the float32 forward at
+M=32 0.63-0.85 and the backward 0.74-0.97); the limits are the largest M that won in every
+run. A float32 Q4_0 forward at M=1 over 16.7 M weights takes 1.4-2.0 ms, against 7.7-10 ms
+decoded by the compiled decoders and 23-26 ms by the eager ones (what inference uses). The
+AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
+``-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``) crosses over
+no earlier: float32 forward M=64 0.75-1.08, backward M=64 0.72-1.22. Where bf16 is emulated
+(no AMX) its GEMM is slower than the kernels at every M (AVX2: a Q4_0 backward of 64 rows
+4.8 s decoded in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
+
+Past the limits (a 256-token training step) the kernels lose by up to 2x: their integer dot
+products and their float32 micro-kernel are not a tuned GEMM; QLoRA steps keep the decoded
+path there.
 """
 
 from __future__ import annotations
@@ -66,9 +73,9 @@ KERNEL_TYPES: dict[str, int] = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_
 
 _BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
-MAX_ROWS = {"forward": 64, "backward": 32}
+MAX_ROWS = {"forward": 16, "backward": 16}
 """Rows M up to which a float32 product takes the kernels (the module docstring's figures)."""
-AMX_BF16_MAX_ROWS = {"forward": 16, "backward": 8}
+AMX_BF16_MAX_ROWS = {"forward": 8, "backward": 8}
 """The same under bf16/f16 autocast on a CPU whose bf16 GEMM runs on AMX tiles."""
 
 
