@@ -38,8 +38,9 @@ M=32 0.63-0.85 and the backward 0.74-0.97); the limits are the largest M that wo
 run. A float32 Q4_0 forward at M=1 over 16.7 M weights takes 1.4-2.0 ms, against 7.7-10 ms
 decoded by the compiled decoders and 23-26 ms by the eager ones (what inference uses). The
 AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
-``-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``) crosses over
-no earlier: float32 forward M=64 0.75-1.08, backward M=64 0.72-1.22. Where bf16 is emulated
+``-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``), float32:
+forward M=1 0.14-0.19, M=16 0.49-0.66, M=32 0.63-0.93, M=64 0.75-1.08; backward M=8
+0.67-0.99, M=16 0.79-1.14, M=32 1.03-1.23: hence the backward's limit of 8. Where bf16 is emulated
 (no AMX) its GEMM is slower than the kernels at every M (AVX2: a Q4_0 backward of 64 rows
 4.8 s decoded in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
 
@@ -73,7 +74,7 @@ KERNEL_TYPES: dict[str, int] = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_
 
 _BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
-MAX_ROWS = {"forward": 16, "backward": 16}
+MAX_ROWS = {"forward": 16, "backward": 8}
 """Rows M up to which a float32 product takes the kernels (the module docstring's figures)."""
 AMX_BF16_MAX_ROWS = {"forward": 8, "backward": 8}
 """The same under bf16/f16 autocast on a CPU whose bf16 GEMM runs on AMX tiles."""
