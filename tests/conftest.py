@@ -86,3 +86,31 @@ def file_size_limit() -> Callable[[int], contextlib.AbstractContextManager[None]
             signal.signal(signal.SIGXFSZ, handler)
 
     return limit
+
+
+@contextlib.contextmanager
+def _kernels_off() -> Iterator[None]:
+    """The kernels of ``ops.quantized_matmul`` switched off (and forgotten before and after)."""
+    from llamatrain.ops.kernel_build import load_kernels
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLAMATRAIN_KERNELS", "0")
+        load_kernels.cache_clear()
+        yield
+    load_kernels.cache_clear()
+
+
+@pytest.fixture
+def decoded_products() -> Iterator[None]:
+    """Quantized products by decode-then-matmul (the kernels of ``ops.quantized_matmul``
+    switched off): for tests of that path's exactness, which the kernels' 8-bit activations
+    would blur (they are checked in tests/unit/test_quantized_matmul.py)."""
+    with _kernels_off():
+        yield
+
+
+@pytest.fixture(scope="module")
+def decoded_products_module() -> Iterator[None]:
+    """:func:`decoded_products` for a whole module (its module-scoped runs included)."""
+    with _kernels_off():
+        yield

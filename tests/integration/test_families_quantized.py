@@ -255,6 +255,7 @@ def finetune_and_score(
 @pytest.mark.parametrize(
     "arch", [*FAMILIES[:3], pytest.param("gemma3", marks=pytest.mark.slow)]
 )  # ~5 s each; gemma3's 6 layers ~20 s
+@pytest.mark.usefixtures("decoded_products")  # MERGED_TOL: float32 products, no 8-bit x
 def test_qlora_from_a_llama_cpp_quantized_file_lowers_llama_cpps_nll(
     llama_cpp, tokenizer, tiny_overrides, tmp_path: Path, arch: str
 ) -> None:

@@ -40,6 +40,11 @@ from llamatrain.objectives.grpo.reference import build_base_reference
 from llamatrain.objectives.grpo.rollout import scored_logps, training_rows
 from llamatrain.trainer import Trainer, held_types
 
+pytestmark = pytest.mark.usefixtures("decoded_products_module")
+"""The reference's log-probs are the dequantized base's to float32 rounding (LOGP_TOL) and the
+KL starts at 0 over the decoded path's float32 products; the quantized kernels round x to 8 bits
+(ops.quantized_matmul; ~1e-3 in a log-prob here) and are tested on their own."""
+
 WORDS = ["love", "beauty", "time", "summer", "rose", "heart", "eye", "youth"]
 REWARD_FILE = """
 def vowels(prompts, completions, completion_ids, **columns):

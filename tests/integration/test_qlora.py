@@ -44,6 +44,11 @@ from llamatrain.ops import lora as ops_lora
 from llamatrain.sampling import SamplingParams
 from llamatrain.trainer import held_types
 
+pytestmark = pytest.mark.usefixtures("decoded_products_module")
+"""Same numbers as the f32 copy (LOSS_RTOL) hold for the decoded path's float32 products: the
+quantized kernels (ops.quantized_matmul) round x to 8 bits, as llama.cpp does; they are held
+to their own references in tests/unit/test_quantized_matmul.py."""
+
 STEPS = 4
 LOSS_RTOL = 1e-5
 """The two runs multiply by the same float32 weights; the quantized one widens W a chunk of

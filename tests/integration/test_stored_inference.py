@@ -118,6 +118,7 @@ def stored_types(model: Llama) -> dict[str, str | None]:
     return held
 
 
+@pytest.mark.usefixtures("decoded_products")  # exact: no 8-bit activations
 @pytest.mark.parametrize("type_name", TYPES)
 def test_the_base_stays_as_stored_and_the_adapter_applies_unmerged(files, type_name) -> None:
     base = files[type_name]
@@ -153,6 +154,7 @@ def test_llama_cpp_draws_our_greedy_tokens_over_base_and_adapter(files, llama_cp
     assert np.abs(logits(quantized, ids) - theirs_q8).max() < Q8_0_BOUND
 
 
+@pytest.mark.usefixtures("decoded_products")  # exact: no 8-bit activations
 def test_cli_generate_and_eval_take_an_adapter_over_a_base(files, tmp_path, capsys) -> None:
     args = ["generate", str(files["q4_0"]), "--lora", str(files["adapter"]), "--prompt",
             "Shall I", "--max-tokens", "12", "--seed", "1"]  # fmt: skip
@@ -170,6 +172,7 @@ def test_cli_generate_and_eval_take_an_adapter_over_a_base(files, tmp_path, caps
     assert float(line.split()[1]) == pytest.approx(expected, rel=1e-4)  # printed to 4 places
 
 
+@pytest.mark.usefixtures("decoded_products")  # exact: no 8-bit activations
 def test_a_lora_run_loads_its_base_as_stored_whatever_it_trained_with(
     files, cache_dir, tmp_path
 ) -> None:

@@ -121,6 +121,7 @@ def test_a_lookup_is_the_decoded_tables_rows_bit_for_bit(qtype: str) -> None:
     assert torch.equal(table(ids), dequantize(table.weight, qtype, 64)[ids])
 
 
+@pytest.mark.usefixtures("decoded_products")
 @pytest.mark.parametrize("ops", ["ggml", "torch"])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_the_head_over_blocks_is_the_head_over_the_decoded_tables(arch: str, ops: str) -> None:

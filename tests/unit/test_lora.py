@@ -271,6 +271,7 @@ def adapted_alike(model: Llama) -> Llama:
     return model
 
 
+@pytest.mark.usefixtures("decoded_products")
 @pytest.mark.parametrize("qtype", ["Q8_0", "BF16"])
 def test_a_frozen_narrow_base_is_the_float32_model_on_its_stored_values(qtype: str) -> None:
     """Targets held as Q8_0 blocks (or bf16) compute, train and merge as the float32 model

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from llamatrain.ops.dequantize import dequantize, row_bytes
 from llamatrain.ops.dtypes import autocast_dtype, autocast_like
+from llamatrain.ops.quantized_matmul import kernel_backward, kernel_forward
 
 __all__ = [
     "CHUNK_BYTES",
@@ -170,6 +171,9 @@ def base_forward(
     (one chunk when W fits in one: its product is y, not copied into y)."""
     if _whole(weight, qtype, rows, chunk_rows):
         return torch.mm(rows, weight.t())
+    y = None if chunk_rows else kernel_forward(rows, weight, qtype, n_in)
+    if y is not None:  # over the blocks as stored (ops.quantized_matmul)
+        return y
     rows = _in_matmul_dtype(rows)
     if weight.shape[0] <= rows_per_chunk(n_in, chunk_rows):
         return torch.mm(rows, dense_weight(weight, qtype, n_in, rows.dtype).t())
@@ -203,6 +207,9 @@ def _base_backward(
     chunk's product is made in G's precision and added in float32."""
     if _whole(weight, qtype, g, chunk_rows):
         return torch.mm(g, weight)
+    dx = None if chunk_rows else kernel_backward(g, weight, qtype, n_in)
+    if dx is not None:  # W decoded a panel at a time (ops.quantized_matmul)
+        return dx
     g = _in_matmul_dtype(g)
     total = torch.promote_types(g.dtype, torch.float32)
     fused = g.dtype == total and not torch.is_autocast_enabled(g.device.type)

@@ -1,0 +1,201 @@
+"""x·Wᵀ and G·W over a weight's GGUF blocks as stored, on the CPU: no float copy of W.
+
+Why: decoding W's rows to float32 and running a float GEMM (``ops.lora``'s chunks) reads 4
+bytes a weight per pass where the blocks are 0.56 (Q4_0) to 1.06 (Q8_0); at batch 1 a decode
+step is memory bound, so llama.cpp's integer products over the blocks run several times
+faster. These are the same scheme (``ops/kernels/quantized.cpp``, built on first use by
+:mod:`llamatrain.ops.kernel_build`):
+
+- :func:`blocks_matmul`, ``y = x·Wᵀ``: x quantized to int8 per 32 values with one float
+  scale (llama.cpp's Q8_0 activations; the K types also take 32-value activation blocks,
+  finer than llama.cpp's 256-value Q8_K), integer dot products against each block, scaled in
+  float. Not the exact product of x with the decoded W: off by x's rounding to 8 bits, as
+  llama.cpp's own.
+- :func:`blocks_matmul_t`, ``dx = G·W``: W decoded a 32 KiB panel at a time (ggml's float
+  arithmetic), G kept float32: the exact product up to float32 summation order (QLoRA's backward).
+
+Types: :data:`KERNEL_TYPES` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: the types of Q4_K_M,
+Q5_K_M and Q8_0 files); others return None and keep the caller's decode-then-matmul path, as
+does everything when the library cannot be built (one warning, :mod:`kernel_build`).
+
+When a product takes the kernels (:func:`kernel_rows`): while its rows M (tokens) are at most
+:func:`max_rows`. At batch 1-8 (decoding, GRPO rollouts) the kernels win by 2-6x; for longer
+products (prompt evaluation, training steps) PyTorch's GEMM over decoded chunks catches up,
+sooner in bf16 on AMX, so the limit depends on the dtype. Measured single-thread CPU times
+(``time.thread_time``; 2048 x 8192 and 8192 x 2048 matrices, Q4_0 and Q4_K; the decoded path
+with the compiled decoders, ``ops.decode_kernels``, as QLoRA runs it) on a shared Sapphire
+Rapids core (AVX-512, VNNI, AMX), kernel time / decoded time::
+
+    forward  float32  M=1 0.16-0.19  M=8 0.32-0.38  M=16 0.55-0.78  M=32 0.74-1.20
+                      M=64 0.92-1.35  M=256 1.39-2.13
+             bf16     M=1 0.16-0.20  M=8 0.49-0.52  M=16 0.76-1.05  M=32 1.47-2.08
+    backward float32  M=1 0.31-0.76  M=8 0.51-0.88  M=16 0.64-0.90  M=32 0.85-1.16
+                      M=64 1.15-1.45  M=256 1.72-1.92
+             bf16     M=8 0.55-0.87  M=16 0.70-1.23  M=32 1.23-1.75
+
+Runs on the shared machine vary by up to ~30% (an earlier one measured the float32 forward at
+M=32 0.63-0.85 and the backward 0.74-0.97); the limits are the largest M that won in every
+run. A float32 Q4_0 forward at M=1 over 16.7 M weights takes 1.4-2.0 ms, against 7.7-10 ms
+decoded by the compiled decoders and 23-26 ms by the eager ones (what inference uses). The
+AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
+``-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``), float32:
+forward M=1 0.14-0.19, M=16 0.49-0.66, M=32 0.63-0.93, M=64 0.75-1.08; backward M=8
+0.67-0.99, M=16 0.79-1.14, M=32 1.03-1.23: hence the backward's limit of 8. Where bf16 is emulated
+(no AMX) its GEMM is slower than the kernels at every M (AVX2: a Q4_0 backward of 64 rows
+4.8 s decoded in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
+
+Past the limits (a 256-token training step) the kernels lose by up to 2x: their integer dot
+products and their float32 micro-kernel are not a tuned GEMM; QLoRA steps keep the decoded
+path there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from llamatrain.ops.dtypes import autocast_dtype
+from llamatrain.ops.kernel_build import load_kernels
+
+__all__ = [
+    "KERNEL_TYPES",
+    "max_rows",
+    "blocks_matmul",
+    "blocks_matmul_t",
+    "kernel_backward",
+    "kernel_forward",
+    "kernel_rows",
+]
+
+KERNEL_TYPES: dict[str, int] = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+"""ggml type -> its id in the C++ library's format table."""
+
+_BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+
+MAX_ROWS = {"forward": 16, "backward": 8}
+"""Rows M up to which a float32 product takes the kernels (the module docstring's figures)."""
+AMX_BF16_MAX_ROWS = {"forward": 8, "backward": 8}
+"""The same under bf16/f16 autocast on a CPU whose bf16 GEMM runs on AMX tiles."""
+
+
+def max_rows(direction: str) -> int | None:
+    """The most rows M for which a ``"forward"`` (x·Wᵀ) or ``"backward"`` (G·W) product takes
+    the kernels under the autocast state in force; None: any M (bf16 emulated, no AMX)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return MAX_ROWS[direction]
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return AMX_BF16_MAX_ROWS[direction] if amx and amx() else None
+
+
+@functools.cache
+def _signed(library: ctypes.CDLL) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    """The library's two products with their C signatures (set once per library loaded)."""
+    signature = [
+        ctypes.c_int,  # type id
+        ctypes.c_void_p,  # W's blocks
+        ctypes.c_int64,  # n: W's rows
+        ctypes.c_int64,  # bytes from one row of blocks to the next
+        ctypes.c_void_p,  # x (m, k), or gt (n, m)
+        ctypes.c_int64,  # m
+        ctypes.c_int64,  # k
+        ctypes.c_void_p,  # y (m, n), or dx (m, k)
+        ctypes.c_int,  # threads
+    ]
+    products = (library.lt_matmul, library.lt_matmul_t)
+    for function in products:
+        function.argtypes, function.restype = signature, ctypes.c_int
+    return products
+
+
+def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """The library's two products, or None without the library."""
+    library = load_kernels()
+    return None if library is None else _signed(library)
+
+
+_OPERAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Operands the kernels take (as float32): float64 products (gradchecks) keep the exact path."""
+
+
+def kernel_rows(
+    blocks: torch.Tensor,
+    qtype: str | None,
+    n_in: int,
+    rows: int,
+    dtype: torch.dtype = torch.float32,
+    direction: str = "forward",
+) -> bool:
+    """Whether a ``direction`` product of ``rows`` activation rows of ``dtype`` with these
+    blocks takes the kernels: a CPU weight of a kernel type whose rows are whole blocks,
+    ``rows`` within :func:`max_rows`, the library loaded."""
+    if qtype not in KERNEL_TYPES or blocks.device.type != "cpu" or n_in % _BLOCK_VALUES[qtype]:
+        return False
+    if dtype not in _OPERAND_DTYPES:
+        return False
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.stride(-1) != 1:
+        return False
+    limit = max_rows(direction)
+    return (limit is None or rows <= limit) and _functions() is not None
+
+
+def _call(which: int, blocks: torch.Tensor, qtype: str, operand, m: int, k: int, out) -> None:
+    functions = _functions()
+    assert functions is not None  # kernel_rows said the library is there
+    status = functions[which](
+        KERNEL_TYPES[qtype],
+        blocks.data_ptr(),
+        blocks.shape[0],
+        blocks.stride(0),
+        operand.data_ptr(),
+        m,
+        k,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status:
+        raise ValueError(f"{qtype} kernel: rows of {k} values are not whole blocks")
+
+
+def blocks_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``x·Wᵀ`` as float32 (M, out) for x (M, in) and W's ``qtype`` blocks (out, row bytes),
+    x quantized to 8 bits per 32 values (module docstring). Call where :func:`kernel_rows`
+    says yes."""
+    x = x.detach().to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+    _call(0, blocks, qtype, x, x.shape[0], x.shape[1], y)
+    return y
+
+
+def blocks_matmul_t(g: torch.Tensor, blocks: torch.Tensor, qtype: str, n_in: int) -> torch.Tensor:
+    """``G·W`` as float32 (M, in) for G (M, out) and W's ``qtype`` blocks (out, row bytes),
+    W decoded a panel at a time, G unrounded. Call where :func:`kernel_rows` says yes."""
+    gt = g.detach().to(torch.float32).t().contiguous()
+    dx = torch.zeros(g.shape[0], n_in, dtype=torch.float32)
+    _call(1, blocks, qtype, gt, g.shape[0], n_in, dx)
+    return dx
+
+
+def kernel_forward(
+    rows: torch.Tensor, blocks: torch.Tensor, qtype: str | None, n_in: int
+) -> torch.Tensor | None:
+    """``rows·Wᵀ`` by :func:`blocks_matmul` in the dtype the decoded path would give (autocast's
+    if on, else the rows'), or None
+    where that path is to be taken: no kernel for this product (:func:`kernel_rows`), or an
+    input autograd must differentiate (the kernel's result carries no graph)."""
+    if torch.is_grad_enabled() and rows.requires_grad:
+        return None
+    if not kernel_rows(blocks, qtype, n_in, rows.shape[0], rows.dtype):
+        return None
+    return blocks_matmul(rows, blocks, qtype).to(autocast_dtype("cpu") or rows.dtype)
+
+
+def kernel_backward(
+    g: torch.Tensor, blocks: torch.Tensor, qtype: str | None, n_in: int
+) -> torch.Tensor | None:
+    """``G·W`` by :func:`blocks_matmul_t` (float32, as the decoded path sums it), or None
+    where :func:`kernel_rows` says no."""
+    if not kernel_rows(blocks, qtype, n_in, g.shape[0], g.dtype, "backward"):
+        return None
+    return blocks_matmul_t(g, blocks, qtype, n_in)
