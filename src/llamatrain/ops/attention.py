@@ -70,6 +70,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from llamatrain.ops.attention_inference import fused_attention, takes_fused
 from llamatrain.ops.attention_inputs import (
     check_branches,
     check_documents,
@@ -533,6 +534,8 @@ def flash_attn(
         softcap = float(softcap)
         if not (0.0 < softcap < math.inf):
             raise ValueError(f"softcap must be a positive finite number; got {softcap}")
+    if takes_fused(q, k, v, plain=documents is None and softcap is None):
+        return fused_attention(q, k, v, causal, float(scale), window, padding)
     if window is None and softcap is None and branches is None and padding is None:
         return _FlashAttn.apply(q, k, v, causal, float(scale), block, documents)
     return _FlashAttn.apply(

@@ -20,6 +20,7 @@ real form is traced instead (inductor fuses it, and has no code generation for c
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -79,6 +80,43 @@ def _angles(
     return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
 
 
+_memo = threading.local()
+
+
+def _angles_of_forward(
+    pos: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    freq_scale: float,
+    freq_factors: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_angles`, computed once per positions tensor: a forward hands one ``pos`` to every
+    block (``model.Rope``), whose q and k each ask for the same cos/sin, 2 x n_layers times.
+    Made afresh each time, they were a third of a batch-1 decode step over SmolLM2-135M's
+    stored blocks (~10 of ~30 ms a token: 60 small tables built in float64 a token). The memo
+    holds the last ``pos`` itself (so its ``id`` names no other tensor while kept) and its
+    version (an in-place change to it makes new angles); gradients never flow through angles
+    (rope gives positions and frequency factors none), so sharing them is exact. Under
+    ``torch.compile`` the angles are traced as they are (inductor fuses them; a memo would be
+    Python state the compiled graph guards on)."""
+    if torch.compiler.is_compiling():
+        return _angles(pos, head_dim, theta, freq_scale, freq_factors, dtype, device)
+    key = (head_dim, theta, freq_scale, id(freq_factors), dtype, device)
+    if getattr(_memo, "pos", None) is not pos or _memo.version != pos._version:
+        _memo.pos, _memo.version, _memo.tables = pos, pos._version, {}
+        _memo.factors = freq_factors  # kept, as pos is: its id names it while the memo lives
+    tables = _memo.tables.get(key)
+    if tables is not None and _memo.factors is freq_factors:
+        return tables
+    with torch.no_grad():
+        tables = _angles(pos, head_dim, theta, freq_scale, freq_factors, dtype, device)
+    _memo.tables[key] = tables
+    _memo.factors = freq_factors
+    return tables
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -91,7 +129,9 @@ class _Rope(torch.autograd.Function):
         freq_factors: torch.Tensor | None,
     ) -> torch.Tensor:
         cdt = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
-        cos, sin = _angles(pos, x.shape[-1], theta, freq_scale, freq_factors, cdt, x.device)
+        cos, sin = _angles_of_forward(
+            pos, x.shape[-1], theta, freq_scale, freq_factors, cdt, x.device
+        )
         # Keep only cos/sin (B*T*hd values, 2*heads times smaller than x) for the backward.
         ctx.save_for_backward(cos, sin)
         ctx.mode = mode

@@ -1,0 +1,77 @@
+"""Attention when no gradient is asked of it: PyTorch's fused kernel under the same mask.
+
+Why: ``flash_attn``'s blockwise walk exists for training (its saved state linear in the
+sequence, its backward recomputing tiles); for the few query rows of a decoding step it is
+a dozen small PyTorch ops and ~160-200 us a call on one core (B 1, 9 heads over 3 kv heads,
+40 keys), where ``F.scaled_dot_product_attention`` takes ~12 us: ~5 ms of a ~30 ms batch-1
+decode step over SmolLM2-135M's 30 layers. Without gradients the mask is all that must agree,
+and it is built here from the same rules (the module docstring of ``ops.attention``):
+end-aligned causality, left padding hidden from every query but its own position, the
+sliding window. Packed documents, branches and soft-capping stay on the blockwise path
+(training's inputs, never a decoder's). The result equals the blockwise one to float
+rounding: the same softmax over the same visible keys.
+
+Only while the mask stays small (:data:`MAX_MASK_VALUES` booleans): a long prompt without
+gradients would otherwise hold a (B, T, S) mask, what the blockwise walk never builds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llamatrain.ops.dtypes import compute_dtype
+
+__all__ = ["MAX_MASK_VALUES", "fused_attention", "takes_fused"]
+
+MAX_MASK_VALUES = 1 << 22
+"""Booleans of the (B, T, S) mask the fused path may build: 4 MiB, a 2048-token prompt's
+2048 x 2048; anything larger walks the blocks."""
+
+
+def takes_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool) -> bool:
+    """Whether :func:`fused_attention` serves this call: no tensor needs a gradient (grad mode
+    off, or inputs that need none), ``plain`` (no documents, branches or soft-cap) and a
+    small mask."""
+    wanted = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    small = q.shape[0] * q.shape[2] * k.shape[2] <= MAX_MASK_VALUES
+    return plain and not wanted and small
+
+
+def _visible(
+    rows: int, keys: int, causal: bool, window: int | None, padding: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor | None:  # fmt: skip
+    """(B or 1, 1, rows, keys) True where query i may read key j (None: every key)."""
+    if not causal and padding is None:
+        return None
+    at = torch.arange(keys - rows, keys, device=device)[:, None]  # query i's kv position
+    j = torch.arange(keys, device=device)[None, :]
+    seen = j <= at if causal else torch.ones(rows, keys, dtype=torch.bool, device=device)
+    if window is not None:
+        seen &= j > at - window
+    if padding is not None:  # a padding key is hidden from all but itself
+        seen = seen[None] & (~padding[:, None, :] | (j == at)[None])
+    else:
+        seen = seen[None]
+    return seen[:, None]
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window: int | None,
+    padding: torch.Tensor | None,
+) -> torch.Tensor:
+    """``flash_attn``'s result for a call :func:`takes_fused` accepts, in q's dtype (bf16/f16
+    computed in float32, as the blockwise path computes them)."""
+    cdt = compute_dtype(q.dtype)
+    mask = _visible(q.shape[2], k.shape[2], causal, window, padding, q.device)
+    out = F.scaled_dot_product_attention(
+        q.to(cdt), k.to(cdt), v.to(cdt), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return out.to(q.dtype)
