@@ -256,8 +256,30 @@ def test_decoding_token_by_token_holds_the_stored_base_decoded_once(q4_0_run, mo
         return [c.tokens for c in completions]
 
     with_decoded = rollout()
-    monkeypatch.setattr(grpo_rollout, "_decoding_budget", lambda device: 0)
+    monkeypatch.setattr(grpo_rollout, "_decoding_budget", lambda model, rows: 0)
     assert rollout() == with_decoded
+
+
+def test_a_rollout_the_kernels_serve_decodes_nothing(q4_0_run, monkeypatch):
+    """With the quantized kernels on, a rollout of as many rows as they take
+    (``ops.quantized_matmul.max_rows``) samples over the stored blocks: no decoded float32
+    base is held (``lora.kernels_serve``, faster and the file's size); beyond that, or with the
+    kernels off, it decodes the base when it fits, as before."""
+    from llamatrain.ops.kernel_build import load_kernels
+    from llamatrain.ops.quantized_matmul import max_rows
+
+    model = q4_0_run.model.eval()
+    assert grpo_rollout._decoding_budget(model, 4) is not None  # this module: kernels off
+    monkeypatch.setenv("LLAMATRAIN_KERNELS", "1")
+    load_kernels.cache_clear()
+    try:
+        assert load_kernels() is not None, "no C++ compiler here: the kernels cannot build"
+        limit = max_rows("forward")
+        assert grpo_rollout._decoding_budget(model, limit) is None
+        assert grpo_rollout._decoding_budget(model, limit + 1) is not None
+    finally:
+        monkeypatch.setenv("LLAMATRAIN_KERNELS", "0")
+        load_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_k_m"])

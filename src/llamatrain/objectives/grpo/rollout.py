@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from llamatrain import parallel
 from llamatrain.chat_template import ChatTemplate
 from llamatrain.errors import DataError
-from llamatrain.lora import decoded_base
+from llamatrain.lora import decoded_base, kernels_serve
 from llamatrain.memory import available_memory
 from llamatrain.model import Llama
 from llamatrain.objectives.grpo.loss import mask_truncated
@@ -155,28 +155,30 @@ def sample_completions(
     bar = tqdm(
         total=len(prompts), desc="rollout", unit="completion", leave=False, disable=not progress
     )
-    device = next(model.parameters()).device
     row_seeds = [seeds(i) for i in range(len(prompts))]
-    decoded = decoded_base(model, _decoding_budget(device))
-    with _evaluating(model), decoded, autocast or contextlib.nullcontext(), bar:
-        return decode_turns(
-            model,
-            prompts,
-            max_new_tokens,
-            params,
-            stops,
-            row_seeds,
-            responder,
-            ended=lambda _row: bar.update(1),
-        )
+    with _evaluating(model), autocast or contextlib.nullcontext(), bar:
+        budget = _decoding_budget(model, len(prompts))  # under the rollout's autocast
+        with decoded_base(model, budget):
+            return decode_turns(
+                model,
+                prompts,
+                max_new_tokens,
+                params,
+                stops,
+                row_seeds,
+                responder,
+                ended=lambda _row: bar.update(1),
+            )
 
 
-def _decoding_budget(device: torch.device) -> int | None:
-    """What a rollout may spend holding its model's stored weights decoded
-    (``lora.decoded_base``): half the memory this process may still take, on the CPU, where a
-    decode per token costs most of a rollout; elsewhere none (a GPU decodes at its bandwidth,
-    and its memory is the training step's)."""
-    if device.type != "cpu":
+def _decoding_budget(model: Llama, rows: int) -> int | None:
+    """What a rollout of ``rows`` rows may spend holding its model's stored weights decoded
+    (``lora.decoded_base``): none where the quantized kernels multiply every stored weight at
+    that many rows (``lora.kernels_serve``: faster over the blocks, and the base stays the
+    file's size at every model size); else half the memory this process may still take, on
+    the CPU, where a decode per token costs most of a rollout; elsewhere none (a GPU decodes
+    at its bandwidth, and its memory is the training step's)."""
+    if next(model.parameters()).device.type != "cpu" or kernels_serve(model, rows):
         return None
     available = available_memory()
     return None if available is None else available // 2
