@@ -50,7 +50,6 @@ tests/integration/test_llama_cpp_vocabs.py`` fetches them once). JSON to
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -76,14 +75,17 @@ CPU_FLAGS = (
 )  # fmt: skip
 """The /proc/cpuinfo flags that decide which kernels llama.cpp and PyTorch run."""
 
-OUR_PATHS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    "default": contextlib.nullcontext,
+OUR_PATHS: dict[str, dict[str, str]] = {
+    "default": {},
+    "fallback": {"LLAMATRAIN_KERNELS": "0"},
+    "avx2": {"LLAMATRAIN_KERNEL_ARCH": "-march=haswell"},
 }
-"""How ours multiplies by quantized blocks, by ``--paths`` name: a context each round of ours
-runs inside. ``default`` is whatever the library picks. The "decode then matmul" fallback
-(the blocks widened a chunk at a time, then a float matmul: the only path before issue 46's
-kernels) gets its entry here once ``ops`` has a switch for it, so one run can put both paths
-beside llama.cpp: ``--paths default,fallback``."""
+"""How ours multiplies by quantized blocks, by ``--paths`` name: the environment its worker
+runs in. ``default``: whatever the library picks on this CPU. ``fallback``: the blocks
+widened a chunk at a time, then a float matmul (the only path before issue 46's C++ kernels,
+which ``LLAMATRAIN_KERNELS=0`` turns off). ``avx2``: the kernels built for AVX2 alone
+(``LLAMATRAIN_KERNEL_ARCH``), the path of a CPU without AVX-512 or AMX. Where the library has
+no such kernels, all three are the same path."""
 
 
 # ------------------------------------------------------------------------------ the workers
@@ -112,7 +114,7 @@ def llama_cpp_side(spec: dict) -> Timed:
 
 def ours_side(spec: dict) -> Timed:
     """Our inference model over the file, as ``llamatrain generate`` builds it, decoding with
-    ``generate_stream`` in the spec's compute dtype and product path."""
+    ``generate_stream`` in the spec's compute dtype (its product path is its environment's)."""
     import torch
 
     from llamatrain.config import TrainSection
@@ -128,7 +130,7 @@ def ours_side(spec: dict) -> Timed:
 
     def timed(prompts: list[list[int]], tokens: int, seed: int) -> tuple[float, float]:
         compute = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-        with OUR_PATHS[spec["path_name"]](), compute, denormals_flushed():
+        with compute, denormals_flushed():
             start = time.perf_counter()
             first = 0.0
             stream = generate_stream(model, torch.tensor(prompts), tokens, sampler, seed)
@@ -168,10 +170,12 @@ class Worker:
     """One side in a process of its own (``--worker``), kept for every round of one file."""
 
     def __init__(self, name: str, spec: dict):
+        """Start it, in this environment with its ``OUR_PATHS`` entry's added (ours)."""
         self.name = name
         command = [sys.executable, __file__, "--worker", json.dumps(spec)]
+        env = os.environ | OUR_PATHS.get(spec.get("path_name", "default"), {})
         pipe = subprocess.PIPE
-        self.process = subprocess.Popen(command, stdin=pipe, stdout=pipe, text=True)
+        self.process = subprocess.Popen(command, stdin=pipe, stdout=pipe, text=True, env=env)
         self.ready = self._reply()
 
     def round(self) -> dict:
@@ -256,7 +260,8 @@ def random_shapes() -> dict:
 
 
 def side_specs(args: argparse.Namespace) -> dict[str, dict]:
-    """Each side's name and what its worker is told beyond the common spec."""
+    """Each side's name and what its worker is told beyond the common spec (ours: its compute
+    dtype and the ``OUR_PATHS`` entry its environment takes)."""
     sides = {"llama.cpp": {"side": "llama.cpp"}}
     for path_name in args.paths:
         for dtype in args.dtypes:
