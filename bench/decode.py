@@ -108,7 +108,9 @@ def llama_cpp_side(spec: dict) -> Timed:
     from llama_cpp_batched import LlamaCppBatched
 
     span = max(len(spec["prompt"]), len(spec["prompts"][0]) + spec["tokens"]) + 1
-    cpp = LlamaCppBatched(Path(spec["path"]), BATCH, span, len(spec["prompt"]), spec["threads"])
+    widest = max(len(spec["prompt"]), sum(map(len, spec["prompts"])))  # one llama_batch
+    per_row = -(-widest // BATCH)  # n_batch = BATCH x this: no wider, its buffers sized to it
+    cpp = LlamaCppBatched(Path(spec["path"]), BATCH, span, per_row, spec["threads"])
     return lambda prompts, tokens, seed: cpp.timed_rollout(prompts, 1, tokens, seed)
 
 
@@ -336,7 +338,7 @@ def cpu_flags() -> list[str]:
 def header_lines(meta: dict, args: argparse.Namespace) -> list[str]:
     return [
         f"CPU: {meta['cpu']}; flags: {' '.join(meta['cpu_flags'])}; PyTorch CPU capability "
-        f"{meta['torch_cpu_capability']}; {args.threads} threads on both sides",
+        f"{meta['torch_cpu_capability']}; threads: {args.threads} on both sides",
         f"torch {meta['torch']}, llama-cpp-python {meta['llama_cpp_python']}; load average "
         f"{meta['load_avg_start']} -> {meta['load_avg_end']}; median of {args.rounds} rounds, "
         f"sides in turns; prompt {args.prompt_tokens} tokens; b1/b8: {args.short_tokens}-token "
