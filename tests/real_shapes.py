@@ -124,9 +124,15 @@ def write_real_shape(
         return _write_random(path, shape, type_name, vocab_dir, seed)
     with tempfile.TemporaryDirectory(dir=path.parent) as folder:
         source = _write_random(Path(folder) / "f16.gguf", shape, "f16", vocab_dir, seed)
-        ftype = str(int(_FILE_TYPES[type_name]))
-        command = [sys.executable, "-c", _QUANTIZE, str(source), str(path), ftype]
-        done = subprocess.run(command, capture_output=True, text=True)
+        return quantize_file(source, path, type_name)
+
+
+def quantize_file(source: Path, path: Path, type_name: str) -> Path:
+    """``source`` (an f16 or f32 GGUF) quantized into ``path`` as ``type_name`` (``TYPES``) by
+    llama.cpp's quantizer at its defaults, in a child process: its log and memory stay there."""
+    ftype = str(int(_FILE_TYPES[type_name]))
+    command = [sys.executable, "-c", _QUANTIZE, str(source), str(path), ftype]
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp could not quantize {path.name}:\n{done.stderr[-2000:]}")
     return path
