@@ -1,4 +1,4 @@
-"""Attention without gradients (``ops.attention_inference``): PyTorch's fused kernel under
+"""Attention of a decoding step (``ops.attention_inference``): PyTorch's fused kernel under
 ``flash_attn``'s mask gives the blockwise walk's result, for every mask rule a decoder uses
 (end-aligned causality, left and interior padding, the sliding window, grouped kv heads).
 
@@ -32,7 +32,7 @@ def _blockwise(q, k, v, **kwargs) -> torch.Tensor:
     return out.detach()
 
 
-@pytest.mark.parametrize("rows, keys", [(1, 1), (1, 40), (3, 40), (17, 17), (5, 130)])
+@pytest.mark.parametrize("rows, keys", [(1, 2), (1, 40), (3, 40), (16, 17), (5, 130)])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("padded", [False, True])
 def test_the_fused_path_gives_the_blockwise_result(rows, keys, window, padded) -> None:
@@ -55,8 +55,9 @@ def test_bf16_is_computed_in_float32_as_the_blockwise_path_does() -> None:
     torch.testing.assert_close(fused, _blockwise(q, k, v, padding=padding), atol=2**-7, rtol=0)
 
 
-def test_training_and_large_masks_keep_the_blockwise_walk() -> None:
+def test_training_whole_sequences_and_large_masks_keep_the_blockwise_walk() -> None:
     q, k, v, _ = _inputs(1, 4, 8)
+    assert not takes_fused(q, k[:, :, :4], v[:, :, :4], plain=True)  # no cache: as trained
     assert not takes_fused(q.requires_grad_(), k, v, plain=True)
     assert not takes_fused(q.detach(), k, v, plain=False)  # documents or soft-cap
     wide = torch.empty(1, 1, 1, MAX_MASK_VALUES + 1)

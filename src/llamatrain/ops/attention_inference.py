@@ -11,8 +11,13 @@ sliding window. Packed documents, branches and soft-capping stay on the blockwis
 (training's inputs, never a decoder's). The result equals the blockwise one to float
 rounding: the same softmax over the same visible keys.
 
-Only while the mask stays small (:data:`MAX_MASK_VALUES` booleans): a long prompt without
-gradients would otherwise hold a (B, T, S) mask, what the blockwise walk never builds.
+Only for decoding steps, calls whose keys reach past their queries (a KV cache holds the
+earlier tokens): a forward over whole sequences without gradients (GRPO's old-policy and
+reference log-probs, a prompt's first pass) keeps the blockwise arithmetic, so that it computes
+what the training forward computes bit for bit (an importance ratio starts at exactly 1; with
+the fused kernel there, a two-rank GRPO run drifted from the one-process run 20x further in its
+first LoRA update, 8e-5 against 4.5e-6). And only while the mask stays small
+(:data:`MAX_MASK_VALUES` booleans), never the (B, T, S) mask a long prompt would need.
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ MAX_MASK_VALUES = 1 << 22
 
 
 def takes_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool) -> bool:
-    """Whether :func:`fused_attention` serves this call: no tensor needs a gradient (grad mode
-    off, or inputs that need none), ``plain`` (no documents, branches or soft-cap) and a
-    small mask."""
+    """Whether :func:`fused_attention` serves this call: a decoding step (more keys than
+    queries), no tensor needs a gradient (grad mode off, or inputs that need none), ``plain``
+    (no documents, branches or soft-cap) and a small mask."""
     wanted = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     small = q.shape[0] * q.shape[2] * k.shape[2] <= MAX_MASK_VALUES
-    return plain and not wanted and small
+    return plain and k.shape[2] > q.shape[2] and not wanted and small
 
 
 def _visible(
