@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ from llamatrain.model_source import load_tokenizer as load_tokenizer
 from llamatrain.objectives import Objective, ObjectiveInputs, objective_for
 from llamatrain.objectives import check as check_objective
 from llamatrain.objectives.grpo.rewards import RewardFunction
+from llamatrain.objectives.grpo.rules import check_given_tools
 from llamatrain.ops.decode_kernels import compiled_decoding
 from llamatrain.plot import METRICS_FILE, can_plot, plot_metrics
 from llamatrain.runlock import run_lock, set_aside_previous_run
@@ -135,6 +136,7 @@ def fit(
     progress: bool = True,
     rewards: Sequence[str | RewardFunction] | None = None,
     objective: Objective | None = None,
+    tools: Sequence[str | Callable[..., Any]] | None = None,
     **dotted: object,
 ) -> FitResult:
     """Train a model as the config says; evaluate, sample, save and export it.
@@ -164,12 +166,18 @@ def fit(
     order. The run's config.toml cannot name a Python object, so it records no rewards: a
     resume passes the same ``rewards`` again.
 
+    ``tools``: GRPO's tools as Python functions (or specs as train.tools takes them), in
+    place of ``train.tools``, as TRL's ``tools=``: ``fit(cfg, rewards=[correct],
+    tools=[multiply])``; like ``rewards``, the run's config.toml records none, so a resume
+    passes them again.
+
     ``objective``: a notebook's own training objective (``llamatrain.objectives.Objective``,
     e.g. a subclass of ``ObjectiveBase`` with ``step`` and ``accumulate``) in place of
     ``train.objective``'s; it gets the same batching, DDP, checkpoints, stop/resume and
     trackers. A resume passes it again.
     """
     cfg = _configure(config, overrides, dotted, rewards, custom=objective is not None)
+    check_given_tools(cfg, tools)
     device = resolve_device(cfg.train.device)
     with parallel.process_group(cfg.train.parallel, device, cfg.train.dist_timeout_s):
         with parallel.main_first():  # rank 0 fetches a corpus the others then find in the cache
@@ -179,7 +187,7 @@ def fit(
             if parallel.is_main() and not resume:
                 _claim_run_folder(Path(cfg.output.dir), overwrite)
             shown = progress and parallel.is_main()
-            return _fit_locked(cfg, paths, resume, shown, rewards, objective)
+            return _fit_locked(cfg, paths, resume, shown, rewards, objective, tools)
 
 
 def _claim_run_folder(run_dir: Path, overwrite: bool) -> None:
@@ -211,6 +219,7 @@ def _fit_locked(
     progress: bool,
     rewards: Sequence[str | RewardFunction] | None,
     objective: Objective | None,
+    tools: Sequence[str | Callable[..., Any]] | None = None,
 ) -> FitResult:
     """``fit``'s run, while it holds the run folder's lock."""
     configure_process(resolve_device(cfg.train.device), bf16=cfg.train.dtype == "bfloat16")
@@ -223,13 +232,14 @@ def _fit_locked(
                 paths=paths,
                 progress=progress,
                 model_template=run.inherited.get(CHAT_TEMPLATE_KEY),
+                tools=tools,
             )
         inherited = _with_chat_template(run.inherited, data.chat_template)
         cfg = _with_export_type(cfg, run)
         prepared = prepare(run.model, cfg)
         if objective is None:
             with parallel.main_first():  # rank 0 writes a DPO/IPO reference cache, if any
-                objective = _objective(cfg, prepared, data, run, rewards)
+                objective = _objective(cfg, prepared, data, run, rewards, tools)
 
     run_dir = Path(cfg.output.dir)
     if parallel.is_main():
@@ -285,6 +295,7 @@ def _objective(
     data: TrainData,
     run: RunModel,
     rewards: Sequence[str | RewardFunction] | None,
+    tools: Sequence[str | Callable[..., Any]] | None = None,
 ) -> Objective:
     """``train.objective``'s objective over the prepared model, what it scores against
     built once: a full finetune's DPO/IPO table from ``model.init_from`` (cached), GRPO's
@@ -296,6 +307,7 @@ def _objective(
         data,
         run.tokenizer,
         rewards,
+        tools=tools,
         checkpoint=run.checkpoint,
         reference_from_file=True,
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from llama_cpp_files import vocab_dir as vocab_dir
+from tool_functions import multiply
 
 from llamatrain import Llama, ModelConfig, api
 from llamatrain.decoding import RowDecoder
@@ -48,7 +49,10 @@ REPLIES = [
 
 
 @pytest.mark.slow
-def test_a_tool_using_grpo_run_trains_logs_and_exports(tmp_path, vocab_dir, monkeypatch):
+@pytest.mark.parametrize("given", ["config", "python"])
+def test_a_tool_using_grpo_run_trains_logs_and_exports(tmp_path, vocab_dir, monkeypatch, given):
+    """``given``: the tool named in train.tools (a file's function), or passed to ``fit`` as
+    a Python function (``tools=[multiply]``, TRL's ``tools=``): the same run."""
     tokenizer = read_tokenizer(vocab_dir / "ggml-vocab-qwen2.gguf")
     torch.manual_seed(0)
     shape = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=512)
@@ -82,7 +86,7 @@ def test_a_tool_using_grpo_run_trains_logs_and_exports(tmp_path, vocab_dir, monk
             f'output.dir="{run}"',
             'train.objective="grpo"',
             f'train.rewards=["{tmp_path / "rewards.py"}:right"]',
-            f'train.tools=["{tmp_path / "tools.py"}:multiply"]',
+            *([f'train.tools=["{tmp_path / "tools.py"}:multiply"]'] if given == "config" else []),
             "train.num_generations=2",
             "train.max_completion_length=80",
             "train.n_batch=1024",
@@ -94,6 +98,7 @@ def test_a_tool_using_grpo_run_trains_logs_and_exports(tmp_path, vocab_dir, monk
             "lora.alpha=8",
         ],
         progress=False,
+        tools=[multiply] if given == "python" else None,
     )
     train, _ = read_metrics(run)
     assert [r["step"] for r in train] == [1, 2]

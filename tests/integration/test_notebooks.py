@@ -30,6 +30,7 @@ def test_the_examples_exist():
         "baby_llama.ipynb",
         "lora_chat.ipynb",
         "grpo.ipynb",
+        "grpo_tools.ipynb",
     }
 
 
@@ -117,11 +118,22 @@ def check_grpo(summary: dict) -> None:
     assert summary["pytorch_reply"] and summary["llama_cpp_reply"] == summary["pytorch_reply"]
 
 
+def check_grpo_tools(summary: dict) -> None:
+    assert summary["quick"] is True and summary["steps"] == 10
+    assert all(0.0 <= r <= 1.0 for r in summary["rewards"])  # right_answer: 0 or 1 each
+    assert all(f >= 0.0 for f in summary["call_frequency"])  # the tool metrics were logged
+    assert summary["table_rows"] > 0 and summary["table_tools"]  # each row's tool counts
+    assert summary["adapter_bytes"] > 10_000
+    # llama.cpp with the run's adapter replies to the tool prompt as our decoder does, greedy
+    assert summary["pytorch_reply"] and summary["llama_cpp_reply"] == summary["pytorch_reply"]
+
+
 CHECKS = {
     "quickstart.ipynb": check_quickstart,
     "baby_llama.ipynb": check_baby_llama,
     "lora_chat.ipynb": check_lora_chat,
     "grpo.ipynb": check_grpo,
+    "grpo_tools.ipynb": check_grpo_tools,
 }
 
 
@@ -146,6 +158,13 @@ def test_grpo_from_a_prompt_file_and_a_reward_function_to_llama_cpp(monkeypatch,
     """GRPO from a JSONL prompt file and a reward defined in the notebook to the adapter in
     llama.cpp (~30 s on 2 shared cores: a stand-in base, 20 GRPO steps, two engines)."""
     check_grpo(execute("grpo.ipynb", monkeypatch, tmp_path))
+
+
+@pytest.mark.slow
+def test_grpo_tools_from_a_python_tool_to_an_adapter_llama_cpp_serves(monkeypatch, tmp_path):
+    """Tool-using GRPO with a tool and a reward defined in the notebook (``tools=``) to the
+    adapter in llama.cpp, replying to the prompt rendered with the tool as our decoder does."""
+    check_grpo_tools(execute("grpo_tools.ipynb", monkeypatch, tmp_path))
 
 
 @pytest.mark.slow

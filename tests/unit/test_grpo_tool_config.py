@@ -11,12 +11,13 @@ import pytest
 from llama_cpp_files import vocab_dir as vocab_dir
 from test_grpo_setup import GRPO
 from test_grpo_setup import checked as check_config
+from tool_functions import lookup, multiply
 
 from llamatrain.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 from llamatrain.data.prompts import PromptEncoder
 from llamatrain.errors import ConfigError, DataError, LlamatrainWarning
 from llamatrain.gguf.llama import read_tokenizer
-from llamatrain.objectives.grpo.rules import check_tool_template
+from llamatrain.objectives.grpo.rules import check_given_tools, check_tool_template
 from llamatrain.tools.loading import load
 from llamatrain.tools.running import RAISED, run_call
 
@@ -38,6 +39,22 @@ def test_tools_need_grpo_and_well_formed_specs():
     assert cfg.train.max_tool_calls == 2 and cfg.train.tool_timeout == 10.0
     with pytest.raises(ConfigError, match="tool_timeout"):
         checked([*GRPO, 'train.tools=["tools.py:add"]', "train.tool_timeout=0"])
+
+
+def test_tools_given_in_python_stand_in_for_train_tools_in_grpo_only():
+    """``fit(cfg, tools=[...])``'s check: callables (or specs) in place of train.tools."""
+    check_given_tools(checked(GRPO), [multiply, lookup])
+    check_given_tools(checked(GRPO), None)
+    check_given_tools(checked(["train.steps=1"]), None)  # nothing given: nothing to check
+    with pytest.raises(ConfigError, match="tools= answer turns .* samples none"):
+        check_given_tools(checked(["train.steps=1"]), [multiply])
+    with pytest.raises(ConfigError, match="tools= in Python and train.tools .* give one"):
+        check_given_tools(checked([*GRPO, 'train.tools=["t.py:f"]']), [multiply])
+    env = checked([*GRPO, 'train.environment="env.py:make_env"'])
+    with pytest.raises(ConfigError, match="tools= in Python and train.environment"):
+        check_given_tools(env, [multiply])
+    with pytest.raises(ConfigError, match="two tools called 'multiply'"):
+        check_given_tools(checked(GRPO), [multiply, multiply])
 
 
 def test_a_template_must_render_the_tools_and_a_generic_one_is_said():

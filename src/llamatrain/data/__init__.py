@@ -25,10 +25,10 @@ Each step lives in its own module:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -152,6 +152,7 @@ def build_train_data(
     paths: Iterable[Path] | None = None,
     progress: bool | None = None,
     model_template: str | None = None,
+    tools: Sequence[str | Callable[..., Any]] | None = None,
 ) -> TrainData:
     """Resolve, tokenize (cached), window and batch the data that ``cfg`` describes.
 
@@ -159,13 +160,15 @@ def build_train_data(
     With ``data.bos_prefix`` every window starts with BOS, so documents in the stream do not;
     without it, each document does (see :mod:`~llamatrain.data.cache`). ``model_template``:
     the model's own chat template (``tokenizer.chat_template``), for JSONL conversations.
+    ``tools``: GRPO's tools given in Python, in place of ``train.tools`` (their schemas go
+    into the prompts).
     """
     d = cfg.data
     if paths is None:
         paths = resolve_inputs(d.path, d.cache_dir, format=d.format)
     paths = list(paths)
     if cfg.train.objective == "grpo":
-        return _prompt_data(cfg, tokenizer, paths, model_template)
+        return _prompt_data(cfg, tokenizer, paths, model_template, tools)
     if cfg.train.objective != "sft":
         return _preference_data(cfg, tokenizer, paths, model_template)
     if d.format != "text":  # examples: JSONL lines, Parquet or HF datasets rows
@@ -253,7 +256,11 @@ def _preference_data(
 
 
 def _prompt_data(
-    cfg: Config, tokenizer: Tokenizer, paths: list[Path], model_template: str | None
+    cfg: Config,
+    tokenizer: Tokenizer,
+    paths: list[Path],
+    model_template: str | None,
+    given_tools: Sequence[str | Callable[..., Any]] | None = None,
 ) -> TrainData:
     """GRPO's prompt rows read and encoded, split (the last ``data.val_fraction`` held out,
     their greedy completions scored at each evaluation); each batch is ``n_batch / n_ctx /
@@ -263,7 +270,8 @@ def _prompt_data(
     template = resolve_chat_template(d.chat_template, model_template, tokenizer)
     bad = BadLines(d.on_bad_line)
     span, room = d.n_ctx + 1, t.max_completion_length
-    tools = [tool.schema for tool in load_tools(t.tools)] if t.tools else None
+    specs = t.tools if given_tools is None else given_tools
+    tools = [tool.schema for tool in load_tools(specs)] if specs else None
     encoder = PromptEncoder(tokenizer, template, tools)
     rows, too_long = read_prompts(paths, encoder, bad, format=d.format, span=span, room=room)
     notes = bad.summaries()

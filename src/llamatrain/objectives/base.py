@@ -111,6 +111,8 @@ class ObjectiveInputs:
     tokenizer: Tokenizer | None = None
     rewards: Sequence[str | Callable[..., Any]] | None = None
     """GRPO's reward functions given in Python, in place of ``train.rewards``."""
+    tools: Sequence[str | Callable[..., Any]] | None = None
+    """GRPO's tools given in Python, in place of ``train.tools``."""
     checkpoint: Checkpoint | None = None
     """The checkpoint a resumed run continues (its reference record is checked)."""
     reference_from_file: bool = False

@@ -33,7 +33,8 @@ def build(cfg: Config, inputs: ObjectiveInputs) -> GRPOObjective:
     if reference is not None:
         check_reference(reference.source, inputs.checkpoint, GRPO_REFERENCE_ROLE)
     template = None if inputs.data is None else inputs.data.chat_template
-    tools = load_tools(t.tools) if t.tools else []
+    tool_specs = t.tools if inputs.tools is None else inputs.tools
+    tools = load_tools(tool_specs) if tool_specs else []
     if tools:
         check_tool_template(template)
     environment = None if t.environment is None else load_environment(t.environment)

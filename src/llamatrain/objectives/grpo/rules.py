@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from llamatrain.chat_template import ChatTemplate
 from llamatrain.config import Config, TrainSection, check_sampler, set_in
@@ -17,7 +18,7 @@ from llamatrain.tools.calls import CallFormat, call_syntax
 from llamatrain.tools.loading import check as check_tools
 from llamatrain.tools.specs import split_spec
 
-__all__ = ["DEFAULT_BETA", "check", "check_tool_template", "rollout_params"]
+__all__ = ["DEFAULT_BETA", "check", "check_given_tools", "check_tool_template", "rollout_params"]
 
 DEFAULT_BETA = 0.0
 """``train.beta`` unset: TRL's GRPOConfig default (no KL term)."""
@@ -84,6 +85,28 @@ def check(cfg: Config, rewards: Sequence[str | RewardFunction] | None) -> None:
                 "give one of them (an environment can run the tools itself in step)"
             )
     check_mappable(cfg)  # before the base is read for the model
+
+
+def check_given_tools(cfg: Config, tools: Sequence[str | Callable[..., Any]] | None) -> None:
+    """Tools given in Python (``fit(cfg, tools=[multiply])``, as TRL's ``tools=``) stand in
+    for train.tools: only in a GRPO run, not beside train.tools or train.environment; checked
+    here as train.tools is (distinct names)."""
+    if tools is None:
+        return
+    t = cfg.train
+    if t.objective != "grpo":
+        raise ConfigError(
+            f"tools= answer turns of GRPO's rollouts; train.objective = {t.objective!r} "
+            f"{set_in(cfg, 'train.objective')} samples none: set train.objective = 'grpo' or "
+            "pass no tools"
+        )
+    for key in ("tools", "environment"):
+        if getattr(t, key) is not None:
+            raise ConfigError(
+                f"tools= in Python and train.{key} {set_in(cfg, f'train.{key}')} both answer "
+                f"the model's turns; give one of them (unset train.{key}, or pass no tools=)"
+            )
+    check_tools(tools)
 
 
 def _reward_specs(
