@@ -73,7 +73,7 @@ def ours(model: torch.nn.Module, prompts: list[list[int]], groups: int, tokens: 
     start = time.perf_counter()
     out = sample_completions(model, rows, tokens, ROLLOUT, frozenset(), lambda k: 1234 + k)
     seconds = time.perf_counter() - start
-    assert all(len(c) == tokens for c in out)
+    assert all(len(c.tokens) == tokens for c in out)
     return seconds
 
 
