@@ -226,6 +226,24 @@ def test_rope_frequency_factors(mode: str) -> None:
         rope(x, p, freq_factors=torch.ones(3))
 
 
+def test_rope_angles_made_once_per_positions_tensor_follow_every_change() -> None:
+    """The angles of one positions tensor are made once and shared by every rope over it (a
+    forward's 2 x n_layers calls), yet each call gets its own settings' angles, a positions
+    tensor changed in place gets new ones, and one made under inference_mode (no version
+    counter) works too."""
+    x = randn(1, 3, 2, 8, dtype=torch.float32)
+    p = torch.tensor([0, 5, 9])
+    for theta, fs in [(10000.0, 1.0), (500000.0, 1.0), (10000.0, 0.25), (10000.0, 1.0)]:
+        close32(rope(x, p, theta=theta, freq_scale=fs), rope_reference(x, p, theta, "norm", fs))
+    p.add_(7)  # same tensor, new positions
+    close32(rope(x, p), rope_reference(x, p, 10000.0, "norm", 1.0))
+    with torch.inference_mode():
+        q = torch.tensor([1, 2, 3])
+        close32(rope(x, q), rope_reference(x, q, 10000.0, "norm", 1.0))
+        q.add_(40)
+        close32(rope(x, q), rope_reference(x, q, 10000.0, "norm", 1.0))
+
+
 def test_rope_large_positions_float32() -> None:
     # Angles are built in float64 by both sides, so only the float32 rotation differs.
     x = randn(2, 6, 2, 64, dtype=torch.float32)

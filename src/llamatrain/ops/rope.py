@@ -100,8 +100,9 @@ def _angles_of_forward(
     version (an in-place change to it makes new angles); gradients never flow through angles
     (rope gives positions and frequency factors none), so sharing them is exact. Under
     ``torch.compile`` the angles are traced as they are (inductor fuses them; a memo would be
-    Python state the compiled graph guards on)."""
-    if torch.compiler.is_compiling():
+    Python state the compiled graph guards on), and for positions made under
+    ``torch.inference_mode``, which keep no version to tell an in-place change by."""
+    if torch.compiler.is_compiling() or pos.is_inference():  # inference tensors: no version
         return _angles(pos, head_dim, theta, freq_scale, freq_factors, dtype, device)
     key = (head_dim, theta, freq_scale, id(freq_factors), dtype, device)
     if getattr(_memo, "pos", None) is not pos or _memo.version != pos._version:
