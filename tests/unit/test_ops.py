@@ -226,13 +226,22 @@ def test_rope_frequency_factors(mode: str) -> None:
         rope(x, p, freq_factors=torch.ones(3))
 
 
-def test_rope_angles_made_once_per_positions_tensor_follow_every_change() -> None:
+def test_rope_angles_made_once_per_positions_tensor_follow_every_change(monkeypatch) -> None:
     """The angles of one positions tensor are made once and shared by every rope over it (a
     forward's 2 x n_layers calls), yet each call gets its own settings' angles, a positions
     tensor changed in place gets new ones, and one made under inference_mode (no version
     counter) works too."""
+    import importlib
+
+    rope_module = importlib.import_module("llamatrain.ops.rope")
+    builds = []
+    angles = rope_module._angles
+    monkeypatch.setattr(rope_module, "_angles", lambda *a: builds.append(a) or angles(*a))
     x = randn(1, 3, 2, 8, dtype=torch.float32)
     p = torch.tensor([0, 5, 9])
+    for _ in range(5):  # a forward's layers: one build for all of them
+        rope(x, p, theta=10000.0), rope(x, p, theta=10000.0, mode="neox")
+    assert len(builds) == 1
     for theta, fs in [(10000.0, 1.0), (500000.0, 1.0), (10000.0, 0.25), (10000.0, 1.0)]:
         close32(rope(x, p, theta=theta, freq_scale=fs), rope_reference(x, p, theta, "norm", fs))
     p.add_(7)  # same tensor, new positions

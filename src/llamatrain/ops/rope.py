@@ -83,38 +83,31 @@ def _angles(
 _memo = threading.local()
 
 
-def _angles_of_forward(
-    pos: torch.Tensor,
-    head_dim: int,
-    theta: float,
-    freq_scale: float,
-    freq_factors: torch.Tensor | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_angles`, computed once per positions tensor: a forward hands one ``pos`` to every
-    block (``model.Rope``), whose q and k each ask for the same cos/sin, 2 x n_layers times.
-    Made afresh each time, they were a third of a batch-1 decode step over SmolLM2-135M's
-    stored blocks (~10 of ~30 ms a token: 60 small tables built in float64 a token). The memo
-    holds the last ``pos`` itself (so its ``id`` names no other tensor while kept) and its
-    version (an in-place change to it makes new angles); gradients never flow through angles
-    (rope gives positions and frequency factors none), so sharing them is exact. Under
-    ``torch.compile`` the angles are traced as they are (inductor fuses them; a memo would be
-    Python state the compiled graph guards on), and for positions made under
-    ``torch.inference_mode``, which keep no version to tell an in-place change by."""
-    if torch.compiler.is_compiling() or pos.is_inference():  # inference tensors: no version
-        return _angles(pos, head_dim, theta, freq_scale, freq_factors, dtype, device)
-    key = (head_dim, theta, freq_scale, id(freq_factors), dtype, device)
+def _angles_of_forward(pos: torch.Tensor, *settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_angles(pos, *settings)``, computed once per positions tensor: a forward hands one
+    ``pos`` to every block (``model.Rope``), whose q and k each ask for the same cos/sin,
+    2 x n_layers times. Made afresh each time, they were a third of a batch-1 decode step over
+    SmolLM2-135M's stored blocks (~10 of ~30 ms a token: 60 small tables built in float64 a
+    token). The memo holds the last ``pos`` itself (so its ``id`` names no other tensor while
+    kept) and its version (an in-place change to it makes new angles), and the frequency
+    factors of the settings by identity; gradients never flow through angles (rope gives
+    positions and frequency factors none), so sharing them is exact. Under ``torch.compile``
+    the angles are traced as they are (inductor fuses them; a memo would be Python state the
+    compiled graph guards on), and for positions made under ``torch.inference_mode``, which
+    keep no version to tell an in-place change by."""
+    if torch.compiler.is_compiling() or pos.is_inference():
+        return _angles(pos, *settings)
+    key = tuple(id(s) if isinstance(s, torch.Tensor) else s for s in settings)
     if getattr(_memo, "pos", None) is not pos or _memo.version != pos._version:
         _memo.pos, _memo.version, _memo.tables = pos, pos._version, {}
-        _memo.factors = freq_factors  # kept, as pos is: its id names it while the memo lives
-    tables = _memo.tables.get(key)
-    if tables is not None and _memo.factors is freq_factors:
-        return tables
+    known = _memo.tables.get(key)
+    if known is not None and all(
+        a is b for a, b in zip(known[0], settings, strict=True) if isinstance(a, torch.Tensor)
+    ):
+        return known[1]
     with torch.no_grad():
-        tables = _angles(pos, head_dim, theta, freq_scale, freq_factors, dtype, device)
-    _memo.tables[key] = tables
-    _memo.factors = freq_factors
+        tables = _angles(pos, *settings)
+    _memo.tables[key] = (settings, tables)  # the settings kept: their ids name them meanwhile
     return tables
 
 
