@@ -302,3 +302,33 @@ def test_a_model_file_truncated_under_a_command_is_told_in_one_line(
         "while a command reads it, and run the command again"
     ], done.stderr
     assert not Path(f"{path}.out").exists()  # export: nothing written from the zeros read
+
+
+@pytest.mark.slow
+def test_grpo_over_a_1b_shape_q4_k_m_base_runs_within_its_file_and_2_gib(
+    tmp_path: Path, vocab_dir: Path
+) -> None:
+    """Issue 46's item 5: a QLoRA GRPO run over a random Llama-3.2-1B-shape Q4_K_M file (its
+    Q4_K/Q6_K blocks as llama.cpp's quantizer wrote them) completes its steps within the
+    file's size + 2 GiB: 8 rows a step (2 prompts x 4), which the quantized kernels serve, so
+    the rollouts sample over the mapped blocks and no decoded float32 base (4.6 GiB) is held.
+    The peak is the whole child process: PyTorch, the 128k vocabulary, the file's pages."""
+    base = write_real_shape(tmp_path / "base.gguf", "llama-3.2-1b", "q4_k_m", vocab_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"What is {a} plus {a}?", "answer": str(2 * a)} for a in range(8)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_dir = tmp_path / "run"
+    overrides = [
+        f'model.init_from="{base}"', "lora.rank=8", 'lora.base_dtype="quantized"',
+        'train.objective="grpo"', 'data.format="jsonl"', f'data.path="{prompts}"',
+        'train.rewards=["builtin:exact_answer"]', "train.num_generations=4",
+        "train.max_completion_length=8", "data.n_ctx=64", "train.n_batch=512",
+        "train.steps=2", "train.eval_every=0", "train.sample_tokens=0", "train.save_every=0",
+        "data.val_fraction=0",
+        "output.export=false", f'output.dir="{run_dir}"', f'data.cache_dir="{tmp_path / "c"}"',
+    ]  # fmt: skip
+    peak = run_child("fit", "--config", "tiny", *(f"--set={o}" for o in overrides))
+    file_bytes = base.stat().st_size
+    print(json.dumps({"file_gb": file_bytes / GB, "grpo_peak_gb": peak / GB}))
+    assert (run_dir / "adapter-f32.gguf").exists() or any(run_dir.glob("checkpoints/*.gguf"))
+    assert peak < file_bytes + 2 * GB
