@@ -55,10 +55,9 @@ def _visible(
     seen = j <= at if causal else torch.ones(rows, keys, dtype=torch.bool, device=device)
     if window is not None:
         seen &= j > at - window
+    seen = seen[None]
     if padding is not None:  # a padding key is hidden from all but itself
-        seen = seen[None] & (~padding[:, None, :] | (j == at)[None])
-    else:
-        seen = seen[None]
+        seen = seen & (~padding[:, None, :] | (j == at)[None])
     return seen[:, None]
 
 

@@ -181,9 +181,9 @@ def kernel_forward(
     rows: torch.Tensor, blocks: torch.Tensor, qtype: str | None, n_in: int
 ) -> torch.Tensor | None:
     """``rows·Wᵀ`` by :func:`blocks_matmul` in the dtype the decoded path would give (autocast's
-    if on, else the rows'), or None
-    where that path is to be taken: no kernel for this product (:func:`kernel_rows`), or an
-    input autograd must differentiate (the kernel's result carries no graph)."""
+    if on, else the rows'), or None where that path is to be taken: no kernel for this product
+    (:func:`kernel_rows`), or an input autograd must differentiate (the kernel's result carries
+    no graph)."""
     if torch.is_grad_enabled() and rows.requires_grad:
         return None
     if not kernel_rows(blocks, qtype, n_in, rows.shape[0], rows.dtype):
