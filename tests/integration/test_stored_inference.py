@@ -219,7 +219,7 @@ def test_adapter_errors_are_one_line(files, cache_dir, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape_name", ["llama-3.2-1b", "llama-3.1-8b"])
+@pytest.mark.parametrize("shape_name", ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
 def test_chat_with_a_qlora_run_of_a_real_shape_holds_its_file_not_float32(
     tmp_path: Path, vocab_dir: Path, shape_name: str
 ) -> None:
@@ -228,7 +228,8 @@ def test_chat_with_a_qlora_run_of_a_real_shape_holds_its_file_not_float32(
     pages (mapped, every one read by a forward), PyTorch, the 128k vocabulary and its head's
     chunks. Measured 1.19-1.22 GiB; before, the base was widened to float32 and the adapter
     merged into it: 10.15 GiB for the same question (14.4 GB at Qwen2.5-1.5B Q4_K_M, issue 46).
-    The same at Llama-3.1-8B's shape (issue 46's target: a 4.3 GiB file, 30 GiB as float32)."""
+    The same at Llama-3.2-3B's and Llama-3.1-8B's shapes (issue 46's target at 8B: a 4.3 GiB
+    file, 30 GiB as float32)."""
     shape = SHAPES[shape_name].config
     base = write_real_shape(tmp_path / "base.gguf", shape_name, "q4_0", vocab_dir)
     run_dir = tmp_path / "run"
