@@ -6,10 +6,11 @@ asking for a product, of pairwise different token lengths (every decode batch ra
 tool is a file's ``multiply``, the reward whether the conversation got a tool result back.
 
 A random model never writes a call, so the first turn of each completion is scripted
-(:func:`scripted_then_sampled`): decoder row r "draws" ``REPLIES[r % 2]`` (a good call, a call
-to a tool that does not exist), then samples for real from its own generator, which has drawn
-at every step all along — so a row's draws stay its own in any batch, on any number of ranks,
-and a resumed step draws what the uninterrupted one did, as a real rollout's.
+(:func:`scripted_then_sampled`): a row "draws" ``REPLIES[seed % 2]`` (a good call, a call to a
+tool that does not exist; ``seed`` its sampler's, which the rollout makes of its index in the
+step), then samples for real from its own generator, which has drawn at every step all along —
+so a row's draws stay its own in any batch, on any number of ranks, and a resumed step draws
+what the uninterrupted one did, as a real rollout's.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ REPLIES = [
     '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>',
     '<tool_call>\n{"name": "divide", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>',
 ]
-N_CTX = 320
-"""The prompt with the tool's schema (~215 tokens) and a completion of 48."""
+N_CTX = 352
+"""The prompt with the tool's schema (215-235 tokens) and a completion of 96."""
 
 
 def tool_run_files(folder: Path, tokenizer: Tokenizer, prompts: int) -> dict[str, Path]:
@@ -70,7 +71,7 @@ def tool_run_files(folder: Path, tokenizer: Tokenizer, prompts: int) -> dict[str
 
 
 def tool_overrides(files: dict[str, Path], run_dir: Path, cache: Path) -> list[str]:
-    """A LoRA GRPO run with the tool, G = 2, 48 completion tokens, saved every step."""
+    """A LoRA GRPO run with the tool, G = 2, 96 completion tokens, saved every step."""
     return [
         f'model.init_from="{files["base"]}"',
         f'data.path="{files["prompts.jsonl"]}"',
@@ -82,7 +83,7 @@ def tool_overrides(files: dict[str, Path], run_dir: Path, cache: Path) -> list[s
         f'train.rewards=["{files["rewards.py"]}:got_a_result"]',
         f'train.tools=["{files["tools.py"]}:multiply"]',
         "train.num_generations=2",
-        "train.max_completion_length=48",
+        "train.max_completion_length=96",
         "train.save_every=1",
         "train.keep_checkpoints=0",
         "train.eval_every=0",
@@ -98,8 +99,9 @@ def tool_overrides(files: dict[str, Path], run_dir: Path, cache: Path) -> list[s
 
 
 def scripted_then_sampled(replies: Sequence[Sequence[int]]) -> Callable:
-    """A ``RowDecoder.sample`` whose row r draws ``replies[r % len(replies)]`` token by token,
-    then what the decoder samples (drawn for every row at every step, scripted or not)."""
+    """A ``RowDecoder.sample`` whose row draws ``replies[seed % len(replies)]`` token by token
+    (``seed`` its generator's), then what the decoder samples (drawn for every row at every
+    step, scripted or not)."""
     sample = RowDecoder.sample
 
     def scripted(self: RowDecoder, rows: Sequence[int]) -> list[int]:
@@ -107,7 +109,7 @@ def scripted_then_sampled(replies: Sequence[Sequence[int]]) -> Callable:
         tokens = []
         for row, token in zip(rows, sample(self, rows), strict=True):
             k = drawn[row] = drawn.get(row, -1) + 1
-            script = replies[row % len(replies)]
+            script = replies[self.generators[row].initial_seed() % len(replies)]
             tokens.append(script[k] if k < len(script) else token)
         return tokens
 

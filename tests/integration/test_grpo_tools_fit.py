@@ -9,7 +9,7 @@ tools, the tool rounds, their tokens masked, the rewards of the conversations, t
 metrics in metrics.jsonl, the completions table, the tool panels of the plot and the adapter
 exported as every LoRA run's.
 
-Also (slow): a tool run cut after two steps and resumed is the uninterrupted run, bit for bit —
+Also (slow): a tool run cut after one step and resumed is the uninterrupted run, bit for bit —
 its first turns scripted, the rest sampled for real from each row's own generator
 (``tool_runs``), so the resumed step redraws the same tokens, runs the same calls and trains
 on the same masks.
@@ -123,9 +123,10 @@ def test_a_tool_using_grpo_run_trains_logs_and_exports(tmp_path, vocab_dir, monk
 
 @pytest.mark.slow
 def test_a_resumed_tool_run_is_the_uninterrupted_run(tmp_path, vocab_dir, cache_dir, monkeypatch):
-    """Three steps, and the same cut after two and resumed: the third step's rollout (its
-    prompts, draws, tool rounds, masks) and update are the uninterrupted run's, bit for bit —
-    a resume is exact with deterministic tools, with nothing of the tools stored."""
+    """Two steps, and the same cut after one and resumed: the second step's rollout (its
+    prompts, draws on the first step's weights, tool rounds, masks) and update (with the
+    first's optimizer state) are the uninterrupted run's, bit for bit — a resume is exact with
+    deterministic tools, with nothing of the tools stored."""
     tokenizer = read_tokenizer(vocab_dir / "ggml-vocab-qwen2.gguf")
     files = tool_run_files(tmp_path, tokenizer, prompts=4)
     monkeypatch.setattr(RowDecoder, "sample", scripted_then_sampled(reply_tokens(tokenizer)))
@@ -135,18 +136,20 @@ def test_a_resumed_tool_run_is_the_uninterrupted_run(tmp_path, vocab_dir, cache_
         items += [f"train.steps={steps}", f"train.n_batch={4 * N_CTX}"]  # 2 prompts a step
         return api.fit("tiny", overrides=items, progress=False, **kwargs)
 
-    whole = fit("whole", 3)
-    fit("cut", 2)
-    resumed = fit("cut", 3, resume="latest")
+    whole = fit("whole", 2)
+    fit("cut", 1)
+    resumed = fit("cut", 2, resume="latest")
     records = [read_records(tmp_path / run / "metrics.jsonl") for run in ("whole", "cut")]
-    last = [[r for r in rs if r.get("step") == 3 and "reward" in r] for rs in records]
+    last = [[r for r in rs if r.get("step") == 2 and "reward" in r] for rs in records]
     assert len(last[0]) == len(last[1]) == 1
     numbers = {k for k, v in last[0][0].items() if isinstance(v, float) and not k.endswith("_s")}
     assert {"loss", "reward", "tools/call_frequency", "tools/failures/unknown_tool"} <= numbers
     assert {k: last[1][0][k] for k in numbers} == {k: last[0][0][k] for k in numbers}
     tables = [read_records(tmp_path / run / "completions.jsonl") for run in ("whole", "cut")]
-    assert tables[0] == tables[1] and len(tables[0]) == 3 * 4
+    assert tables[0] == tables[1] and len(tables[0]) == 2 * 4
     assert {r["tools"]["calls"] for r in tables[0]} == {1}
+    assert all("<tool_response>" in r["completion"] for r in tables[0])  # answered
+    assert {r["reward"] for r in tables[0]} == {0.0, 1.0} and last[0][0]["grad_norm"] > 0
     a, b = (read_lora_adapter(run.adapter_path).tensors for run in (whole, resumed))
     assert a.keys() == b.keys()
     for name in a:
