@@ -27,6 +27,7 @@ from typing import Any
 from llamatrain.chat_template import ChatTemplate
 from llamatrain.errors import TrainingError
 from llamatrain.tokenizer import Tokenizer
+from llamatrain.tools.template_tools import tool_variables
 
 __all__ = ["answer_tokens"]
 
@@ -58,8 +59,9 @@ def _answer_text(
     tools: Sequence[Mapping[str, Any]] | None,
 ) -> str:
     """The text of :func:`answer_tokens`."""
-    replied = template.render(list(before), tools=tools)
-    full = template.render([*before, *answer], add_generation_prompt=True, tools=tools)
+    shown = tool_variables(template.source, tools)
+    replied = template.render(list(before), **shown)
+    full = template.render([*before, *answer], add_generation_prompt=True, **shown)
     marker = template.end_of_turn
     end = _after_nth(full, marker, replied.count(marker))
     if end is None:
