@@ -85,7 +85,6 @@ def test_prompts_with_tools_are_messages_rendered_with_the_tools(vocab_dir: Path
     assert '"name": "add"' in rendered and ids == encoder.tokenizer.encode(rendered, special=True)
 
 
-
 def test_smollm3s_template_is_shown_the_tools_as_its_xml_tools(vocab_dir: Path):
     """SmolLM3's template renders no ``tools``, only its ``xml_tools`` (its model card passes
     the schemas there): the prompt lists the tool and asks for Hermes calls."""
