@@ -51,13 +51,17 @@ N_CTX = 352
 """The prompt with the tool's schema (215-235 tokens) and a completion of 96."""
 
 
-def tool_run_files(folder: Path, tokenizer: Tokenizer, prompts: int) -> dict[str, Path]:
-    """The base GGUF, ``prompts`` prompt rows, the tool file and the reward file in ``folder``."""
-    shape = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=N_CTX)
-    torch.manual_seed(0)
-    model = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, **shape))
-    template = {"tokenizer.chat_template": TEMPLATE.read_text()}
-    base = api.export_gguf(model, tokenizer, folder / "base.gguf", inherited=template)
+def tool_run_files(
+    folder: Path, tokenizer: Tokenizer, prompts: int, base: Path | None = None
+) -> dict[str, Path]:
+    """The base GGUF (``base``, or the random Qwen one), ``prompts`` prompt rows, the tool
+    file and the reward file in ``folder``."""
+    if base is None:
+        shape = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=N_CTX)
+        torch.manual_seed(0)
+        model = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, **shape))
+        template = {"tokenizer.chat_template": TEMPLATE.read_text()}
+        base = api.export_gguf(model, tokenizer, folder / "base.gguf", inherited=template)
     rows = [
         {"prompt": [{"role": "user", "content": "What is 6 times 7?" + " Now." * k}]}
         for k in range(prompts)
