@@ -272,26 +272,14 @@ def test_calls_past_the_rounds_are_not_run(setup, monkeypatch):
     assert last["tool_calls"][0]["function"]["name"] == "multiply"  # written, never run
 
 
-def test_the_budget_counts_tool_tokens_as_trl_does(setup, monkeypatch):
-    """An answer that would pass max_completion_length is dropped and the row ends after its
-    call (TRL rolls it back); one that fits is kept and the reply after it cut at the budget;
-    one that fills the budget exactly ends the completion, cut (no stop token last). A call
-    whose turn ends exactly at the budget runs (TRL runs the calls of every completion, then
-    drops the results past the budget), and so does a whole call whose stop token the budget
-    cut; a call the budget cut off is text, as to TRL's parser, and runs not."""
+def budget_cases(setup, monkeypatch, cases):
+    """Each (budget, tokens kept, cut, calls run) of ``cases`` for a call then a reply."""
     _, tokenizer, _ = setup
     first = call("multiply", '{"a": 6, "b": 7}')
     turn = len(tokenizer.encode(first, special=True))
     answer = len(tool_answer(tokenizer, "42"))
     script = [[first, "It is forty-two, the product.<|im_end|>"]]
-    for budget, kept, cut, ran in [
-        (turn - 3, turn - 3, True, 0),
-        (turn - 1, turn - 1, True, 1),
-        (turn, turn, False, 1),
-        (turn + answer - 1, turn, False, 1),
-        (turn + answer, turn + answer, True, 1),
-        (turn + answer + 3, turn + answer + 3, True, 1),
-    ]:
+    for budget, kept, cut, ran in cases(turn, answer):
         _, [completion], turns, stops = decode(setup, monkeypatch, script, budget=budget)
         assert len(completion.tokens) == kept
         assert (completion.tokens[-1] not in stops) == cut
@@ -300,6 +288,37 @@ def test_the_budget_counts_tool_tokens_as_trl_does(setup, monkeypatch):
         assert bool(turns.logs[0].messages) == (kept > turn)
         mask = completion.mask
         assert sum(mask) == min(kept, turn) + max(0, kept - turn - answer)
+
+
+def test_the_budget_counts_tool_tokens_as_trl_does(setup, monkeypatch):
+    """An answer that would pass max_completion_length is dropped and the row ends after its
+    call (TRL rolls it back); one that fits is kept and the reply after it cut at the budget;
+    one that fills the budget exactly ends the completion, cut (no stop token last)."""
+    budget_cases(
+        setup,
+        monkeypatch,
+        lambda turn, answer: [
+            (turn + answer - 1, turn, False, 1),
+            (turn + answer, turn + answer, True, 1),
+            (turn + answer + 3, turn + answer + 3, True, 1),
+        ],
+    )
+
+
+def test_a_call_written_within_the_budget_runs_as_trls(setup, monkeypatch):
+    """A call whose turn ends exactly at the budget runs (TRL runs the calls of every
+    completion, then drops the results past the budget), and so does a whole call whose stop
+    token the budget cut; a call the budget cut off is text, as to TRL's parser, and runs
+    not."""
+    budget_cases(
+        setup,
+        monkeypatch,
+        lambda turn, answer: [
+            (turn - 3, turn - 3, True, 0),
+            (turn - 1, turn - 1, True, 1),
+            (turn, turn, False, 1),
+        ],
+    )
 
 
 def test_the_loss_mask_is_the_models_tokens_and_drops_truncated_rows(setup, monkeypatch):
