@@ -18,13 +18,20 @@ on the same masks.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from llama_cpp_files import vocab_dir as vocab_dir
 from tool_functions import multiply
-from tool_runs import N_CTX, reply_tokens, scripted_then_sampled, tool_overrides, tool_run_files
+from tool_runs import (
+    N_CTX,
+    TEMPLATE,
+    TOOLS,
+    reply_tokens,
+    scripted_then_sampled,
+    tool_overrides,
+    tool_run_files,
+)
 
 from llamatrain import Llama, ModelConfig, api
 from llamatrain.decoding import RowDecoder
@@ -32,17 +39,6 @@ from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.plot import metrics_figure, read_metrics, read_records
 
-TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "qwen2.5.jinja"
-TOOLS = '''
-def multiply(a: float, b: float) -> float:
-    """Multiply two numbers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    return a * b
-'''
 REWARDS = """
 def right(prompts, completions, completion_ids, answer, **_):
     return [float(c[-1]["content"] == a) for c, a in zip(completions, answer)]
