@@ -1,6 +1,6 @@
 """QLoRA GRPO with a tool over every family whose real template has tools (Qwen 2.5, Qwen3,
-Llama 3.1, SmolLM3), out to llama.cpp: issue 47's "LoRA/QLoRA over every family that has a tool
-template".
+Llama 3.1, Llama 3.2, SmolLM3), out to llama.cpp: issue 47's "LoRA/QLoRA over every family that
+has a tool template".
 
 For each family: a random tiny base of its architecture (``test_families``' shapes, matrices
 unit-scaled so every block moves the logits), over a real vocabulary in which its template's
@@ -9,7 +9,8 @@ with the family's own template (the fixtures, byte-identical to the models') in 
 written Q8_0. ``fit`` trains a QLoRA adapter over that file (``lora.base_dtype = "quantized"``)
 with ``train.tools``: each completion's first turn is a call in the family's format
 (``tool_runs``' scripted draws: a good call or one to an unknown tool; Llama 3.1's good call is
-its ``<|python_tag|>`` JSON form ended by ``<|eom_id|>``), answered with the tool's result
+its ``<|python_tag|>`` JSON form ended by ``<|eom_id|>``, Llama 3.2's the plain JSON form its
+template writes), answered with the tool's result
 rendered by the family's template, then sampled. The GGUF adapter it exports must run in
 llama.cpp (llama-cpp-python) over the quantized file with the run's own logits on a tool
 conversation.
@@ -19,10 +20,10 @@ dequantized weights in float32, so over the Q8_0 file the logits agree to a few 
 largest (5% allowed); the adapter must move llama.cpp's logits by 5 times that bound. The same
 adapter over an f32 file of the dequantized base (what our run multiplies by) must give our
 logits to 2e-5: the adapter is exact, the rest is llama.cpp's activation rounding. Measured
-(2-core x86, 2 steps at lr 3e-2; qwen2.5, qwen3, llama3.1, smollm3): the adapter moves the
-logits by 0.79, 4.3, 4.7, 0.59; |Δ| over Q8_0 0.028, 0.088, 0.11, 0.020 (largest logit 0.83,
-5.3, 5.5, 0.82: 3.4%, 1.6%, 2.0%, 2.5%); over the f32 file 1.0e-6, 4.0e-6, 5.2e-6, 1.2e-6.
-~35 s a family.
+(2-core x86, 2 steps at lr 3e-2; qwen2.5, qwen3, llama3.1, llama3.2, smollm3): the adapter
+moves the logits by 0.79, 4.3, 4.7, 6.7, 0.59; |Δ| over Q8_0 0.028, 0.088, 0.11, 0.10, 0.020
+(largest logit 0.83, 5.3, 5.5, 5.1, 0.82: 3.4%, 1.6%, 2.0%, 1.9%, 2.5%); over the f32 file
+1.0e-6, 4.0e-6, 5.2e-6, 4.4e-6, 1.2e-6. ~35 s a family.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
         shape={},
         eos="<|eot_id|>",
         call='<|python_tag|>{{"name": "{}", "parameters": {{"a": 6, "b": 7}}}}<|eom_id|>',
+    ),
+    "llama3.2": dict(
+        vocab="llama3.1",  # Llama 3.2 kept 3.1's vocabulary
+        shape={},
+        eos="<|eot_id|>",
+        call='{{"name": "{}", "parameters": {{"a": 6, "b": 7}}}}<|eot_id|>',
     ),
     "smollm3": dict(vocab="qwen", shape=VARIANTS["smollm3"], eos="<|im_end|>", call=HERMES),
 }

@@ -108,24 +108,23 @@ class Scored:
 
 
 MESSAGE_ENDS = ("<|eom_id|>",)
-"""Markers that end an assistant message that is not the turn's end, stops where the template
-writes them: Llama 3.1's ``<|eom_id|>``, which its model writes after a call
-(``<|python_tag|>{"name": …, "parameters": …}<|eom_id|>``) and its template after a call in
-its ipython mode. llama.cpp's vocabulary counts every ``<|eom_id|>`` token among its
-end-of-generation tokens (src/llama-vocab.cpp), so ``llama-server`` stops there and parses
-the call; a rollout must too, or it samples on past the call and never runs it."""
+"""Tokens that end an assistant message short of its turn's end, stops wherever the vocabulary
+has them: Llama 3.1's ``<|eom_id|>``, which its model writes after a call
+(``<|python_tag|>{"name": …, "parameters": …}<|eom_id|>``) and its template after a call in its
+ipython mode. llama.cpp counts every vocabulary's ``<|eom_id|>`` token among its
+end-of-generation tokens (src/llama-vocab.cpp), so ``llama-server`` stops there and parses the
+call; a rollout must too, or it samples on past the call and never runs it."""
 
 
 def stop_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> frozenset[int]:
-    """What ends a completion (or, with tools, a turn): EOS, and the template's end-of-turn
-    marker when it is one token (``<|im_end|>``), as ``llamatrain chat`` stops, and the
-    :data:`MESSAGE_ENDS` the template writes that are one token."""
+    """What ends a completion (or, with tools, a turn): EOS, the template's end-of-turn marker
+    when it is one token (``<|im_end|>``), as ``llamatrain chat`` stops, and the
+    :data:`MESSAGE_ENDS` that are one token of the vocabulary."""
+    markers = list(MESSAGE_ENDS)
+    if template is not None:
+        with contextlib.suppress(DataError):  # a template ending turns with EOS alone
+            markers.append(template.end_of_turn)
     ids = {tokenizer.eos_id}
-    if template is None:
-        return frozenset(ids)
-    markers = [marker for marker in MESSAGE_ENDS if marker in template.source]
-    with contextlib.suppress(DataError):  # a template ending turns with EOS alone
-        markers.append(template.end_of_turn)
     for marker in markers:
         token = tokenizer.encode(marker, special=True)
         ids |= set(token) if len(token) == 1 else set()
