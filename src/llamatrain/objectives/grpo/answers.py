@@ -12,11 +12,10 @@ What the messages say is data, never markup: a tool's output or an environment's
 writes a control token's text (``<|im_end|>``, ``<|im_start|>assistant``) is tokenized as
 text, so it cannot close the tool's turn or open one for the model (TRL and chat data parse
 control tokens in every message's text; llama-server in the prompts it renders too). Where no
-message's text holds one, the whole answer is tokenized at once, as before (llama.cpp cuts
-text at control tokens before its BPE, so this is the same as tokenizing each message's text
-apart); where one does, the text each message's content became in the rendering (found by
-rendering it with a stand-in) is tokenized without control tokens, the template's text around
-it with them.
+message's text holds one, the whole answer is tokenized at once, exactly as chat data is; where
+one does, the text each message's content became in the rendering (found by rendering it with
+a stand-in) is tokenized without control tokens and the template's text around it with them,
+each piece apart (so no token spans a content's edge there, where one text might merge two).
 """
 
 from __future__ import annotations
