@@ -117,14 +117,15 @@ call; a rollout must too, or it samples on past the call and never runs it."""
 
 
 def stop_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> frozenset[int]:
-    """What ends a completion (or, with tools, a turn): EOS, the template's end-of-turn marker
-    when it is one token (``<|im_end|>``), as ``llamatrain chat`` stops, and the
-    :data:`MESSAGE_ENDS` that are one token of the vocabulary."""
-    markers = list(MESSAGE_ENDS)
-    if template is not None:
-        with contextlib.suppress(DataError):  # a template ending turns with EOS alone
-            markers.append(template.end_of_turn)
+    """What ends a completion (or, with tools, a turn): EOS, and with a chat template its
+    end-of-turn marker when it is one token (``<|im_end|>``), as ``llamatrain chat`` stops, and
+    the :data:`MESSAGE_ENDS` that are one token of the vocabulary."""
     ids = {tokenizer.eos_id}
+    if template is None:  # plain-text prompts: the model ends at EOS
+        return frozenset(ids)
+    markers = list(MESSAGE_ENDS)
+    with contextlib.suppress(DataError):  # a template ending turns with EOS alone
+        markers.append(template.end_of_turn)
     for marker in markers:
         token = tokenizer.encode(marker, special=True)
         ids |= set(token) if len(token) == 1 else set()
