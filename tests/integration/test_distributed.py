@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -319,7 +320,9 @@ def test_ctrl_c_on_the_launcher_saves_once_and_stops(tmp_path: Path, cache_dir: 
 
 
 def main(runs: list[dict]) -> int:
-    """One rank of a launch above: ``llamatrain fit`` for each run it was given, in order.
+    """One rank of a launch above: ``llamatrain fit`` for each run it was given, in order,
+    after running the Python file a run names as its ``setup`` (a test's stand-ins, such as
+    ``tool_runs``' scripted draws, in the rank's own process).
 
     The ranks join once for all the runs, as a notebook would (``fit`` then uses that group):
     a group destroyed and created again in one process can meet the old one's rendezvous keys.
@@ -332,6 +335,8 @@ def main(runs: list[dict]) -> int:
     dist.init_process_group("gloo")
     try:
         for run in runs:
+            if "setup" in run:
+                runpy.run_path(run["setup"])
             args = ["fit", "--config", "tiny", *(f"--set={item}" for item in run["overrides"])]
             if "resume" in run:
                 args += ["--resume", run["resume"]]

@@ -33,7 +33,10 @@ and clip-higher; and (slow) a full finetune with bnpo and scale_rewards = "batch
 divides by each micro-batch's own tokens as TRL's does. The random base rarely ends a
 completion, so the rewards that vary are the length's, in characters (8 tokens make 8 to ~30).
 Also (slow): a two-rank run cut after its first step and resumed on two ranks is the
-uninterrupted one, bit for bit.
+uninterrupted one, bit for bit; and a LoRA run with a tool (``tool_runs``: its first turns
+scripted in every process, the rest sampled) is the one-process run under the same tolerance —
+its tool rounds, the tool metrics over every rank's calls, the masks that leave the tool's
+tokens out, the advantages and the weights.
 """
 
 from __future__ import annotations
@@ -44,10 +47,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from llama_cpp_files import vocab_dir as vocab_dir
 from random_models import tiny_llama
 from test_distributed import torchrun, weights
+from tool_runs import N_CTX, reply_tokens, scripted_then_sampled, tool_overrides, tool_run_files
 
 from llamatrain import api
+from llamatrain.decoding import RowDecoder
+from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.plot import read_records
 
 RTOL, ATOL, WEIGHTS_RTOL = 1e-5, 1e-6, 3e-5  # see the module docstring
@@ -145,9 +152,9 @@ def one_and_two_ranks(files: dict[str, Path], root: Path, names: list[str]) -> P
     return root
 
 
-def assert_same_run(ours: Path, reference: Path, steps: int) -> None:
+def assert_same_run(ours: Path, reference: Path, steps: int, rows: int = 16) -> None:
     """Every step's and the held-out evaluation's numbers (not the speed), the completions
-    table and each step's weights within the tolerance."""
+    table (``rows`` a step) and each step's weights within the tolerance."""
     mine, theirs = read_records(ours / "metrics.jsonl"), read_records(reference / "metrics.jsonl")
     for kind in ("reward", "val_reward"):
         a, b = [r for r in mine if kind in r], [r for r in theirs if kind in r]
@@ -160,7 +167,7 @@ def assert_same_run(ours: Path, reference: Path, steps: int) -> None:
             for key in sorted(numbers):
                 assert x[key] == pytest.approx(y[key], rel=RTOL, abs=ATOL), (y["step"], key)
     table, expected = (read_records(run / "completions.jsonl") for run in (ours, reference))
-    assert len(table) == len(expected) == steps * 16
+    assert len(table) == len(expected) == steps * rows
     for x, y in zip(table, expected, strict=True):
         assert (x["step"], x["prompt"], x["completion"]) == (
             y["step"],
@@ -208,3 +215,39 @@ def test_a_grpo_run_under_ddp_resumes_as_it_would_have_gone_on(files, tmp_path):
     assert tables[0] == tables[1] and len(tables[0]) == 2 * 16
     whole, resumed = weights(tmp_path / "whole", 2), weights(tmp_path / "cut", 2)
     assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+
+
+@pytest.mark.slow
+def test_a_tool_using_grpo_run_under_ddp_trains_as_one_process(
+    vocab_dir, cache_dir, tmp_path, monkeypatch
+):
+    """``tool_runs``' LoRA run with a tool (8 prompts of different lengths a step, G = 2, one
+    group a micro-batch), its first turns scripted in every process (each rank runs a setup
+    file that installs the draws), on one process and on two DDP ranks: the same tool rounds,
+    tool metrics (every rank's calls gathered), masks, advantages and weights."""
+    tokenizer = read_tokenizer(vocab_dir / "ggml-vocab-qwen2.gguf")
+    files = tool_run_files(tmp_path, tokenizer, prompts=10)
+    replies = reply_tokens(tokenizer)
+    setup = tmp_path / "draws.py"
+    tests = Path(__file__).parents[1]
+    setup.write_text(
+        f"import sys\nsys.path.insert(0, {str(tests)!r})\n"
+        f"import tool_runs\ntool_runs.install({replies!r})\n"
+    )
+
+    def items(run: str, *extra: str) -> list[str]:
+        sizes = [f"train.n_batch={8 * N_CTX}", f"train.n_ubatch={2 * N_CTX}"]
+        held_out = ["data.val_fraction=0.2", "train.steps=2"]  # 2 of 10 prompts
+        return [*tool_overrides(files, tmp_path / run, cache_dir), *sizes, *held_out, *extra]
+
+    monkeypatch.setattr(RowDecoder, "sample", scripted_then_sampled(replies))
+    api.fit("tiny", overrides=items("single"), progress=False)
+    launched = [{"overrides": items("ddp", 'train.parallel="ddp"'), "setup": str(setup)}]
+    with torchrun(launched, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as ranks:
+        output, _ = ranks.communicate(timeout=600)
+    assert ranks.returncode == 0, output[-4000:]
+    assert_same_run(tmp_path / "ddp", tmp_path / "single", steps=2, rows=8)
+    train = [r for r in read_records(tmp_path / "ddp" / "metrics.jsonl") if "reward" in r]
+    assert [r["tools/call_frequency"] for r in train] == [1.0, 1.0]
+    assert all(0 < r["tools/failures/unknown_tool"] < 1 for r in train)  # both kinds of call
+    assert all(r["rewards/got_a_result/std"] > 0 for r in train)

@@ -8,34 +8,37 @@ so the run goes through everything a tool-using run does — the prompts rendere
 tools, the tool rounds, their tokens masked, the rewards of the conversations, the tool
 metrics in metrics.jsonl, the completions table, the tool panels of the plot and the adapter
 exported as every LoRA run's.
+
+Also (slow): a tool run cut after one step and resumed is the uninterrupted run, bit for bit —
+its first turns scripted, the rest sampled for real from each row's own generator
+(``tool_runs``), so the resumed step redraws the same tokens, runs the same calls and trains
+on the same masks.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from llama_cpp_files import vocab_dir as vocab_dir
 from tool_functions import multiply
+from tool_runs import (
+    N_CTX,
+    TEMPLATE,
+    TOOLS,
+    reply_tokens,
+    scripted_then_sampled,
+    tool_overrides,
+    tool_run_files,
+)
 
 from llamatrain import Llama, ModelConfig, api
 from llamatrain.decoding import RowDecoder
+from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.gguf.llama import read_tokenizer
 from llamatrain.plot import metrics_figure, read_metrics, read_records
 
-TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "qwen2.5.jinja"
-TOOLS = '''
-def multiply(a: float, b: float) -> float:
-    """Multiply two numbers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    return a * b
-'''
 REWARDS = """
 def right(prompts, completions, completion_ids, answer, **_):
     return [float(c[-1]["content"] == a) for c, a in zip(completions, answer)]
@@ -112,3 +115,38 @@ def test_a_tool_using_grpo_run_trains_logs_and_exports(tmp_path, vocab_dir, monk
     titles = {ax.get_title() for ax in metrics_figure(*read_metrics(run), "run").axes}
     assert {"Tool calls", "Failed calls by kind"} <= titles
     assert (run / "adapter-f32.gguf").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_tool_run_is_the_uninterrupted_run(tmp_path, vocab_dir, cache_dir, monkeypatch):
+    """Two steps, and the same cut after one and resumed: the second step's rollout (its
+    prompts, draws on the first step's weights, tool rounds, masks) and update (with the
+    first's optimizer state) are the uninterrupted run's, bit for bit — a resume is exact with
+    deterministic tools, with nothing of the tools stored."""
+    tokenizer = read_tokenizer(vocab_dir / "ggml-vocab-qwen2.gguf")
+    files = tool_run_files(tmp_path, tokenizer, prompts=4)
+    monkeypatch.setattr(RowDecoder, "sample", scripted_then_sampled(reply_tokens(tokenizer)))
+
+    def fit(run: str, steps: int, **kwargs):
+        items = tool_overrides(files, tmp_path / run, cache_dir)
+        items += [f"train.steps={steps}", f"train.n_batch={4 * N_CTX}"]  # 2 prompts a step
+        return api.fit("tiny", overrides=items, progress=False, **kwargs)
+
+    whole = fit("whole", 2)
+    fit("cut", 1)
+    resumed = fit("cut", 2, resume="latest")
+    records = [read_records(tmp_path / run / "metrics.jsonl") for run in ("whole", "cut")]
+    last = [[r for r in rs if r.get("step") == 2 and "reward" in r] for rs in records]
+    assert len(last[0]) == len(last[1]) == 1
+    numbers = {k for k, v in last[0][0].items() if isinstance(v, float) and not k.endswith("_s")}
+    assert {"loss", "reward", "tools/call_frequency", "tools/failures/unknown_tool"} <= numbers
+    assert {k: last[1][0][k] for k in numbers} == {k: last[0][0][k] for k in numbers}
+    tables = [read_records(tmp_path / run / "completions.jsonl") for run in ("whole", "cut")]
+    assert tables[0] == tables[1] and len(tables[0]) == 2 * 4
+    assert {r["tools"]["calls"] for r in tables[0]} == {1}
+    assert all("<tool_response>" in r["completion"] for r in tables[0])  # answered
+    assert {r["reward"] for r in tables[0]} == {0.0, 1.0} and last[0][0]["grad_norm"] > 0
+    a, b = (read_lora_adapter(run.adapter_path).tensors for run in (whole, resumed))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(torch.as_tensor(a[name]), torch.as_tensor(b[name])), name

@@ -140,3 +140,15 @@ def test_environment_faults_are_one_line_errors(setup, monkeypatch, game):
         )
     with pytest.raises(ConfigError, match="train.environment"):
         check_config("tiny", [*GRPO, 'train.environment="not a spec"'])
+
+
+def test_the_environment_steps_on_a_turn_ended_at_the_budget_not_on_a_cut_one(
+    setup, monkeypatch, game
+):
+    """A right guess whose end-of-turn token is the budget's last token is stepped (and won);
+    the same guess cut before its end-of-turn token is not."""
+    _, tokenizer, _ = setup
+    turn = len(tokenizer.encode("7<|im_end|>", special=True))
+    for budget, won in [(turn, 1.0), (turn - 1, 0.0)]:
+        rollout, _ = play(setup, monkeypatch, game, [["7<|im_end|>"]] * 2, budget=budget)
+        assert [r["rewards"]["environment"] for r in rollout.table] == [won, won], budget

@@ -74,7 +74,7 @@ class Answers:
     def __init__(self) -> None:
         self.turns: dict[int, int] = {}
 
-    def answer(self, row, turn, room):
+    def answer(self, row, turn, room, finished):
         self.turns[row] = self.turns.get(row, 0) + 1
         tokens = [40 + self.turns[row], 50, 51][: 1 + len(turn) % 3]
         return tokens if self.turns[row] <= 2 and len(tokens) <= room else None

@@ -85,6 +85,21 @@ def test_prompts_with_tools_are_messages_rendered_with_the_tools(vocab_dir: Path
     assert '"name": "add"' in rendered and ids == encoder.tokenizer.encode(rendered, special=True)
 
 
+def test_smollm3s_template_is_shown_the_tools_as_its_xml_tools(vocab_dir: Path):
+    """SmolLM3's template renders no ``tools``, only its ``xml_tools`` (its model card passes
+    the schemas there): the prompt lists the tool and asks for Hermes calls."""
+    source = (TEMPLATES / "smollm3.jinja").read_text()
+    template = ChatTemplate(source, name="smollm3")
+    schema = load([add])[0].schema
+    tokenizer = read_tokenizer(vocab_dir / "ggml-vocab-qwen2.gguf")
+    messages = [{"role": "user", "content": "1+2"}]
+    assert "add" not in template.render(messages, add_generation_prompt=True, tools=[schema])
+    rendered = template.render(messages, add_generation_prompt=True, xml_tools=[schema])
+    assert "'name': 'add'" in rendered and "<tool_call>" in rendered
+    ids = PromptEncoder(tokenizer, template, [schema]).encode(messages)
+    assert ids == tokenizer.encode(rendered, special=True)
+
+
 def add(a: int, b: int) -> int:
     """Add two integers.
 

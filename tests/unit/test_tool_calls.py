@@ -367,3 +367,38 @@ def test_many_open_tags_are_read_in_one_pass():
     call, not a million searches to the end of the text."""
     reply = parse_reply("<tool_call>" * 1_000_000, HERMES, TOOLS)
     assert "no </tool_call>" in only_failure(reply).error
+
+
+HUGE = "x" * (10 << 20)
+WRITTEN = {
+    HERMES: lambda name, arguments: hermes(f'{{"name": "{name}", "arguments": {arguments}}}'),
+    LLAMA_3: lambda name, arguments: f'{{"name": "{name}", "parameters": {arguments}}}',
+    BUILTIN: lambda name, arguments: f"<|python_tag|>{name}.call(word={arguments[9:-1]})",
+    GENERIC: lambda name, arguments: (
+        f'{{"tool_call": {{"name": "{name}", "arguments": {arguments}}}}}'
+    ),
+}
+"""How each format writes a call of ``name`` with ``arguments`` ('{"word": …}')."""
+
+
+@pytest.mark.parametrize("syntax", list(WRITTEN), ids=lambda s: s.format.name)
+@pytest.mark.parametrize(
+    ("case", "kind"),
+    [("truncated", "unparseable"), ("unknown", "unknown_tool"), ("huge", "unparseable")],
+)
+def test_every_formats_hostile_calls_end_as_failed_calls(syntax, case, kind):
+    """The issue's hostile texts in each format — a call cut off, a tool that does not
+    exist, 10 MB of arguments — are one failed call each, never an exception; the same
+    call written well runs."""
+    write = WRITTEN[syntax]
+    assert calls_of(parse_reply(write("lookup", '{"word": "x"}'), syntax, TOOLS)) == [
+        ("lookup", {"word": "x"})
+    ]
+    text = {
+        "truncated": write("lookup", '{"word": "x"}')[:-3],
+        "unknown": write("look_up", '{"word": "x"}'),
+        "huge": write("lookup", f'{{"word": "{HUGE}"}}'),
+    }[case]
+    failed = only_failure(parse_reply(text, syntax, TOOLS))
+    assert failed.kind == kind, failed
+    assert "\n" not in failed.error and len(failed.text) <= 200

@@ -30,6 +30,7 @@ from llamatrain.data.json_text import load_json
 from llamatrain.data.jsonl import BadLines, _chat_line, _json_type, numbered_rows
 from llamatrain.errors import ConfigError, DataError
 from llamatrain.tokenizer import Tokenizer
+from llamatrain.tools.template_tools import tool_variables
 
 __all__ = ["PromptRow", "PromptRows", "read_prompts"]
 
@@ -101,7 +102,8 @@ class PromptEncoder:
                 "(tokenizer.chat_template) to render the prompts' messages with; set "
                 "data.chat_template to one of chatml, llama-3, llama-2"
             )
-        text = self.template.render(prompt, add_generation_prompt=True, tools=self.tools)
+        shown = tool_variables(self.template.source, self.tools)
+        text = self.template.render(prompt, add_generation_prompt=True, **shown)
         return prompt_ids(tok, text)
 
 

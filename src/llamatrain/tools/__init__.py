@@ -10,6 +10,8 @@
   the generic JSON form), failed calls as data. :mod:`~llamatrain.tools.formats` finds them
   in the text, :mod:`~llamatrain.tools.call_json` reads their JSON strictly and within
   bounds, :mod:`~llamatrain.tools.arguments` checks their arguments against the schema.
+- :mod:`~llamatrain.tools.template_tools`: the variables that show a chat template the
+  tools (``tools``, and SmolLM3's ``xml_tools``).
 - :mod:`~llamatrain.tools.running`: one call run for a rollout, in a worker thread cut at
   ``train.tool_timeout``, its output cut at ``train.tool_output_chars``, a fault returned as
   its error (TRL's), never raised.

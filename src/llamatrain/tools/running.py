@@ -5,11 +5,16 @@ TRL calls a tool in the trainer's own thread and gives the model ``str({"error":
 when it raises; a tool that hangs stops TRL's run. Here each call runs in a daemon thread
 joined for at most ``timeout`` seconds: one still running then is reported to the model as
 timed out and left behind (Python cannot stop a thread; a daemon one does not hold the process
-at exit), and the rollout goes on. An ``async def`` tool runs to completion on its own event
-loop in that thread. Whatever the call raises, ``SystemExit`` and ``KeyboardInterrupt``
-included, becomes its error message: a tool cannot end the run. Its result, as ``str`` makes it
-(TRL's), is cut to ``max_chars`` characters with a note of how much was left out. A working
-directory the call changes is put back once it returns (``llamatrain.user_code``).
+at exit), and the rollout goes on. It runs on until it returns, so a tool that may hang should
+bound its own work. A process per call would be cut cleanly, but is neither cheap nor safe
+here: a fork of a process holding torch's thread pools can deadlock, and a spawned one must
+import the tool's module again and pickle its arguments and result for every call.
+
+An ``async def`` tool runs to completion on its own event loop in that thread. Whatever the
+call raises, ``SystemExit`` and ``KeyboardInterrupt`` included, becomes its error message: a
+tool cannot end the run. Its result, as ``str`` makes it (TRL's), is cut to ``max_chars``
+characters with a note of how much was left out. A working directory the call changes is put
+back once it returns (``llamatrain.user_code``).
 """
 
 from __future__ import annotations

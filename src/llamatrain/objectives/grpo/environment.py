@@ -5,7 +5,8 @@ format — games, tutors, graders that reply — on the same turn-by-turn decode
 ``make_env()`` gives one environment per completion (each of a prompt's G completions has its
 own, so their conversations stay apart). ``env.reset(row)`` gets the prompt row (``{"prompt":
 ..., **columns}``) and returns the first user message (a string; None: the row's prompt as it
-is), which follows the row's prompt messages. Each time the model ends a turn,
+is), which follows the row's prompt messages. Each time the model ends a turn (with its stop
+token, the budget's last token included; a turn the budget cuts is not stepped),
 ``env.step(reply)`` gets the reply's text and returns the next user message, or None to end
 the conversation. An environment with a ``reward()`` method owns a reward: called once per
 finished conversation, it becomes the reward column ``environment`` (weight 1, as TRL's
@@ -118,10 +119,13 @@ class EnvironmentTurns:
         ]
         self.messages: list[list[dict[str, Any]]] = [[] for _ in rows]
 
-    def answer(self, row: int, turn: Sequence[int], room: int) -> list[int] | None:
-        """The environment's next message as tokens, or None: it ended the conversation, or
-        its message would take more than ``room`` tokens."""
-        text = self.tokenizer.decode(list(turn[:-1]))
+    def answer(self, row: int, turn: Sequence[int], room: int, finished: bool) -> list[int] | None:
+        """The environment's next message as tokens, or None: it ended the conversation, its
+        message would take more than ``room`` tokens, or the budget cut the turn (not
+        ``finished``: the environment steps on the turns the model ended)."""
+        if not finished:
+            return None
+        text = self.tokenizer.decode(list(turn))
         with self._guarded("stepped"):
             reply = self.envs[row].step(text)
         if reply is None:

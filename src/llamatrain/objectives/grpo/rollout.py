@@ -5,10 +5,11 @@ Completions come from our own KV-cache decoder (``llamatrain.decoding``, through
 :mod:`.turns`) on the very weights, LoRA adapters on: no second copy, no weight sync. Sampling is
 temperature only (top-k, top-p and min-p off), so a sampled token's log-prob is the training
 forward's ``log_softmax(logits / temperature)`` (TRL's convention). A completion ends at its
-first stop token (EOS, or the chat template's end-of-turn token), included; one without is
-truncated at ``max_completion_length``. With ``train.tools`` a stop token may instead end a
-turn whose tool calls are run and answered (:mod:`.tool_turns`): the completion goes on after
-the answer, whose tokens the loss never sees (the rows' ``mask``).
+first stop token (EOS, the chat template's end-of-turn token, or Llama 3.1's end of message
+``<|eom_id|>``), included; one without is truncated at ``max_completion_length``. With
+``train.tools`` a stop token may instead end a turn whose tool calls are run and answered
+(:mod:`.tool_turns`): the completion goes on after the answer, whose tokens the loss never
+sees (the rows' ``mask``).
 
 A step's rows (this rank's share) decode as one batch, prompts of every length and their
 groups together: each row's rope positions are its own and the cache slots it leaves empty are
@@ -41,6 +42,7 @@ from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
+    "MESSAGE_ENDS",
     "Rollout",
     "Scored",
     "completion_metrics",
@@ -105,14 +107,28 @@ class Scored:
         )
 
 
+MESSAGE_ENDS = ("<|eom_id|>",)
+"""Tokens that end an assistant message short of its turn's end, stops wherever the vocabulary
+has them: Llama 3.1's ``<|eom_id|>``, which its model writes after a call
+(``<|python_tag|>{"name": …, "parameters": …}<|eom_id|>``) and its template after a call in its
+ipython mode. llama.cpp counts every vocabulary's ``<|eom_id|>`` token among its
+end-of-generation tokens (src/llama-vocab.cpp), so ``llama-server`` stops there and parses the
+call; a rollout must too, or it samples on past the call and never runs it."""
+
+
 def stop_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> frozenset[int]:
-    """What ends a completion: EOS, and the template's end-of-turn marker when it is one
-    token (``<|im_end|>``), as ``llamatrain chat`` stops."""
+    """What ends a completion (or, with tools, a turn): EOS, and with a chat template its
+    end-of-turn marker when it is one token (``<|im_end|>``), as ``llamatrain chat`` stops, and
+    the :data:`MESSAGE_ENDS` that are one token of the vocabulary."""
     ids = {tokenizer.eos_id}
-    if template is not None:
-        with contextlib.suppress(DataError):  # a template ending turns with EOS alone
-            marker = tokenizer.encode(template.end_of_turn, special=True)
-            ids |= set(marker) if len(marker) == 1 else set()
+    if template is None:  # plain-text prompts: the model ends at EOS
+        return frozenset(ids)
+    markers = list(MESSAGE_ENDS)
+    with contextlib.suppress(DataError):  # a template ending turns with EOS alone
+        markers.append(template.end_of_turn)
+    for marker in markers:
+        token = tokenizer.encode(marker, special=True)
+        ids |= set(token) if len(token) == 1 else set()
     return frozenset(ids)
 
 

@@ -96,14 +96,17 @@ class ToolTurns:
         self.prompts = prompts
         self.logs = [RowLog() for _ in prompts]
 
-    def answer(self, row: int, turn: Sequence[int], room: int) -> list[int] | None:
+    def answer(self, row: int, turn: Sequence[int], room: int, finished: bool) -> list[int] | None:
         """The tool messages answering row ``row``'s ``turn`` as tokens, or None: no call in
         it, no round left, or an answer of more than ``room`` tokens (the calls ran: TRL
-        counts them; the conversation ends without their results)."""
+        counts them; the conversation ends without their results). A turn the budget cut
+        (not ``finished``) holding a call it cut off is text, as TRL's parser falls back to
+        text on it: none of its calls run."""
         log = self.logs[row]
-        text = self.tokenizer.decode(list(turn[:-1]))
-        reply = parse_reply(text, self.syntax, self.schemas)
+        reply = parse_reply(self.tokenizer.decode(list(turn)), self.syntax, self.schemas)
         if not reply.calls or log.rounds >= self.settings.max_rounds:
+            return None
+        if not finished and any(call.kind == UNPARSEABLE for call in reply.failed):
             return None
         log.rounds += 1
         assistant = _assistant_message(reply.content, reply.calls)

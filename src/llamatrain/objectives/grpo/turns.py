@@ -6,10 +6,17 @@ the answer's tokens are appended, nothing before them is computed again).
 Without a responder this is the single-turn rollout: every row samples to its first stop token
 or ``budget`` tokens. With one, a row's completion is its turns and the answers between them, all
 counted against ``budget`` (``max_completion_length``, TRL's count: tool tokens included); an
-answer that would pass it is not given (TRL drops such tool results) and the row ends there. A
-row whose conversation has ended waits, its cache slots left empty, while the others go on: the
-batch keeps one shape, no cache is copied, and a row's draws stay its own (it samples only its
-own tokens, from its own generator).
+answer that would pass it is not given (TRL drops such tool results) and the row ends there.
+
+The responder reads every turn the model wrote within the budget, the last one too, as TRL
+reads every completion for calls before it checks the length: a turn that ends with its stop
+token as the budget's last token is answered (its calls run and are counted), and so is a turn
+the budget cut before its stop token (``finished`` False: the tools run the calls it completed,
+TRL's parser reads those too); the answer itself has no room then and is dropped.
+
+A row whose conversation has ended waits, its cache slots left empty, while the others go on:
+the batch keeps one shape, no cache is copied, and a row's draws stay its own (it samples only
+its own tokens, from its own generator).
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ __all__ = ["Completion", "Responder", "decode_turns"]
 class Responder(Protocol):
     """What answers a row's finished turn."""
 
-    def answer(self, row: int, turn: Sequence[int], room: int) -> list[int] | None:
-        """The tokens that answer row ``row``'s turn ``turn`` (its sampled tokens, the stop
-        token last), up to and including the next turn's header; None when the conversation
-        ends here, or when the answer would take more than ``room`` tokens."""
+    def answer(self, row: int, turn: Sequence[int], room: int, finished: bool) -> list[int] | None:
+        """The tokens that answer row ``row``'s turn ``turn`` (its sampled tokens, without
+        its stop token), up to and including the next turn's header; None when the
+        conversation ends here, or when the answer would take more than ``room`` tokens.
+        ``finished``: the model ended the turn with its stop token (False: the budget cut
+        it, and ``room`` is 0)."""
         ...
 
 
@@ -72,14 +81,15 @@ def decode_turns(
         for row, token in zip(live, decoder.sample(live), strict=True):
             done = completions[row]
             done.add([token], sampled=True)
+            finished, full = token in stops, len(done.tokens) >= budget
             answer = None
-            if token in stops and responder is not None and len(done.tokens) < budget:
-                turn = done.tokens[done.last_turn :]
-                answer = responder.answer(row, turn, budget - len(done.tokens))
+            if responder is not None and (finished or full):
+                turn = done.tokens[done.last_turn : len(done.tokens) - finished]
+                answer = responder.answer(row, turn, budget - len(done.tokens), finished)
             if answer:
                 done.add(answer, sampled=False)
                 done.last_turn = len(done.tokens)
-            if (token in stops and not answer) or len(done.tokens) >= budget:
+            if (finished and not answer) or len(done.tokens) >= budget:
                 if ended is not None:
                     ended(row)
                 continue
