@@ -18,11 +18,12 @@ the served ones.
 
 Steps, each a ``llamatrain fit`` command (printed as run; they are the README's tour):
 
-1. SFT warm-up: ``SFT_ROWS`` conversations that call ``multiply`` with the question's numbers,
-   read its result and answer "a * b = product" (``data.format = jsonl``, chat rows with
-   ``tool_calls`` and a ``tool`` message, loss on the assistant's turns), QLoRA rank 16 over the
-   Q4_1 blocks. The base never writes a call (0 of 24 sampled at temperature 1 with this
-   template): the format is taught, as an instruct model's own SFT would have.
+1. SFT warm-up: ``SFT_ROWS`` chat rows (``data.format = jsonl``, with ``tools``), QLoRA rank 16
+   over the Q4_1 blocks: half call ``multiply`` with the question's numbers, read its result
+   and answer "a * b = product" (``tool_calls`` and a ``tool`` message); half answer "a * b =
+   product" directly. The base never writes a call, so the format must be taught, as an
+   instruct model's own SFT would have; the direct half leaves *when* to call to the reward
+   (with calls only, every rollout was right from the first step: nothing for GRPO to learn).
 2. GRPO: ``GRPO_ROWS`` prompt rows, ``train.tools`` = multiply (one round of calls), reward 1.0
    when the conversation's last reply's last number is the product; the adapters start from
    the warm-up's (``lora.init_from``), so the run ends in one adapter over the Q4_1 file.
@@ -329,8 +330,22 @@ def _run(name: str, arguments: dict | None) -> dict:
     return {"role": "tool", "name": name, "content": content}
 
 
-def evaluate(url: str, rows: list[tuple[int, int]]) -> list[dict]:
-    return [answered(url, a, b) for a, b in rows]
+def evaluated(
+    binary: Path, base: Path, adapter: Path | None, log: Path, reuse: bool
+) -> tuple[list[dict], float]:
+    """The held-out questions answered by the server on ``base`` (+ ``adapter``), and the
+    seconds that took; kept beside ``log`` (``.json``) and taken from there when ``reuse``."""
+    saved = log.with_suffix(".json")
+    if reuse and saved.is_file():
+        print(f"(reused: {saved})")
+        kept = json.loads(saved.read_text())
+        return kept["records"], kept["seconds"]
+    with served(binary, base, adapter, log) as url:
+        start = time.perf_counter()
+        records = [answered(url, a, b) for a, b in held_out()]
+        seconds = time.perf_counter() - start
+    saved.write_text(json.dumps({"records": records, "seconds": seconds}) + "\n")
+    return records, seconds
 
 
 def rates(records: list[dict]) -> dict[str, float]:
@@ -387,7 +402,9 @@ def main() -> None:
     parser.add_argument("--same", type=int, default=6)
     parser.add_argument("--work", type=Path, default=HERE / ".cache" / "grpo_tools_server")
     parser.add_argument(
-        "--reuse", action="store_true", help="keep the adapters a run in --work already wrote"
+        "--reuse",
+        action="store_true",
+        help="keep the adapters and server answers a run in --work already wrote",
     )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -406,16 +423,13 @@ def main() -> None:
     }
     rows, records = held_out(), {}
     for name, adapter in adapters.items():
-        with served(binary, base, adapter, args.work / f"server-{name}.log") as url:
-            start = time.perf_counter()
-            records[name] = evaluate(url, rows)
-            figures[f"{name}_eval_s"] = time.perf_counter() - start
-            if adapter is None:
-                template = ChatTemplate(TEMPLATE.read_text(), name=TEMPLATE.name)
-                figures["same_prompt"] = same_prompt(url, template, *rows[0])
-            if name == "sft+grpo":
-                figures["same_tokens"] = same_tokens(url, base, adapter, rows[: args.same])
+        log = args.work / f"server-{name}.log"
+        records[name], figures[f"{name}_eval_s"] = evaluated(binary, base, adapter, log, args.reuse)
         figures[name] = rates(records[name])
+    with served(binary, base, adapters["sft+grpo"], args.work / "server-parity.log") as url:
+        template = ChatTemplate(TEMPLATE.read_text(), name=TEMPLATE.name)
+        figures["same_prompt"] = same_prompt(url, template, *rows[0])
+        figures["same_tokens"] = same_tokens(url, base, adapters["sft+grpo"], rows[: args.same])
     for before, after in (("base", "sft+grpo"), ("sft", "sft+grpo"), ("base", "sft")):
         for what in ("right_call", "right"):
             b, t = ([r[what] for r in records[k]] for k in (before, after))
