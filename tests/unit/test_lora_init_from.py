@@ -59,10 +59,13 @@ def test_an_adapter_of_another_rank_or_targets_is_refused(adapter):
     assert "adapts attn_q, attn_v, ffn_down but the run adapts attn_q" in message
 
 
-def test_the_config_wants_a_file_and_a_rank(adapter, tmp_path):
+def test_the_config_wants_a_file_and_a_rank(adapter, tmp_path, monkeypatch):
     path, _ = adapter
     model = ["model.init_from=base.gguf"]
     refused = error_of(load_config, None, [*model, f"lora.init_from={path}"])
     assert "needs lora.rank > 0" in refused
     missing = [*model, "lora.rank=4", f"lora.init_from={tmp_path / 'none.gguf'}"]
     assert "is not a file; name an adapter GGUF" in error_of(load_config, None, missing)
+    monkeypatch.chdir(path.parent)
+    cfg = load_config(None, [*model, "lora.rank=4", f"lora.init_from={path.name}"])
+    assert cfg.lora.init_from == str(path)  # absolute: a resume from elsewhere reads it too

@@ -83,11 +83,14 @@ def _validate_lora(cfg: Config) -> None:
         )
     if lora.targets is not None and (problem := lora_settings_problem(targets=lora.targets)):
         raise ConfigError(f"{problem} {set_in(cfg, 'lora.targets')}")
-    if lora.init_from is not None and not (lora.rank > 0 and Path(lora.init_from).is_file()):
-        raise ConfigError(
-            f"lora.init_from = {lora.init_from!r} {set_in(cfg, 'lora.init_from', 'lora.rank')} "
-            + ("is not a file; name an adapter GGUF" if lora.rank else "needs lora.rank > 0")
-        )
+    if lora.init_from is not None:
+        start = Path(lora.init_from).expanduser()
+        if not (lora.rank > 0 and start.is_file()):
+            raise ConfigError(
+                f"lora.init_from = {lora.init_from!r} {set_in(cfg, 'lora.init_from', 'lora.rank')} "
+                + ("is not a file; name an adapter GGUF" if lora.rank else "needs lora.rank > 0")
+            )
+        lora.init_from = str(start.absolute())  # as the output paths: read again on a resume
     if lora.rank > 0 and lora.base_dtype == "quantized" and cfg.train.compile:
         raise ConfigError(
             f"train.compile = true {set_in(cfg, 'train.compile', 'lora.base_dtype')} cannot "
