@@ -126,22 +126,27 @@ def sdist_tree(cache: Path) -> Path:
 
 
 def llama_finetune(cache: Path) -> Path:
-    """The ``llama-finetune`` binary, configured and built once (CPU only, native ISA)."""
+    """The ``llama-finetune`` binary, built once (:func:`llama_cpp_program`)."""
+    return llama_cpp_program(cache, "llama-finetune")
+
+
+def llama_cpp_program(cache: Path, target: str) -> Path:
+    """llama.cpp's program ``target`` (``llama-finetune``, ``llama-server``…) from the sdist's
+    sources, configured and built once (CPU only, native ISA, static, no network features)."""
     tree = sdist_tree(cache)
-    binary = tree / "build" / "bin" / "llama-finetune"
+    binary = tree / "build" / "bin" / target
     if binary.exists():
         return binary
-    print(f"building llama-finetune in {tree / 'build'} (once; about 10 minutes on 2 cores)")
+    print(f"building {target} in {tree / 'build'} (once; about 10-20 minutes on 2 cores)")
     subprocess.run(
         ["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release",
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-         "-DBUILD_SHARED_LIBS=OFF"],
+         "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+         "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DBUILD_SHARED_LIBS=OFF"],
         check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     jobs = str(os.cpu_count() or 2)
     subprocess.run(
-        ["cmake", "--build", str(tree / "build"), "--target", "llama-finetune", "-j", jobs],
-        check=True,
+        ["cmake", "--build", str(tree / "build"), "--target", target, "-j", jobs], check=True
     )
     return binary
 

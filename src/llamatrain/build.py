@@ -28,12 +28,13 @@ import torch
 
 from llamatrain import activation_checkpointing, parallel
 from llamatrain.checkpoint import Checkpoint, check_compatible, load_checkpoint
-from llamatrain.config import Config
+from llamatrain.config import Config, LoraSection
 from llamatrain.data.cache import sha256_file
 from llamatrain.device import resolve_device
-from llamatrain.errors import CheckpointError
+from llamatrain.errors import CheckpointError, ConfigError
+from llamatrain.gguf.adapter import read_lora_adapter
 from llamatrain.gguf.llama import LlamaFile, read_tokenizer, write_vocab
-from llamatrain.lora import apply_lora
+from llamatrain.lora import apply_lora, load_lora_state_dict
 from llamatrain.memory import check_fits
 from llamatrain.model import Llama, ModelConfig
 from llamatrain.model_path import (
@@ -60,6 +61,7 @@ __all__ = [
     "prepare",
     "resumed_run",
     "run_choices",
+    "start_adapters_from",
 ]
 
 
@@ -239,7 +241,8 @@ def prepare(model: Llama, cfg: Config) -> PreparedModel:
     """Apply the run's capabilities to ``model``, in this one order (why each where it is):
 
     1. LoRA (``lora.rank > 0``): freeze the base and add seeded adapters, so a run's adapters
-       start alike however the base was read (a resume then loads its own).
+       start alike however the base was read, or ``lora.init_from``'s (a resume then loads its
+       own).
     2. Activation checkpointing: after LoRA, so ``auto`` measures the block that will run.
     3. The device: after the module tree is final, so every tensor moves once.
     4. DDP/FSDP: wrap (or shard) the model on its device, as torch.distributed requires.
@@ -251,6 +254,8 @@ def prepare(model: Llama, cfg: Config) -> PreparedModel:
     if cfg.lora.rank:
         torch.manual_seed(cfg.train.seed)
         apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.adapted)
+        if cfg.lora.init_from:
+            start_adapters_from(model, cfg.lora)
     bf16 = cfg.train.dtype == "bfloat16"
     segment = activation_checkpointing.apply(
         model,
@@ -269,3 +274,26 @@ def prepare(model: Llama, cfg: Config) -> PreparedModel:
     if cfg.train.compile:
         loss, logits = torch.compile(loss, dynamic=False), torch.compile(logits, dynamic=False)
     return PreparedModel(model, device, wrapped, loss, logits, segment)
+
+
+def start_adapters_from(model: Llama, lora: LoraSection) -> None:
+    """The fresh adapters set to ``lora.init_from``'s (an SFT warm-up's, say), B rescaled from
+    the file's alpha / rank to the run's, so the model computes what base + that adapter does
+    (in llama.cpp too) and the run's adapter goes on from it: one file over the same base."""
+    adapter = read_lora_adapter(Path(lora.init_from))
+    if adapter.rank != lora.rank:
+        raise ConfigError(
+            f"lora.init_from {adapter.path} has rank {adapter.rank} but lora.rank = "
+            f"{lora.rank}; set lora.rank = {adapter.rank}"
+        )
+    if set(adapter.targets) != set(lora.adapted):
+        raise ConfigError(
+            f"lora.init_from {adapter.path} adapts {', '.join(adapter.targets)} but the run "
+            f"adapts {', '.join(lora.adapted)}; set lora.targets = {list(adapter.targets)}"
+        )
+    scale = (adapter.alpha / adapter.rank) / (lora.alpha / lora.rank)
+    tensors = {
+        name: tensor * scale if name.endswith(".lora_b") else tensor
+        for name, tensor in adapter.tensors.items()
+    }
+    load_lora_state_dict(model, tensors)

@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         default="auto",
         metavar="NAME",
-        help="for --chat: auto (the model's own, default), chatml, llama-3 or llama-2",
+        help="for --chat: auto (the model's own), chatml, llama-3, llama-2 or a Jinja file",
     )
     _add_model_arguments(gen)
     _add_sampler_arguments(gen)
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         default="auto",
         metavar="NAME",
-        help="auto (the model's own, default), chatml, llama-3 or llama-2",
+        help="auto (the model's own, default), chatml, llama-3, llama-2 or a Jinja file",
     )
     _add_model_arguments(talk)
     _add_sampler_arguments(talk)

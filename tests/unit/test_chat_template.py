@@ -3,7 +3,6 @@ trained and untrained text, end-of-turn markers, the sandbox and the errors user
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from datetime import date
 
@@ -17,7 +16,8 @@ from llamatrain.chat_template import (
     Segment,
     chat_template_for,
 )
-from llamatrain.config import DataSection
+from llamatrain.config import load_config
+from llamatrain.config.sections import CHAT_TEMPLATE_NAMES
 
 TOKENS = {  # the BOS/EOS text each family's vocabulary has
     "chatml": ("", "<|im_end|>"),
@@ -300,7 +300,21 @@ def test_chat_template_for():
 
 
 def test_the_config_offers_exactly_the_builtin_templates():
-    """``data.chat_template``'s choices are spelled in the config layer, which sits below
+    """``data.chat_template``'s names are spelled in the config layer, which sits below
     ``llamatrain.data`` and cannot import BUILTIN_TEMPLATES: the two lists must not drift."""
-    (field,) = [f for f in dataclasses.fields(DataSection) if f.name == "chat_template"]
-    assert set(field.metadata["choices"]) == {"auto", *BUILTIN_TEMPLATES}
+    assert set(CHAT_TEMPLATE_NAMES) == {"auto", *BUILTIN_TEMPLATES}
+
+
+def test_a_template_file_is_read_and_a_missing_one_refused(tmp_path):
+    """Any other ``data.chat_template`` is a Jinja file (the one llama-server is given):
+    validation makes it absolute and refuses one that is not there; the data side reads it."""
+    model = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    chosen = chat_template_for(str(tmp_path / "t.jinja"), model, bos_token="", eos_token="")
+    assert chosen.render([msg("user", "a")]) == "[a]"
+    missing = error_of(chat_template_for, "vicuna.jinja", model, bos_token="", eos_token="")
+    assert "'vicuna.jinja' is not a chat template (No such file" in missing
+    cfg = load_config(None, [f"data.chat_template={tmp_path / 't.jinja'}"])
+    assert cfg.data.chat_template == str(tmp_path / "t.jinja")
+    refused = error_of(load_config, None, ["data.chat_template=vicuna"])
+    assert "'vicuna', neither one of 'auto', 'chatml'" in refused

@@ -1,10 +1,13 @@
 """Which chat template renders a model's conversations: ``data.chat_template`` (and
-``--chat-template`` for ``generate --chat``) chooses the model's own (``"auto"``) or a built-in
-one by name, written with the special tokens of the model's vocabulary.
+``--chat-template`` for ``generate --chat``) chooses the model's own (``"auto"``), a built-in
+one by name, or a Jinja file (the one ``llama-server --jinja --chat-template-file`` is given,
+so that both sides render and parse the same format: a template with tools for a model whose
+own has none), written with the special tokens of the model's vocabulary.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llamatrain.chat_template.render import BUILTIN_TEMPLATES, ChatTemplate
@@ -43,7 +46,8 @@ def chat_template_for(
     choice: str, model_template: str | None, *, bos_token: str, eos_token: str
 ) -> ChatTemplate:
     """The template ``data.chat_template = choice`` names: ``"auto"`` the model's own
-    (``model_template``), a :data:`BUILTIN_TEMPLATES` name that one."""
+    (``model_template``), a :data:`BUILTIN_TEMPLATES` name that one, any other a template
+    file's path."""
     tokens = {"bos_token": bos_token, "eos_token": eos_token}
     if choice == "auto":
         if not model_template:
@@ -54,7 +58,16 @@ def chat_template_for(
         return ChatTemplate(model_template, name="the model's chat template", **tokens)
     if choice in BUILTIN_TEMPLATES:
         return ChatTemplate(BUILTIN_TEMPLATES[choice], name=f"the {choice} template", **tokens)
-    raise DataError(
-        f"data.chat_template = {choice!r} is not a chat template; choose auto (the model's "
-        f"own) or one of {', '.join(BUILTIN_TEMPLATES)}"
-    )
+    return ChatTemplate(template_file_text(choice), name=choice, **tokens)
+
+
+def template_file_text(choice: str) -> str:
+    """The text of the template file ``choice`` names; DataError when there is none."""
+    try:
+        return Path(choice).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or "not UTF-8 text"
+        raise DataError(
+            f"data.chat_template = {choice!r} is not a chat template ({reason}); choose auto "
+            f"(the model's own), one of {', '.join(BUILTIN_TEMPLATES)} or a Jinja template file"
+        ) from None

@@ -17,6 +17,7 @@ from llamatrain.sampling import MAX_NEW_TOKENS
 from llamatrain.settings import setting
 
 __all__ = [
+    "CHAT_TEMPLATE_NAMES",
     "SECTIONS",
     "Config",
     "DataSection",
@@ -56,6 +57,11 @@ class TokenizerSection:
         "(byte_bpe trains on all the text)",
         ge=0,
     )
+
+
+CHAT_TEMPLATE_NAMES = ("auto", "chatml", "llama-3", "llama-2")
+"""``data.chat_template``'s names (the model's own, the built-in templates); any other value is
+a template file's path."""
 
 
 @dataclass
@@ -113,8 +119,9 @@ class DataSection:
         "auto",
         "jsonl: how conversations are rendered: 'auto' = the model's own template "
         "(tokenizer.chat_template); a built-in ('chatml', 'llama-3', 'llama-2') for a model "
-        "without one, which its checkpoints and exports then carry",
-        choices=("auto", "chatml", "llama-3", "llama-2"),
+        "without one, or a Jinja template file (e.g. one with tools, the file llama-server "
+        "--jinja --chat-template-file then serves with), which its checkpoints and exports "
+        "then carry",
     )
     train_on: str = setting(
         "completion",
@@ -444,6 +451,13 @@ class LoraSection:
         None,
         "the projections of every block to adapt, by llama.cpp's names; unset = all of "
         + ", ".join(ALL_TARGETS),
+    )
+    init_from: str | None = setting(
+        None,
+        "an adapter GGUF the adapters start from instead of seeded random ones (e.g. an SFT "
+        "warm-up's adapter-f32.gguf before GRPO), so the run ends in one adapter over the same "
+        "base; its rank and targets must be lora.rank and lora.targets (a different alpha is "
+        "rescaled). A GRPO KL term (train.beta > 0) still measures against the base alone",
     )
     base_dtype: str = setting(
         "f32",

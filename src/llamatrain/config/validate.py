@@ -8,9 +8,10 @@ of n_ctx, lr_min must not exceed lr, a quantized export needs block-sized rows â
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from llamatrain.config.paths import make_output_paths_absolute
-from llamatrain.config.sections import SECTIONS, Config, TrainSection
+from llamatrain.config.sections import CHAT_TEMPLATE_NAMES, SECTIONS, Config, TrainSection
 from llamatrain.errors import ConfigError
 from llamatrain.gguf.adapter import lora_settings_problem
 from llamatrain.gguf.quantize import require_quantizer
@@ -82,6 +83,14 @@ def _validate_lora(cfg: Config) -> None:
         )
     if lora.targets is not None and (problem := lora_settings_problem(targets=lora.targets)):
         raise ConfigError(f"{problem} {set_in(cfg, 'lora.targets')}")
+    if lora.init_from is not None:
+        start = Path(lora.init_from).expanduser()
+        if not (lora.rank > 0 and start.is_file()):
+            raise ConfigError(
+                f"lora.init_from = {lora.init_from!r} {set_in(cfg, 'lora.init_from', 'lora.rank')} "
+                + ("is not a file; name an adapter GGUF" if lora.rank else "needs lora.rank > 0")
+            )
+        lora.init_from = str(start.absolute())  # as the output paths: read again on a resume
     if lora.rank > 0 and lora.base_dtype == "quantized" and cfg.train.compile:
         raise ConfigError(
             f"train.compile = true {set_in(cfg, 'train.compile', 'lora.base_dtype')} cannot "
@@ -124,6 +133,22 @@ def _validate_data_format(cfg: Config) -> None:
             f"output.loggers {set_in(cfg, 'output.loggers')} has {unknown[0]!r}, which is not "
             f"a tracker; choose any of {', '.join(map(repr, TRACKERS))}"
         )
+
+
+def _validate_chat_template(cfg: Config) -> None:
+    """``data.chat_template``: a name it knows, or a file that exists, made absolute (as the
+    output paths are: before code a config names can change directory)."""
+    d = cfg.data
+    if d.chat_template in CHAT_TEMPLATE_NAMES:
+        return
+    path = Path(d.chat_template).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"data.chat_template {set_in(cfg, 'data.chat_template')} is {d.chat_template!r}, "
+            f"neither one of {', '.join(map(repr, CHAT_TEMPLATE_NAMES))} nor a template file; "
+            "name one of those or the path of a Jinja file"
+        )
+    d.chat_template = str(path.absolute())
 
 
 def sample_params(train: TrainSection) -> SamplingParams:
@@ -170,6 +195,7 @@ def validate(cfg: Config) -> Config:
     _validate_lora(cfg)
     _validate_parallel(cfg)
     _validate_data_format(cfg)
+    _validate_chat_template(cfg)
     _validate_sampling(cfg)
     require_quantizer(cfg.output.export_type)
     make_output_paths_absolute(cfg)  # before any code a config names can change directory
