@@ -134,6 +134,22 @@ def _rotated(
     return _rotate(x.to(cdt), cos, sin, mode, turn).to(x.dtype), cos, sin
 
 
+def rope_angles(
+    pos: torch.Tensor,
+    head_dim: int,
+    *,
+    theta: float,
+    freq_scale: float = 1.0,
+    freq_factors: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (float32, (B or 1, T, 1, head_dim / 2)) of the angles :func:`rope` turns
+    tokens at ``pos`` by (either pairing), from the same memo: for a step that rotates by
+    itself (``ops.decode_step``)."""
+    settings = (head_dim, float(theta), float(freq_scale), freq_factors)
+    cos, sin, _ = _angles_of_forward(pos, *settings, torch.float32, pos.device)
+    return cos, sin
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(
