@@ -81,7 +81,10 @@ class FusedDecodeBlocks(Blocks):
 
     def __init__(self, blocks: Blocks) -> None:
         super().__init__(blocks)
-        self._prepared: tuple[weakref.ref, int, StepLayers | None] | None = None
+        # per cache, while it lives (its buffers' address, the layers laid out on them): a
+        # finished generation's cache, and the k/v its layers hold, are not kept
+        self._prepared: weakref.WeakKeyDictionary[KVCache, tuple[int, StepLayers | None]]
+        self._prepared = weakref.WeakKeyDictionary()
 
     def step_layers(self, x: torch.Tensor, cache: KVCache | None) -> StepLayers | None:
         """The C++ step's layers for this call, or None where the blocks must run."""
@@ -89,14 +92,10 @@ class FusedDecodeBlocks(Blocks):
             return None
         if records_graph(x) or torch.is_autocast_enabled("cpu") or cache.k.dtype != torch.float32:
             return None
-        known = self._prepared
-        if known is None or known[0]() is not cache or known[1] != cache.k.data_ptr():
-            known = self._prepared = (
-                weakref.ref(cache),
-                cache.k.data_ptr(),
-                self._lay_out(x, cache),
-            )
-        return known[2]
+        known = self._prepared.get(cache)
+        if known is None or known[0] != cache.k.data_ptr():
+            known = self._prepared[cache] = (cache.k.data_ptr(), self._lay_out(x, cache))
+        return known[1]
 
     def _lay_out(self, x: torch.Tensor, cache: KVCache) -> StepLayers | None:
         """The layers laid out for ``cache``, or None where any block does not qualify."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import gc
+import weakref
 
 import pytest
 import torch
@@ -178,3 +180,16 @@ def test_the_blocks_run_where_the_step_does_not_compute_them() -> None:
     adapted = apply_lora(kept, rank=2, alpha=4.0)  # adapted projections: the blocks' own
     with torch.no_grad():
         assert adapted.blk.step_layers(one.detach(), filled_cache(adapted)) is None
+
+
+def test_a_finished_generations_cache_is_not_kept_by_the_step() -> None:
+    """The layers laid out for a cache hold its k/v buffers; they go with the cache."""
+    kept, _ = quantized_pair("Q8_0")
+    blocks = fuse_decoding(kept).blk
+    cache = filled_cache(kept)
+    with torch.no_grad():
+        assert blocks.step_layers(torch.zeros(ROWS, 1, 64), cache) is not None
+    gone = weakref.ref(cache.k)
+    del cache
+    gc.collect()
+    assert gone() is None
