@@ -42,6 +42,7 @@ from llamatrain.checkpoint import (
     recorded_export_type,
 )
 from llamatrain.errors import ConfigError, TokenizerError
+from llamatrain.fused_decode import fuse_decoding
 from llamatrain.gguf.adapter import LoraAdapter, read_lora_adapter
 from llamatrain.gguf.export_types import ALL_EXPORT_TYPES
 from llamatrain.gguf.file import GGUFContents, map_stored, read_tensors_into, verify_gguf
@@ -196,8 +197,8 @@ def inference_model(source: ModelSource, ops: str = "ggml", *, dequantize: bool 
     """The model to generate, chat and score with: the file's frozen weights as it stores them
     and its adapter unmerged (:func:`_adapted`; ``ops``: the op set); with ``dequantize``, the
     plain float32 model its f32 export holds (the adapter merged in), at 4 bytes a weight."""
-    if not dequantize:
-        return _adapted(source, ops=ops)
+    if not dequantize:  # decoding steps through one C++ call where it computes them
+        return fuse_decoding(_adapted(source, ops=ops))
     if source.adapter is None:
         return build_model(source.base, ops=ops)
     return merge_lora(_adapted(source, ops=ops))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from llamatrain.ops.dtypes import compute_dtype
+from llamatrain.ops.grad_mode import records_graph
 
 __all__ = ["geglu", "gelu", "silu", "swiglu"]
 
@@ -63,20 +64,25 @@ def _unary(act: _Act, act_back: _ActBack) -> type[torch.autograd.Function]:
     return Unary
 
 
+def _gated_forward(name: str, act: _Act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` in the computation dtype, cast back to gate's."""
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"{name}: gate and up must have the same shape, got {tuple(gate.shape)} "
+            f"and {tuple(up.shape)}"
+        )
+    cdt = compute_dtype(gate.dtype)
+    return act(gate.to(cdt)).mul_(up.to(cdt)).to(gate.dtype)
+
+
 def _gated(name: str, act: _Act, act_back: _ActBack) -> type[torch.autograd.Function]:
     """The Function ``act(gate) * up`` with ggml's gated backward (module docstring)."""
 
     class Gated(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            if gate.shape != up.shape:
-                raise ValueError(
-                    f"{name}: gate and up must have the same shape, got {tuple(gate.shape)} "
-                    f"and {tuple(up.shape)}"
-                )
             ctx.save_for_backward(gate, up)
-            cdt = compute_dtype(gate.dtype)
-            return act(gate.to(cdt)).mul_(up.to(cdt)).to(gate.dtype)
+            return _gated_forward(name, act, gate, up)
 
         @staticmethod
         def backward(
@@ -106,8 +112,11 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (llama's feed-forward gating) as one op with ggml's gradients."""
-    return _SwiGLU.apply(gate, up)
+    """``silu(gate) * up`` (llama's feed-forward gating) as one op with ggml's gradients;
+    where no graph is recorded, its forward alone (``ops.grad_mode``)."""
+    if records_graph(gate, up):
+        return _SwiGLU.apply(gate, up)
+    return _gated_forward("swiglu", F.silu, gate, up)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -116,5 +125,8 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` (Gemma's feed-forward gating, ggml's GEGLU) as one op."""
-    return _GEGLU.apply(gate, up)
+    """``gelu_tanh(gate) * up`` (Gemma's feed-forward gating, ggml's GEGLU) as one op; where
+    no graph is recorded, its forward alone (``ops.grad_mode``)."""
+    if records_graph(gate, up):
+        return _GEGLU.apply(gate, up)
+    return _gated_forward("geglu", _gelu_tanh, gate, up)

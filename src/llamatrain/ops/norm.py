@@ -18,16 +18,22 @@ from typing import Any
 import torch
 
 from llamatrain.ops.dtypes import compute_dtype
+from llamatrain.ops.grad_mode import records_graph
+
+
+def _normalized(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / sqrt(mean(x^2) + eps) in x's dtype, rstd = 1 / sqrt(mean(x^2) + eps) per row)."""
+    xc = x.to(compute_dtype(x.dtype))
+    rstd = torch.rsqrt(xc.square().mean(-1, keepdim=True).add_(eps))
+    return (xc * rstd).to(x.dtype), rstd
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:
-        xc = x.to(compute_dtype(x.dtype))
-        # rstd = 1 / sqrt(mean(x^2) + eps), one value per row: the only thing we keep besides x.
-        rstd = torch.rsqrt(xc.square().mean(-1, keepdim=True).add_(eps))
-        ctx.save_for_backward(x, rstd)
-        return (xc * rstd).to(x.dtype)
+        y, rstd = _normalized(x, eps)
+        ctx.save_for_backward(x, rstd)  # rstd, one value per row: all we keep besides x
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -48,6 +54,9 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise ``x`` over its last dim to unit root-mean-square: ``x / sqrt(mean(x^2) + eps)``.
 
     No weight is applied (multiply by the norm weight separately, as llama.cpp does).
-    Backward is ggml's ``rms_norm_back``.
+    Backward is ggml's ``rms_norm_back``. Where no graph is recorded, the same arithmetic
+    without the autograd Function (``ops.grad_mode``).
     """
-    return _RMSNorm.apply(x, float(eps))
+    if records_graph(x):
+        return _RMSNorm.apply(x, float(eps))
+    return _normalized(x, float(eps))[0]

@@ -26,14 +26,22 @@ from typing import Any
 import torch
 
 from llamatrain.ops.dtypes import LOW_PRECISION
+from llamatrain.ops.grad_mode import records_graph
 
 _MODES = ("norm", "neox")
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mode: str,
+    turn: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotate pairs of ``x`` (computation dtype, last dim hd) by the angles given as cos/sin.
 
     ``cos``/``sin`` are shaped (B or 1, T, 1, hd/2). Passing ``-sin`` rotates backwards.
+    ``turn``: ``torch.complex(cos, sin)`` where already made (the memo's), for NORM mode.
     """
     half = x.shape[-1] // 2
     if mode == "norm" and torch.compiler.is_compiling():
@@ -45,7 +53,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) ->
         if x.storage_offset() % 2:  # view_as_complex needs an even storage offset
             x = x.clone()
         xc = torch.view_as_complex(x.unflatten(-1, (half, 2)))
-        return torch.view_as_real(xc * torch.complex(cos, sin)).flatten(-2)
+        turn = torch.complex(cos, sin) if turn is None else turn
+        return torch.view_as_real(xc * turn).flatten(-2)
     # neox: first half rotates with second half; write both halves straight into the output.
     x0, x1 = x[..., :half], x[..., half:]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -83,8 +92,11 @@ def _angles(
 _memo = threading.local()
 
 
-def _angles_of_forward(pos: torch.Tensor, *settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_angles(pos, *settings)``, computed once per positions tensor: a forward hands one
+def _angles_of_forward(
+    pos: torch.Tensor, *settings: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``_angles(pos, *settings)`` and, memoised, NORM mode's ``torch.complex(cos, sin)`` beside
+    them (None: made by ``_rotate``), computed once per positions tensor: a forward hands one
     ``pos`` to every block (``model.Rope``), whose q and k each ask for the same cos/sin,
     2 x n_layers times. Made afresh each time, they were a third of a batch-1 decode step over
     SmolLM2-135M's stored blocks (~10 of ~30 ms a token: 60 small tables built in float64 a
@@ -96,7 +108,7 @@ def _angles_of_forward(pos: torch.Tensor, *settings: Any) -> tuple[torch.Tensor,
     compiled graph guards on), and for positions made under ``torch.inference_mode``, which
     keep no version to tell an in-place change by."""
     if torch.compiler.is_compiling() or pos.is_inference():
-        return _angles(pos, *settings)
+        return *_angles(pos, *settings), None
     key = tuple(id(s) if isinstance(s, torch.Tensor) else s for s in settings)
     if getattr(_memo, "pos", None) is not pos or _memo.version != pos._version:
         _memo.pos, _memo.version, _memo.tables = pos, pos._version, {}
@@ -106,9 +118,36 @@ def _angles_of_forward(pos: torch.Tensor, *settings: Any) -> tuple[torch.Tensor,
     ):
         return known[1]
     with torch.no_grad():
-        tables = _angles(pos, *settings)
+        cos, sin = _angles(pos, *settings)
+        tables = cos, sin, torch.complex(cos, sin)
     _memo.tables[key] = (settings, tables)  # the settings kept: their ids name them meanwhile
     return tables
+
+
+def _rotated(
+    x: torch.Tensor, pos: torch.Tensor, mode: str, *frequencies: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x rotated in x's dtype, cos, sin): rope's forward, the angles from the memo;
+    ``frequencies``: theta, freq_scale and freq_factors, as :func:`_angles` takes them."""
+    cdt = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
+    cos, sin, turn = _angles_of_forward(pos, x.shape[-1], *frequencies, cdt, x.device)
+    return _rotate(x.to(cdt), cos, sin, mode, turn).to(x.dtype), cos, sin
+
+
+def rope_angles(
+    pos: torch.Tensor,
+    head_dim: int,
+    *,
+    theta: float,
+    freq_scale: float = 1.0,
+    freq_factors: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (float32, (B or 1, T, 1, head_dim / 2)) of the angles :func:`rope` turns
+    tokens at ``pos`` by (either pairing), from the same memo: for a step that rotates by
+    itself (``ops.decode_step``)."""
+    settings = (head_dim, float(theta), float(freq_scale), freq_factors)
+    cos, sin, _ = _angles_of_forward(pos, *settings, torch.float32, pos.device)
+    return cos, sin
 
 
 class _Rope(torch.autograd.Function):
@@ -122,14 +161,11 @@ class _Rope(torch.autograd.Function):
         freq_scale: float,
         freq_factors: torch.Tensor | None,
     ) -> torch.Tensor:
-        cdt = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
-        cos, sin = _angles_of_forward(
-            pos, x.shape[-1], theta, freq_scale, freq_factors, cdt, x.device
-        )
+        y, cos, sin = _rotated(x, pos, mode, theta, freq_scale, freq_factors)
         # Keep only cos/sin (B*T*hd values, 2*heads times smaller than x) for the backward.
         ctx.save_for_backward(cos, sin)
         ctx.mode = mode
-        return _rotate(x.to(cdt), cos, sin, mode).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
@@ -157,7 +193,8 @@ def rope(
     ``"neox"`` (pairs i and i + head_dim/2). ``theta`` is the rope frequency base and
     ``freq_scale`` multiplies positions (linear rope scaling); ``freq_factors`` (head_dim/2,)
     divide each pair's frequency. Backward is ggml's ``rope_back``; ``pos`` and
-    ``freq_factors`` receive no gradient.
+    ``freq_factors`` receive no gradient. Where no graph is recorded, the same rotation
+    without the autograd Function (``ops.grad_mode``).
     """
     if mode not in _MODES:
         raise ValueError(f"rope: mode must be one of {_MODES}, got {mode!r}")
@@ -183,4 +220,6 @@ def rope(
             f"rope: freq_factors must be shaped ({head_dim // 2},), one per pair, got "
             f"{tuple(freq_factors.shape)}"
         )
-    return _Rope.apply(x, pos, float(theta), mode, float(freq_scale), freq_factors)
+    if records_graph(x):
+        return _Rope.apply(x, pos, float(theta), mode, float(freq_scale), freq_factors)
+    return _rotated(x, pos, mode, float(theta), float(freq_scale), freq_factors)[0]
