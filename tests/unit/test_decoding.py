@@ -1,6 +1,6 @@
 """The batched KV-cache decoder (``decoding.RowDecoder``) under ``generate`` and GRPO's rollouts:
-the plain path while no row leaves a hole, the repetition penalty over each row's own tokens,
-the past-the-context warning.
+the cache in the compute dtype, the plain path while no row leaves a hole, the repetition
+penalty over each row's own tokens, the past-the-context warning.
 
 Its logits against a full forward of each row alone are checked in test_grpo_tool_turns.py
 (chunks of any widths, float64) and test_generate_ragged.py (ragged prompts, every attention).
@@ -24,6 +24,28 @@ def model(**changes) -> Llama:
     torch.manual_seed(0)
     shape = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
     return Llama(ModelConfig(**shape, max_seq_len=64, **changes)).eval()
+
+
+@pytest.mark.parametrize("ops", ["ggml", "torch"])
+def test_under_bf16_autocast_the_cache_holds_bf16(ops):
+    """The cache takes the dtype the keys are computed in, so no step casts the whole cache
+    (float32 → bf16, every layer, every token); what it returns is what it would have returned
+    holding them in float32 (bf16 values are float32 ones), so the decode's logits are a full
+    forward's over the same tokens, to bf16 rounding."""
+    m = model(ops=ops)
+    tokens = [[3, 14, 15, 9, 2], [50, 8, 7, 1, 4]]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder = RowDecoder(m, 2, 8, GREEDY, None)
+        decoder.feed([row[:3] for row in tokens])
+        assert decoder.cache.k.dtype == decoder.cache.v.dtype == torch.bfloat16
+        for step in (3, 4):
+            decoder.feed([row[step : step + 1] for row in tokens])
+        with torch.no_grad():
+            full = m(torch.tensor(tokens))[:, -1]
+    torch.testing.assert_close(decoder.logits.float(), full.float(), rtol=0, atol=0.05)
+    float32 = RowDecoder(m, 2, 8, GREEDY, None)
+    float32.feed(tokens)
+    assert float32.cache.k.dtype == torch.float32
 
 
 def test_rows_of_one_length_fed_together_take_the_plain_path():
