@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from llamatrain import parallel
 from llamatrain.chat_template import ChatTemplate, prompt_ids
 from llamatrain.decoding import RowDecoder, Seeds
 from llamatrain.errors import ConfigError
@@ -63,18 +64,19 @@ def generate_stream(
         return
     capacity = max(map(len, prompts)) + max_new_tokens
     decoder = RowDecoder(model, len(prompts), capacity, params or SamplingParams(), seed, allowed)
-    decoder.feed(prompts)
-    latest = [0] * len(prompts)  # each row's last token: a stopped row's stop token
-    live = list(range(len(prompts)))
-    for step in range(max_new_tokens):
-        for row, token in zip(live, decoder.sample(live), strict=True):
-            latest[row] = token
-        yield torch.tensor(latest, device=decoder.device)
-        live = [row for row in live if latest[row] not in stop_tokens]
-        if not live or step == max_new_tokens - 1:
-            return
-        going = set(live)
-        decoder.feed([[t] if row in going else [] for row, t in enumerate(latest)])
+    with parallel.root_weights(model):  # the decoder runs the head outside a forward (FSDP)
+        decoder.feed(prompts)
+        latest = [0] * len(prompts)  # each row's last token: a stopped row's stop token
+        live = list(range(len(prompts)))
+        for step in range(max_new_tokens):
+            for row, token in zip(live, decoder.sample(live), strict=True):
+                latest[row] = token
+            yield torch.tensor(latest, device=decoder.device)
+            live = [row for row in live if latest[row] not in stop_tokens]
+            if not live or step == max_new_tokens - 1:
+                return
+            going = set(live)
+            decoder.feed([[t] if row in going else [] for row, t in enumerate(latest)])
 
 
 def _prompt_rows(tokens: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
