@@ -2,23 +2,24 @@
 
 Kept apart from the model, as gpt-fast keeps its ``generate.py`` beside ``model.py``: the
 model computes logits for the tokens it is given, writing into a ``KVCache`` when handed one;
-all that producing tokens involves (the cache's size, sampling, stop tokens, text decoded as
+the batched decoder that keeps the cache and samples is ``decoding.RowDecoder`` (GRPO's
+rollouts decode on it too); what makes generation of it (prompts, stop tokens, text decoded as
 it grows, chat templates) is here.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from llamatrain import parallel
 from llamatrain.chat_template import ChatTemplate, prompt_ids
+from llamatrain.decoding import RowDecoder, Seeds
 from llamatrain.errors import ConfigError
-from llamatrain.model import KVCache, Llama
-from llamatrain.sampling import SamplingParams, sample_next
+from llamatrain.model import Llama
+from llamatrain.sampling import SamplingParams
 from llamatrain.tokenizer import Tokenizer
 
 __all__ = [
@@ -31,127 +32,61 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class _Prompts:
-    """A batch of prompts as the decoder holds them: ``ids`` (batch, seq), each row
-    left-padded to the longest prompt, and ``pads`` (batch,) how many padding slots each row
-    has (None when no row has any: the plain path, which passes neither positions nor a
-    padding mask to the model)."""
-
-    ids: torch.Tensor
-    pads: torch.Tensor | None
-
-    @staticmethod
-    def of(tokens: torch.Tensor | Sequence[Sequence[int]], device: torch.device) -> _Prompts:
-        """``tokens`` (batch, seq) or (seq,), or a list of prompts of any lengths, on
-        ``device``; padding is token 0, which nothing reads (masked, never sampled)."""
-        if isinstance(tokens, torch.Tensor):
-            _check_not_empty(tokens.shape[-1])
-            return _Prompts((tokens[None] if tokens.dim() == 1 else tokens).to(device), None)
-        lengths = [len(p) for p in tokens]
-        if not lengths or min(lengths) < 1:
-            raise ValueError("generate needs at least one prompt, each of at least one token")
-        width = max(lengths)
-        ids = torch.zeros(len(tokens), width, dtype=torch.long)
-        for row, prompt in enumerate(tokens):
-            ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
-        pads = torch.tensor([width - n for n in lengths], device=device)
-        return _Prompts(ids.to(device), pads if bool(pads.any()) else None)
-
-    def cache_padding(self, max_len: int) -> torch.Tensor | None:
-        """(batch, max_len): the KV cache slots that hold padding (``KVCache``'s ``padding``)."""
-        if self.pads is None:
-            return None
-        return torch.arange(max_len, device=self.pads.device) < self.pads[:, None]
-
-    def positions(self, start: int, n: int) -> torch.Tensor | None:
-        """(batch, n) rope positions of the cache slots [start, start + n): each row's first
-        token at 0, as if unpadded (the padding's own, never seen by a token, at 0 too)."""
-        if self.pads is None:
-            return None
-        slots = torch.arange(start, start + n, device=self.pads.device)
-        return (slots - self.pads[:, None]).clamp_(min=0)
-
-    def history(self) -> torch.Tensor:
-        """Each row's tokens so far for the sampler's repetition penalty: its padding as -1,
-        which is no token (``sampling.apply_repeat_penalty``)."""
-        if self.pads is None:
-            return self.ids
-        return self.ids.masked_fill(self.cache_padding(self.ids.shape[1]), -1)
-
-
 @torch.no_grad()
 def generate_stream(
     model: Llama,
     tokens: torch.Tensor | Sequence[Sequence[int]],
     max_new_tokens: int,
     params: SamplingParams | None = None,
-    seed: int | Sequence[int] | None = None,
+    seed: Seeds = None,
     stop_tokens: frozenset[int] = frozenset(),
     allowed: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the next token (batch,) one step at a time, decoding with a KV cache.
+    """Yield the next token (batch,) one step at a time, decoding with a KV cache
+    (``decoding.RowDecoder``).
 
     ``tokens``: the prompts, (batch, seq) or (seq,), or a list of prompts of different
-    lengths (ragged), decoded as one batch: each is left-padded to the longest, its rope
-    positions start at its first token and the padding is hidden from every attention, at the
-    prompt and at each step, so each row's logits are its unpadded decode's (to float
-    rounding: the padded sums run over more, zero, terms) and the padding is never a token its
-    repetition penalty counts. ``seed``: one for the batch's sampler, or one per row, each
-    row then drawing what it draws alone with that seed, whatever else is in the batch.
+    lengths (ragged), decoded as one batch: each row's rope positions start at its first token
+    and the slots the shorter prompts leave empty are hidden from every attention, at the
+    prompt and at each step, so each row's logits are its decode's alone (to float rounding)
+    and the repetition penalty counts only its own tokens. ``seed``: one for the batch's
+    sampler, or one per row, each row then drawing what it draws alone with that seed,
+    whatever else is in the batch.
 
     A row stops at the first of ``stop_tokens`` it produces and from then on repeats that
-    token (padding) while the other rows go on; the stream ends when every row has stopped or
-    ``max_new_tokens`` have come. Like llama.cpp, generation goes on past the context the
-    model was trained for (rope extends to any position) and warns once when it does: what
-    comes out there is the model's, and llama.cpp's, best guess outside its training.
+    token (padding, no longer decoded) while the other rows go on; the stream ends when every
+    row has stopped or ``max_new_tokens`` have come. Generation goes on past the context the
+    model was trained for, with a warning, as llama.cpp's does (``RowDecoder``).
     ``allowed``: see ``sampling.sample_next``.
     """
-    param = next(model.parameters())
-    prompts = _Prompts.of(tokens, param.device)
+    prompts = _prompt_rows(tokens)
     if max_new_tokens < 1:
         return
-    batch, width = prompts.ids.shape
-    total = width + max_new_tokens
-    if total > model.cfg.max_seq_len:
-        warnings.warn(
-            f"generating {total} tokens, past the {model.cfg.max_seq_len} the model was "
-            "trained on (llama.context_length); llama.cpp continues too, quality may drop",
-            stacklevel=3,  # the line that asked for tokens (past the no_grad wrapper)
-        )
-    padding = prompts.cache_padding(total)
-    cache = KVCache(model.cfg, batch, total, param.device, param.dtype, padding)
-    generator = _generators(seed, batch, param.device)
-    history = prompts.history()
-    stops = torch.tensor(sorted(stop_tokens), dtype=history.dtype, device=param.device)
-    stopped = torch.zeros(batch, dtype=torch.bool, device=param.device)
-    logits = model(prompts.ids, cache=cache, positions=prompts.positions(0, width))[:, -1]
-    params = params or SamplingParams()
-    while True:
-        next_token = sample_next(logits, params, history, generator, allowed)
-        if stop_tokens:  # a row that stopped repeats its stop token
-            next_token = torch.where(stopped, history[:, -1], next_token)
-            stopped |= torch.isin(next_token, stops)
-        yield next_token
-        history = torch.cat((history, next_token[:, None]), dim=1)
-        if history.shape[1] >= total or (stop_tokens and bool(stopped.all())):
-            return
-        at = prompts.positions(cache.length, 1)
-        logits = model(next_token[:, None], cache=cache, positions=at)[:, -1]
+    capacity = max(map(len, prompts)) + max_new_tokens
+    decoder = RowDecoder(model, len(prompts), capacity, params or SamplingParams(), seed, allowed)
+    with parallel.root_weights(model):  # the decoder runs the head outside a forward (FSDP)
+        decoder.feed(prompts)
+        latest = [0] * len(prompts)  # each row's last token: a stopped row's stop token
+        live = list(range(len(prompts)))
+        for step in range(max_new_tokens):
+            for row, token in zip(live, decoder.sample(live), strict=True):
+                latest[row] = token
+            yield torch.tensor(latest, device=decoder.device)
+            live = [row for row in live if latest[row] not in stop_tokens]
+            if not live or step == max_new_tokens - 1:
+                return
+            going = set(live)
+            decoder.feed([[t] if row in going else [] for row, t in enumerate(latest)])
 
 
-def _generators(
-    seed: int | Sequence[int] | None, rows: int, device: torch.device
-) -> torch.Generator | list[torch.Generator] | None:
-    """The sampler's random source: none (torch's global one), one seeded generator for the
-    batch, or one per row."""
-    if seed is None:
-        return None
-    if not isinstance(seed, Sequence):
-        return torch.Generator(device=device).manual_seed(seed)
-    if len(seed) != rows:
-        raise ValueError(f"{len(seed)} seeds for a batch of {rows} rows: give one per row")
-    return [torch.Generator(device=device).manual_seed(s) for s in seed]
+def _prompt_rows(tokens: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
+    """``tokens`` (batch, seq) or (seq,), or a list of prompts of any lengths, as lists."""
+    if isinstance(tokens, torch.Tensor):
+        _check_not_empty(tokens.shape[-1])
+        return (tokens[None] if tokens.dim() == 1 else tokens).tolist()
+    if not tokens or min(map(len, tokens)) < 1:
+        raise ValueError("generate needs at least one prompt, each of at least one token")
+    return [list(prompt) for prompt in tokens]
 
 
 def generate(

@@ -211,8 +211,12 @@ class KVCache(nn.Module):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append this step's k/v (batch, heads, t, hd) and return all keys/values so far, in
-        the dtype this step computed them in: under bf16 autocast the queries are bf16 while
-        the cache keeps the model's float32 (which holds bf16 values exactly)."""
+        the dtype this step computed them in. The cache takes the first step's dtype (bf16
+        under autocast, where it was made in the model's float32): kept in float32, every
+        later step would cast all the keys and values so far, a copy of the whole cache per
+        layer per token."""
+        if self.length == 0 and layer == 0:
+            self.k, self.v = self.k.to(k.dtype), self.v.to(v.dtype)
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v

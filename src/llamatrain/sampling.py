@@ -2,7 +2,8 @@
 
 Pure tensor functions so that the model's ``generate``, the CLI and notebooks share one
 implementation. The order of the steps follows llama.cpp's classic sampler chain: repetition
-penalty on the raw logits, then top-k, top-p, temperature, and a draw.
+penalty on the raw logits, then top-k, top-p, min-p, temperature, and a draw; like llama.cpp's,
+the filters and the draw look at the few candidates top-k leaves, not the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from llamatrain.errors import ConfigError, ModelError
+
+PARTIAL_SORTS = (256, 4096)
+"""How many of a row's largest logits top-p looks at, in turn, before it sorts the whole
+vocabulary (without top-k): 256 is llama.cpp's first guess; a small model's distribution is
+often flatter (SmolLM2-135M's 256 largest held 0.60-0.99 of the mass, its 4,096 largest
+0.96-1.0, over 8 prompts), and ``torch.topk`` of 4,096 costs a fifth of a sort of 49,152."""
 
 MAX_NEW_TOKENS = 1 << 20
 """Most tokens one generation may ask for (``generate --max-tokens``, ``train.sample_tokens``):
@@ -94,13 +101,6 @@ def apply_repeat_penalty(
     return torch.where(seen, penalised, logits)
 
 
-def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits per row; the rest become -inf."""
-    k = min(k, logits.size(-1))
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
 def filter_min_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep the tokens at least ``p`` times as probable as the most probable one (llama.cpp's
     min-p): in logits, those within log(p) of the row's largest."""
@@ -108,14 +108,111 @@ def filter_min_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(logits < floor, float("-inf"))
 
 
-def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability mass reaches p (nucleus sampling)."""
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    probs = torch.softmax(sorted_logits, dim=-1)
+def filter_top_p(ranked: torch.Tensor, p: float, log_total: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability mass reaches p (nucleus sampling).
+
+    ``ranked`` (rows, n): logits sorted from the largest, the row's first n tokens;
+    ``log_total`` (rows, 1): the log of the softmax's denominator over the row's tokens that
+    the filters before kept (all of them, or just ``ranked`` after a top-k), so that ``ranked``
+    need not hold the whole vocabulary. The token that crosses p is kept; the first always is."""
+    probs = (ranked - log_total).exp()
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted = mass_before >= p  # the first token always survives
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    return ranked.masked_fill(mass_before >= p, float("-inf"))
+
+
+def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a draw may pick, after top-k, top-p and min-p: ``(ids, logits)``, both
+    (rows, n), a filtered-out token's logit -inf (it has no chance).
+
+    The filters run in llama.cpp's order over the fewest tokens that decide them, as its
+    sampler chain does, never a sort of the whole vocabulary when top-k is set: top-k's
+    candidates (``torch.topk``, sorted), then top-p over them, then min-p (relative to the
+    largest logit, which every filter keeps). Without top-k, top-p looks at the 256 largest
+    first (llama.cpp's partial sort), then the 4,096 largest (:data:`PARTIAL_SORTS`), and
+    sorts the vocabulary only when a row's mass is spread past them; with neither, every token
+    is a candidate, unsorted. The kept tokens and their probabilities are those of the filters
+    applied to the whole vocabulary."""
+    top_p = params.top_p is not None and params.top_p < 1.0
+    if params.top_k is not None:
+        ranked, ids = _largest(logits, params.top_k)
+        log_total = torch.logsumexp(ranked, dim=-1, keepdim=True)
+    elif top_p:
+        log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+        ranked, ids = _reaching(logits, params.top_p, log_total)
+    else:
+        ids = torch.arange(logits.shape[-1], device=logits.device).expand(logits.shape)
+        ranked = logits
+    if top_p:
+        ranked = filter_top_p(ranked, params.top_p, log_total)
+    if params.min_p > 0:
+        ranked = filter_min_p(ranked, params.min_p)
+    return ids, ranked
+
+
+def _largest(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k's candidates, sorted from the largest: the k largest logits per row and every
+    token tied with the k-th (top-k keeps ties: which of them to drop would be arbitrary), a
+    row with fewer ties than another padded with -inf. One more than k is looked at to see
+    whether any row has such a tie (rarely; more often in bf16)."""
+    ranked, ids = torch.topk(logits, min(k + 1, logits.shape[-1]), dim=-1)
+    if ranked.shape[-1] <= k:
+        return ranked, ids
+    kth = ranked[:, k - 1 : k]
+    if not bool(((ranked[:, k:] == kth) & torch.isfinite(kth)).any()):
+        return ranked[:, :k], ids[:, :k]
+    widest = int(((logits >= kth) & torch.isfinite(kth)).sum(dim=-1).max())
+    ranked, ids = torch.topk(logits, widest, dim=-1)
+    return ranked.masked_fill(ranked < kth, float("-inf")), ids
+
+
+def _reaching(
+    logits: torch.Tensor, p: float, log_total: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest logits per row, sorted, enough of them to hold probability mass p in
+    every row: the fewest of :data:`PARTIAL_SORTS` that do, else the whole vocabulary sorted."""
+    for width in PARTIAL_SORTS:
+        if width >= logits.shape[-1]:
+            break
+        ranked, ids = torch.topk(logits, width, dim=-1)
+        if bool(((ranked - log_total).exp().sum(dim=-1) >= p).all()):
+            return ranked, ids
+    return torch.sort(logits, descending=True, dim=-1)
+
+
+def draw(
+    probs: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None
+) -> torch.Tensor:
+    """One index per row of ``probs`` (rows, n), drawn with probability proportional to each
+    entry, (rows, 1): llama.cpp's draw, one uniform number per row against the running sum
+    (in float64), where ``torch.multinomial`` would draw an exponential number per entry (a
+    whole vocabulary's worth each step, the sampler's largest cost). ``generator``: one for
+    the batch, or one per row (each row then draws what it would draw alone with it)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = _uniforms(probs.shape[0], generator, probs.device) * cdf[:, -1:]
+    return pick(cdf, target)
+
+
+def pick(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The first index whose running sum ``cdf`` exceeds ``target`` (rows, 1): an entry of
+    probability 0 never is one. A target rounded up to the total picks the last entry of any
+    probability (the first index of the largest running sum), never one past it."""
+    first = torch.searchsorted(cdf, target, right=True)
+    if bool((first == cdf.shape[-1]).any()):
+        first = torch.minimum(first, cdf.argmax(dim=-1, keepdim=True))
+    return first
+
+
+def _uniforms(
+    rows: int, generator: torch.Generator | Sequence[torch.Generator] | None, device
+) -> torch.Tensor:
+    """(rows, 1) float64 uniform numbers in [0, 1): from torch's global generator, the batch's
+    one, or row i's own ``generator[i]``."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(rows, 1, dtype=torch.float64, device=device, generator=generator)
+    draws = [torch.rand(1, dtype=torch.float64, device=device, generator=g) for g in generator]
+    if len(draws) != rows:
+        raise ValueError(f"{len(draws)} generators for {rows} rows: give one per row")
+    return torch.stack(draws)
 
 
 def sample_next(
@@ -136,7 +233,7 @@ def sample_next(
     other step, so greedy decoding and every filter see the restricted vocabulary.
     """
     logits = logits.float()
-    if bool(torch.isnan(logits).any()):  # multinomial would fail with a traceback
+    if bool(logits.sum().isnan()) and bool(logits.isnan().any()):  # the sum: one cheap pass
         raise ModelError(
             "the model's next-token logits are NaN: its weights hold NaN or infinite values "
             "(llamatrain info --verify FILE names them); use an earlier checkpoint"
@@ -148,14 +245,6 @@ def sample_next(
         logits = apply_repeat_penalty(logits, window, params.repeat_penalty)
     if params.temperature == 0:
         return torch.argmax(logits, dim=-1)
-    if params.top_k is not None:
-        logits = filter_top_k(logits, params.top_k)
-    if params.top_p is not None and params.top_p < 1.0:
-        logits = filter_top_p(logits, params.top_p)
-    if params.min_p > 0:
-        logits = filter_min_p(logits, params.min_p)
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    rows = zip(probs, generator, strict=True)
-    return torch.cat([torch.multinomial(row[None], 1, generator=g) for row, g in rows]).squeeze(-1)
+    ids, kept = candidates(logits, params)
+    probs = torch.softmax(kept / params.temperature, dim=-1)
+    return ids.gather(-1, draw(probs, generator)).squeeze(-1)

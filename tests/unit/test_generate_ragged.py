@@ -1,12 +1,12 @@
-"""Prompts of different lengths decoded as one batch (``generate_stream``'s ragged prompts): each
-row, left-padded to the longest, decodes as it would alone.
+"""Prompts of different lengths decoded as one batch (``generate_stream``'s ragged prompts, on
+``decoding.RowDecoder``): each row, left-padded to the longest, decodes as it would alone.
 
-Every row's logits, at the prompt (its real positions) and at each of the decode steps, equal
-the row's own decode alone, on both op sets and every attention (the blockwise flash kernel,
-the explicit softmax graph, SDPA), for llama and for gemma3 (a sliding window of 4 that the
-longer prompts slide past, soft-capping, sandwich norms). Greedy tokens are equal token for
-token; sampled ones too, each row with its own seed; and the padding is no token to the
-repetition penalty.
+Every row's logits, after its prompt and at each of the decode steps (what the sampler draws
+from), equal the row's own decode alone, on both op sets and every attention (the blockwise
+flash kernel, the explicit softmax graph, SDPA), for llama and for gemma3 (a sliding window of
+4 that the longer prompts slide past, soft-capping, sandwich norms). Greedy tokens are equal
+token for token; sampled ones too, each row with its own seed; and the padding is no token to
+the repetition penalty.
 
 Tolerance 1e-5 absolute on float32 logits of size ~1.5: a padded row's attention sums over more
 columns (the hidden padding adds exact zeros, but the reductions run in another order and
@@ -17,12 +17,14 @@ differ by ~0.1 and more.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
-from llamatrain import Llama, ModelConfig
+from llamatrain import Llama, ModelConfig, decoding
 from llamatrain.generate import generate_stream
-from llamatrain.sampling import SamplingParams
+from llamatrain.sampling import SamplingParams, sample_next
 
 ATOL = 1e-5  # see the module docstring
 FAMILIES = {
@@ -51,19 +53,22 @@ def model(family: str, ops: str = "ggml", attention: str = "flash", **changes) -
 def decode(
     m: Llama, prompts, params: SamplingParams = GREEDY, seed=None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each forward's logits (the prompt pass first) and the tokens (batch, steps) drawn."""
+    """The logits each step drew from (the prompt pass's first) and the tokens (batch,
+    steps) drawn."""
     logits: list[torch.Tensor] = []
-    hook = m.register_forward_hook(lambda _m, _args, out: logits.append(out.detach().clone()))
-    try:
+
+    def recorded(step_logits: torch.Tensor, *args) -> torch.Tensor:
+        logits.append(step_logits.clone())
+        return sample_next(step_logits, *args)
+
+    with mock.patch.object(decoding, "sample_next", recorded):
         tokens = torch.stack(list(generate_stream(m, prompts, STEPS, params, seed)), dim=1)
-    finally:
-        hook.remove()
     return logits, tokens
 
 
-def row_logits(logits: list[torch.Tensor], row: int, pad: int) -> list[torch.Tensor]:
-    """Row ``row``'s logits at its real positions: its prompt's past ``pad``, then each step's."""
-    return [logits[0][row, pad:], *(step[row] for step in logits[1:])]
+def row_logits(logits: list[torch.Tensor], row: int) -> list[torch.Tensor]:
+    """Row ``row``'s logits at each step."""
+    return [step[row] for step in logits]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -73,12 +78,10 @@ def test_each_row_of_a_ragged_batch_decodes_as_it_does_alone(family, ops, attent
     m = model(family, ops, attention)
     batch_logits, batch_tokens = decode(m, PROMPTS)
     assert len(batch_logits) == STEPS and batch_tokens.shape == (len(PROMPTS), STEPS)
-    width = max(len(p) for p in PROMPTS)
     for row, prompt in enumerate(PROMPTS):
         alone_logits, alone_tokens = decode(m, torch.tensor(prompt))
         assert torch.equal(batch_tokens[row], alone_tokens[0])
-        ours = row_logits(batch_logits, row, width - len(prompt))
-        theirs = row_logits(alone_logits, 0, 0)
+        ours, theirs = row_logits(batch_logits, row), row_logits(alone_logits, 0)
         for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             torch.testing.assert_close(a, b, rtol=0, atol=ATOL, msg=f"row {row}, step {step}")
 
@@ -89,8 +92,7 @@ def test_without_the_padding_mask_the_rows_would_differ(monkeypatch):
     monkeypatch.setattr("llamatrain.model.KVCache.padding_until", lambda self, end: None)
     batch_logits, _ = decode(m, PROMPTS)
     alone_logits, _ = decode(m, torch.tensor(PROMPTS[1]))
-    pad = len(PROMPTS[0]) - len(PROMPTS[1])
-    gap = (row_logits(batch_logits, 1, pad)[0] - alone_logits[0][0]).abs().max()
+    gap = (row_logits(batch_logits, 1)[0] - alone_logits[0][0]).abs().max()
     assert gap > 100 * ATOL
 
 

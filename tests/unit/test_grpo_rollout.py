@@ -30,7 +30,7 @@ def model() -> Llama:
 def seed_of(row: int) -> int:
     """The step's seed of its row ``row`` (the trainer's is a hash of the run's seed, the step
     and the row)."""
-    return 1000 + row
+    return 123 + row
 
 
 def sample(m: Llama, first: int, end: int) -> list[list[int]]:
