@@ -113,7 +113,7 @@ def scripted_then_sampled(replies: Sequence[Sequence[int]]) -> Callable:
         tokens = []
         for row, token in zip(rows, sample(self, rows), strict=True):
             k = drawn[row] = drawn.get(row, -1) + 1
-            script = replies[self.generators[row].initial_seed() % len(replies)]
+            script = replies[self.generator[row].initial_seed() % len(replies)]
             tokens.append(script[k] if k < len(script) else token)
         return tokens
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from llama_cpp_files import vocab_dir as vocab_dir
@@ -150,3 +151,45 @@ def test_a_resumed_tool_run_is_the_uninterrupted_run(tmp_path, vocab_dir, cache_
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(torch.as_tensor(a[name]), torch.as_tensor(b[name])), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 4], ids=["full", "lora-merged"])
+def test_a_tool_run_logs_to_a_tracker_and_exports_a_model_llama_cpp_runs(
+    tmp_path, vocab_dir, cache_dir, monkeypatch, rank
+):
+    """Tools with what every GRPO run has: full finetuning (``lora.rank=0``) and a LoRA run's
+    merged export, the tool metrics in TensorBoard as in metrics.jsonl, and the exported
+    model's logits in llama.cpp (llama-cpp-python) the trained model's — the tool rounds
+    change what is trained on, not how a run is logged or written."""
+    import llama_cpp
+    from llama_cpp_runs import cpp_logits
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tokenizer = read_tokenizer(vocab_dir / "ggml-vocab-qwen2.gguf")
+    files = tool_run_files(tmp_path, tokenizer, prompts=2)
+    monkeypatch.setattr(RowDecoder, "sample", scripted_then_sampled(reply_tokens(tokenizer)))
+    overrides = tool_overrides(files, tmp_path / "run", cache_dir) + [
+        f"lora.rank={rank}", "train.steps=2", f"train.n_batch={4 * N_CTX}", "train.save_every=0",
+        'output.loggers=["tensorboard"]', "output.export=true", 'output.export_type="f32"',
+    ]  # fmt: skip
+    result = api.fit("tiny", overrides=overrides, progress=False)
+
+    train, _ = read_metrics(result.run_dir)
+    events = EventAccumulator(str(result.run_dir / "tensorboard"))
+    events.Reload()
+    for name in ("tools/call_frequency", "tools/failures/unknown_tool", "reward"):
+        logged = {e.step: e.value for e in events.Scalars(f"train/{name}")}
+        assert logged == pytest.approx({r["step"]: r[name] for r in train}), name
+    assert {r["tools/call_frequency"] for r in train} == {1.0}
+    assert train[-1]["grad_norm"] > 0
+
+    ids = tokenizer.encode("What is 6 times 7? <tool_call>", special=True)
+    with torch.no_grad():
+        ours = result.model.eval()(torch.tensor([ids]))[0].double().numpy()
+    theirs = cpp_logits(llama_cpp, result.export_path, ids, n_ctx=64)
+    scale = np.abs(ours).max()
+    assert np.abs(ours - theirs).max() < 1e-4 * scale  # f32 export: float summation order only
+    if rank:  # the merge moved the base: the export is the trained model, not the base
+        base = cpp_logits(llama_cpp, files["base"], ids, n_ctx=64)
+        assert np.abs(base - theirs).max() > 100 * 1e-4 * scale
