@@ -7,9 +7,10 @@ this is one file of plain C ABI over data pointers, a few seconds of ``c++`` onc
 machine, loaded with ctypes.
 
 The library lands in a per-user cache, ``$XDG_CACHE_HOME/llamatrain/kernels/<hash>/`` (else
-``~/.cache/...``), the hash over the source, the flags and the compiler's version, so a
-changed source (or header beside it), flag or compiler builds afresh. It is written to a temporary name and renamed
-into place: two processes building at once each load a whole library, never a half-written one.
+``~/.cache/...``), the hash over the source, the headers beside it, the flags and the
+compiler's version, so a changed source, header, flag or compiler builds afresh. It is
+written to a temporary name and renamed into place: two processes building at once each
+load a whole library, never a half-written one.
 
 Environment: ``CXX`` names the compiler (default ``c++``); ``LLAMATRAIN_KERNEL_ARCH`` replaces
 ``-march=native`` (e.g. ``-march=haswell``: the AVX2 path on a newer CPU, for tests and
