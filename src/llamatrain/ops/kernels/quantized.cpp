@@ -58,6 +58,52 @@ struct Format {
     DecodeBlocks decode_blocks;
 };
 
+// The backward's float vectors: AVX-512, AVX2 or plain C++ (kVec floats).
+#if defined(__AVX512F__)
+using FloatVec = __m512;
+constexpr int kVec = 16;
+inline FloatVec vzero() { return _mm512_setzero_ps(); }
+inline FloatVec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline FloatVec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vadd_into(float* p, FloatVec v) { _mm512_storeu_ps(p, _mm512_add_ps(vload(p), v)); }
+constexpr int kGradRows = 8;
+#elif defined(__AVX2__)
+using FloatVec = __m256;
+constexpr int kVec = 8;
+inline FloatVec vzero() { return _mm256_setzero_ps(); }
+inline FloatVec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline FloatVec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vadd_into(float* p, FloatVec v) { _mm256_storeu_ps(p, _mm256_add_ps(vload(p), v)); }
+constexpr int kGradRows = 6;  // 12 accumulators, 2 columns, 1 broadcast: 15 of 16 registers
+#else
+struct FloatVec {
+    float v[8];
+};
+constexpr int kVec = 8;
+inline FloatVec vzero() { return {}; }
+inline FloatVec vload(const float* p) {
+    FloatVec out;
+    std::memcpy(out.v, p, sizeof(out.v));
+    return out;
+}
+inline FloatVec vbroadcast(const float* p) {
+    FloatVec out;
+    for (float& value : out.v) value = *p;
+    return out;
+}
+inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) {
+    for (int i = 0; i < kVec; ++i) c.v[i] += a.v[i] * b.v[i];
+    return c;
+}
+inline void vadd_into(float* p, FloatVec v) {
+    for (int i = 0; i < kVec; ++i) p[i] += v.v[i];
+}
+constexpr int kGradRows = 4;
+#endif
+constexpr int kSlice = 2 * kVec;  // dx columns a micro-kernel call holds (32 divides it)
+
 // 8 rows of 8 groups of four bytes (rows 32 bytes apart in ``src``, ``stride`` bytes) written
 // group-major: out[g][j] = src[j][g], an 8 x 8 transpose of int32s.
 inline void transpose_groups(const int8_t* src, int64_t stride, int8_t* out) {
@@ -115,20 +161,26 @@ void repack(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first, i
     }
 }
 
-// The first ``blocks`` blocks of a run of weight rows as floats, ``out[row][value]`` (a row's
-// blocks are contiguous: read in order, where one block of many rows would be a strided walk
-// over pages); ggml's float arithmetic.
+// The first ``blocks`` blocks of a run of weight rows as floats, in slices of kSlice columns:
+// value v of row r at out[(v / kSlice) * rows + r][v % kSlice], so that the micro-kernel
+// walks one slice's rows contiguously (rows a power-of-two apart would share cache sets);
+// ggml's float arithmetic. A row's blocks are read in order, its bytes contiguous.
 template <Unpack U, int V, int B>
 void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t blocks,
                    float* out) {
     int8_t q[V];
     float lo[V / 32], hi[V / 32], off[V / 32];
+    alignas(64) float values[32];
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t b = 0; b < blocks; ++b) {
             U(w + r * row_stride + b * B, {q, lo, hi, off});
-            float* values = out + (r * blocks + b) * V;
             for (int s = 0; s < V / 32; ++s) {
-                blocks::decode_32(q + 32 * s, lo[s], hi[s], off[s], values + 32 * s);
+                blocks::decode_32(q + 32 * s, lo[s], hi[s], off[s], values);
+                const int64_t first = b * V + 32 * s;
+                for (int h = 0; h < 32; h += kSlice) {
+                    const int64_t slice = (first + h) / kSlice;
+                    std::memcpy(out + (slice * rows + r) * kSlice, values + h, kSlice * 4);
+                }
             }
         }
     }
@@ -300,64 +352,19 @@ void tile_rows(int rows, const Format& f, const TileArgs& t) {
     tile_for<R>(f, t);
 }
 
-#if defined(__AVX512F__)
-using FloatVec = __m512;
-constexpr int kVec = 16;
-inline FloatVec vzero() { return _mm512_setzero_ps(); }
-inline FloatVec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline FloatVec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm512_fmadd_ps(a, b, c); }
-inline void vadd_into(float* p, FloatVec v) { _mm512_storeu_ps(p, _mm512_add_ps(vload(p), v)); }
-constexpr int kGradRows = 8;
-#elif defined(__AVX2__)
-using FloatVec = __m256;
-constexpr int kVec = 8;
-inline FloatVec vzero() { return _mm256_setzero_ps(); }
-inline FloatVec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline FloatVec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm256_fmadd_ps(a, b, c); }
-inline void vadd_into(float* p, FloatVec v) { _mm256_storeu_ps(p, _mm256_add_ps(vload(p), v)); }
-constexpr int kGradRows = 6;  // 12 accumulators, 2 columns, 1 broadcast: 15 of 16 registers
-#else
-struct FloatVec {
-    float v[8];
-};
-constexpr int kVec = 8;
-inline FloatVec vzero() { return {}; }
-inline FloatVec vload(const float* p) {
-    FloatVec out;
-    std::memcpy(out.v, p, sizeof(out.v));
-    return out;
-}
-inline FloatVec vbroadcast(const float* p) {
-    FloatVec out;
-    for (float& value : out.v) value = *p;
-    return out;
-}
-inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) {
-    for (int i = 0; i < kVec; ++i) c.v[i] += a.v[i] * b.v[i];
-    return c;
-}
-inline void vadd_into(float* p, FloatVec v) {
-    for (int i = 0; i < kVec; ++i) p[i] += v.v[i];
-}
-constexpr int kGradRows = 4;
-#endif
-constexpr int kSlice = 2 * kVec;  // dx columns a micro-kernel call holds (32 divides it)
 
-// dx[m0 .. m0+R, c .. c+kSlice] += sum over the panel's rows o of gt[o, m] * panel[o][c ..]:
-// R x 2 vector accumulators in registers for the whole panel, added into dx once.
+// dx[m0 .. m0+R, c .. c+kSlice] += sum over the panel's rows o of G[m0 + r, o] * W[o, c ..],
+// for one slice of the decoded panel and G's rows m0 .. packed as g[o][kGradRows]: R x 2
+// vector accumulators in registers for the whole panel, added into dx once.
 template <int R>
-void add_panel(const float* panel, int64_t width, int64_t rows, const float* gt, int64_t m,
-               float* dx, int64_t k) {
+void add_panel(const float* slice, int64_t rows, const float* g, float* dx, int64_t k) {
     FloatVec acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
     for (int64_t o = 0; o < rows; ++o) {
-        const FloatVec w0 = vload(panel + o * width), w1 = vload(panel + o * width + kVec);
-        const float* g = gt + o * m;
+        const FloatVec w0 = vload(slice + o * kSlice), w1 = vload(slice + o * kSlice + kVec);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-            const FloatVec b = vbroadcast(g + r);
+            const FloatVec b = vbroadcast(g + o * kGradRows + r);
             acc[r][0] = vfma(b, w0, acc[r][0]);
             acc[r][1] = vfma(b, w1, acc[r][1]);
         }
@@ -369,12 +376,30 @@ void add_panel(const float* panel, int64_t width, int64_t rows, const float* gt,
 }
 
 template <int R = kGradRows>
-void add_panel_rows(int rows_m, const float* panel, int64_t width, int64_t rows, const float* gt,
-                    int64_t m, float* dx, int64_t k) {
+void add_panel_rows(int rows_m, const float* slice, int64_t rows, const float* g, float* dx,
+                    int64_t k) {
     if constexpr (R > 1) {
-        if (rows_m < R) return add_panel_rows<R - 1>(rows_m, panel, width, rows, gt, m, dx, k);
+        if (rows_m < R) return add_panel_rows<R - 1>(rows_m, slice, rows, g, dx, k);
     }
-    add_panel<R>(panel, width, rows, gt, m, dx, k);
+    add_panel<R>(slice, rows, g, dx, k);
+}
+
+// G (gt's n rows of m) packed once for every tile of kGradRows of G's rows, tile by tile as
+// out[tile][o][r] (zeros past G's last row): a tile's reads over a panel are contiguous.
+void pack_gradient(const float* gt, int64_t n, int64_t m, std::vector<float>* out,
+                   int threads) {
+    const int64_t tiles = (m + kGradRows - 1) / kGradRows;
+    out->resize(tiles * kGradRows * n);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; ++o) {
+        for (int64_t t = 0; t < tiles; ++t) {
+            float* packed = out->data() + (t * n + o) * kGradRows;
+            for (int r = 0; r < kGradRows; ++r) {
+                const int64_t row = t * kGradRows + r;
+                packed[r] = row < m ? gt[o * m + row] : 0.0f;
+            }
+        }
+    }
 }
 
 }  // namespace
@@ -426,12 +451,16 @@ int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const
                 int64_t m, int64_t k, float* dx, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
     const Format& f = kFormats[type];
-    // a panel of 64 KiB of floats: each panel adds its sums into dx once, and its slice of
-    // kSlice columns stays in L1 while every tile of dx's rows passes over it
-    constexpr int64_t kPanelValues = 16384, kTileValues = 256;
+    // a panel of 256 KiB of floats (L2): each panel adds its sums into dx once, and each slice
+    // of it (kSlice columns, contiguous) stays in L1 while every tile of dx's rows passes over
+    // it; 512 columns a task: G, packed once, is read k / 512 times
+    constexpr int64_t kPanelValues = 65536, kTileValues = 512;
     const int64_t tile_blocks = std::max<int64_t>(1, kTileValues / f.values);
     const int64_t panel_rows = kPanelValues / (tile_blocks * f.values);
     const int64_t tiles = (k / f.values + tile_blocks - 1) / tile_blocks;
+    static thread_local std::vector<float> packed;  // kept, as lt_matmul's activations
+    pack_gradient(gt, n, m, &packed, threads);
+    const float* g = packed.data();
 #pragma omp parallel num_threads(threads)
     {
         static thread_local std::vector<float> panel(kPanelValues);
@@ -446,7 +475,8 @@ int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const
                                 panel.data());
                 for (int64_t c = 0; c < width; c += kSlice) {
                     over_tiles<kGradRows>(m, [&](int64_t m0, int tile) {
-                        add_panel_rows(tile, panel.data() + c, width, rows, gt + o0 * m + m0, m,
+                        const float* g_tile = g + m0 * n + o0 * kGradRows;
+                        add_panel_rows(tile, panel.data() + c * rows, rows, g_tile,
                                        dx + m0 * k + first * f.values + c, k);
                     });
                 }
