@@ -80,6 +80,15 @@ inline void unpack_q4_0(const uint8_t* b, Unpacked out) {
     set_scales(out, 0, d, d, 0.0f);
 }
 
+// Q4_0 for the forward's integer sums: its quants left unsigned (0-15) and the 8 taken off
+// as an offset, value = d * u - 8d (the offset's product goes with the activations' sums).
+// Not for decoding: d * u - 8d may round differently from ggml's d * (u - 8).
+inline void unpack_q4_0_unsigned(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b);
+    split_nibbles<16>(b + 2, out.q, out.q + 16, 0);
+    set_scales(out, 0, d, d, -8.0f * d);
+}
+
 inline void unpack_q4_1(const uint8_t* b, Unpacked out) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
     split_nibbles<16>(b + 4, out.q, out.q + 16, 0);

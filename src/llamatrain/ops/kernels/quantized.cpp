@@ -54,6 +54,8 @@ struct Format {
     int bytes;    // per block
     bool offset;  // whether any block has a nonzero offset (the forward then adds off . xs)
     bool split;   // whether values 0-15 and 16-31 may have different scales (Q6_K)
+    int run;      // repacked quants unsigned, at most 15 (8) or 31 (4): groups whose byte
+                  // products AVX2 may sum in int16 before widening; 0: signed quants
     Repack repack;
     DecodeBlocks decode_blocks;
 };
@@ -186,19 +188,22 @@ void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b
     }
 }
 
-template <Unpack U, int V, int B, bool Offset, bool Split>
+// A type's format: U decodes (the backward), Forward unpacks for the forward's repacking.
+template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run>
 constexpr Format format() {
-    return {V, B, Offset, Split, repack<U, V, B>, decode_blocks<U, V, B>};
+    return {V, B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>};
 }
 
-// Indexed by the type ids of quantized_matmul.KERNEL_TYPES.
+// Indexed by the type ids of quantized_matmul.KERNEL_TYPES. Unsigned quants where the type's
+// are (or, Q4_0, are made so with an offset): they multiply x's signed quants directly, where
+// signed ones need x's signs flipped per weight first (Q8_0's -128..127, Q6_K's per-16 scales).
 const Format kFormats[] = {
-    format<blocks::unpack_q4_0, 32, 18, false, false>(),
-    format<blocks::unpack_q4_1, 32, 20, true, false>(),
-    format<blocks::unpack_q8_0, 32, 34, false, false>(),
-    format<blocks::unpack_q4_k, 256, 144, true, false>(),
-    format<blocks::unpack_q5_k, 256, 176, true, false>(),
-    format<blocks::unpack_q6_k, 256, 210, false, true>(),
+    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8>(),
+    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8>(),
+    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0>(),
+    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8>(),
+    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4>(),
+    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0>(),
 };
 constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
@@ -208,6 +213,49 @@ struct Activations {
     std::vector<float> d, s;
 };
 
+// 32 values of x as int8 quants q = round-half-even(v * 127 / amax); returns sum(q) and sets
+// d = amax / 127.
+inline int quantize_32(const float* v, int8_t* q, float* d) {
+#if defined(__AVX2__)
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    __m256 values[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        values[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, values[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float top = _mm_cvtss_f32(m);
+    *d = top / 127.0f;
+    const __m256 scale = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i ints[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {  // the current rounding mode: to nearest, ties to even
+        ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], scale));
+        total = _mm256_add_epi32(total, ints[i]);
+    }
+    const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                             _mm256_packs_epi32(ints[2], ints[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the lane interleave
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(words, order));
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 1));
+    return _mm_cvtsi128_si32(sum);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    *d = amax / 127.0f;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+        q[j] = static_cast<int8_t>(static_cast<int>(std::nearbyint(v[j] * id)));
+        sum += q[j];
+    }
+    return sum;
+#endif
+}
+
 void quantize_rows(const float* x, int64_t m, int64_t k, Activations* a, int threads) {
     const int64_t subs = k / 32;
     a->q.resize(m * k);
@@ -215,18 +263,8 @@ void quantize_rows(const float* x, int64_t m, int64_t k, Activations* a, int thr
     a->s.resize(m * subs);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < m * subs; ++i) {
-        const float* v = x + i * 32;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < 32; ++j) {
-            const int q = static_cast<int>(std::nearbyint(v[j] * id));
-            a->q[i * 32 + j] = static_cast<int8_t>(q);
-            sum += q;
-        }
-        a->d[i] = d;
-        a->s[i] = d * static_cast<float>(sum);
+        const int sum = quantize_32(x + i * 32, &a->q[i * 32], &a->d[i]);
+        a->s[i] = a->d[i] * static_cast<float>(sum);
     }
 }
 
@@ -259,10 +297,46 @@ inline __m256i dot_acc(__m256i acc, __m256i magnitude, __m256i x_signed) {
 #endif
 }
 
+// x row r's quants 4g .. 4g+3 of sub-block s, in every int32 lane.
+inline __m256i broadcast_four(const TileArgs& t, int r, int64_t s, int g) {
+    int32_t four;
+    std::memcpy(&four, t.xq + r * t.k + 32 * s + 4 * g, 4);
+    return _mm256_set1_epi32(four);
+}
+
 // y[m0 + r, o0 + j] for R rows and the panel's 8 columns: per sub-block, the integer sums of
 // 8 groups in registers, then scaled (lo for groups 0-3, hi for 4-7) and added in float.
-template <int R, bool Offset, bool Split>
+// acc[r] += the 8 groups' byte products of unsigned w and x row r's quants: VNNI's dpbusd
+// takes them as they are; AVX2's maddubs sums Run groups' products in int16 (|w| <= 15 or
+// 31: no saturation) before widening them once.
+template <int R, int Run>
+inline void add_unsigned(const int8_t* wq, const TileArgs& t, int64_t s, __m256i* sums) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
+        for (int r = 0; r < R; ++r) sums[r] = dot_acc(sums[r], w, broadcast_four(t, r, s, g));
+    }
+#else
+    for (int g0 = 0; g0 < 8; g0 += Run) {
+        __m256i pairs[R];
+        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = g0; g < g0 + Run; ++g) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
+            for (int r = 0; r < R; ++r)
+                pairs[r] = _mm256_add_epi16(
+                    pairs[r], _mm256_maddubs_epi16(w, broadcast_four(t, r, s, g)));
+        }
+        for (int r = 0; r < R; ++r)
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+    }
+#endif
+}
+
+template <int R, bool Offset, bool Split, int Run>
 void panel_tile(const TileArgs& t) {
+    static_assert(!(Split && Run), "split scales come with signed quants (Q6_K)");
     const Panel& p = *t.panel;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -278,15 +352,19 @@ void panel_tile(const TileArgs& t) {
                 sums[r] = _mm256_setzero_si256();
             }
         };
+        if constexpr (Run > 0) {
+            add_unsigned<R, Run>(wq, t, s, sums);
+        } else {
 #pragma GCC unroll 8
-        for (int g = 0; g < 8; ++g) {
-            if (Split && g == 4) scale_into_acc(p.lo.data());
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
-            const __m256i magnitude = _mm256_sign_epi8(w, w);
-            for (int r = 0; r < R; ++r) {
-                int32_t four;
-                std::memcpy(&four, t.xq + r * t.k + 32 * s + 4 * g, 4);
-                sums[r] = dot_acc(sums[r], magnitude, _mm256_sign_epi8(_mm256_set1_epi32(four), w));
+            for (int g = 0; g < 8; ++g) {
+                if (Split && g == 4) scale_into_acc(p.lo.data());
+                const __m256i w =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
+                const __m256i magnitude = _mm256_sign_epi8(w, w);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i x = _mm256_sign_epi8(broadcast_four(t, r, s, g), w);
+                    sums[r] = dot_acc(sums[r], magnitude, x);
+                }
             }
         }
         scale_into_acc(Split ? p.hi.data() : p.lo.data());
@@ -304,7 +382,7 @@ void panel_tile(const TileArgs& t) {
     }
 }
 #else
-template <int R, bool Offset, bool Split>
+template <int R, bool Offset, bool Split, int Run>
 void panel_tile(const TileArgs& t) {
     const Panel& p = *t.panel;
     for (int r = 0; r < R; ++r) {
@@ -331,8 +409,10 @@ void panel_tile(const TileArgs& t) {
 
 template <int R>
 void tile_for(const Format& f, const TileArgs& t) {
-    if (f.split) return panel_tile<R, false, true>(t);
-    return f.offset ? panel_tile<R, true, false>(t) : panel_tile<R, false, false>(t);
+    if (f.split) return panel_tile<R, false, true, 0>(t);  // Q6_K
+    if (f.run == 8) return panel_tile<R, true, false, 8>(t);   // Q4_0, Q4_1, Q4_K
+    if (f.run == 4) return panel_tile<R, true, false, 4>(t);   // Q5_K
+    return panel_tile<R, false, false, 0>(t);                 // Q8_0
 }
 
 // step(m0, rows) over [0, m) in tiles of Tile rows, the last one shorter.
