@@ -75,10 +75,10 @@ KERNEL_TYPES: dict[str, int] = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_
 
 _BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
-MAX_ROWS: dict[str, int | None] = {"forward": None, "backward": 64}
+MAX_ROWS: dict[str, int | None] = {"forward": None, "backward": 128}
 """Rows M up to which a float32 product takes the kernels, None: any (the module docstring's
 figures)."""
-AMX_BF16_MAX_ROWS: dict[str, int | None] = {"forward": 8, "backward": 8}
+AMX_BF16_MAX_ROWS: dict[str, int | None] = {"forward": 64, "backward": 16}
 """The same under bf16/f16 autocast on a CPU whose bf16 GEMM runs on AMX tiles."""
 
 
