@@ -25,29 +25,34 @@ When a product takes the kernels (:func:`kernel_rows`): while its rows M (tokens
 :func:`max_rows`, which depends on the dtype. Measured single-thread CPU times
 (``bench/kernel_rows.py``: ``time.thread_time``, 2048 x 8192 and 8192 x 2048 matrices, Q4_0
 and Q4_K; the decoded path with the compiled decoders, ``ops.decode_kernels``, as QLoRA runs
-it) on a shared Sapphire Rapids core (AVX-512, VNNI, AMX; load 6-8 on 2 cores), kernel time /
-decoded time, float32::
+it) on a shared Sapphire Rapids core (AVX-512, VNNI, AMX; load 5.7-7.2 on 2 cores), kernel
+time / decoded time, float32::
 
-                M=1        M=8        M=16       M=32       M=64       M=256
-    forward     0.18-0.30  0.21-0.28  0.23-0.31  0.33-0.39  0.43-0.48  0.67-0.83
-    backward    0.60-0.66  0.42-0.50  0.44-0.57  0.52-0.63  0.65-0.75  0.96-1.12
+                M=1        M=8        M=16       M=32       M=64       M=128      M=256
+    forward     0.12-0.19  0.12-0.20  0.18-0.25  0.21-0.28  0.30-0.35  0.39-0.44  0.53-0.59
+    backward    0.43-0.53  0.33-0.40  0.36-0.45  0.46-0.54  0.58-0.64  0.64-0.70  0.94-1.03
 
-and the AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
+the AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
 ``LLAMATRAIN_KERNEL_ARCH=-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``,
 ``ONEDNN_MAX_CPU_ISA=AVX2``)::
 
-    forward     0.18-0.28  0.22-0.33  0.31-0.38  0.40-0.47  0.53-0.62  0.79-0.87
-    backward    0.54-0.75  0.51-0.58  0.55-0.64  0.69-0.80  0.73-0.98  1.07-1.12
+    forward     0.10-0.19  0.16-0.21  0.21-0.26  0.28-0.32  0.38-0.41  0.47-0.52  0.58-0.63
+    backward    0.46-0.67  0.37-0.53  0.41-0.54  0.53-0.68  0.64-0.81  0.84-0.95  1.04-1.11
 
-So the float32 forward takes the kernels at any M (a 256-token step's forward 1.2-1.5x faster
-than decoding, and no float32 copy of W at all), the backward up to M=64: past that PyTorch's
-GEMM over decoded chunks is as fast (its decode paid once per 16 MiB chunk, its GEMM tuned).
-A float32 Q4_0 forward at M=1 over 16.7 M weights takes 2-3 ms, against 7-13 ms decoded by the
-compiled decoders and 23-26 ms by the eager ones (what inference uses). Under bf16 autocast on
-AMX the decoded path's GEMM runs on the tile units and catches up sooner (earlier kernels: at
-M=16 0.76-1.05, M=32 1.47-2.08), hence :data:`AMX_BF16_MAX_ROWS`; where bf16 is emulated (no
-AMX) its GEMM is slower than the kernels at every M (AVX2: a Q4_0 backward of 64 rows 4.8 s
-decoded in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
+and under bf16 autocast, where the decoded path's GEMM runs on AMX tiles (M=8..64)::
+
+    forward     0.25-0.41  0.31-0.53  0.44-0.62  0.66-0.88
+    backward    0.61-0.70  0.75-0.83  0.94-0.98  1.18-1.37
+
+The decoded times at small M swing most with the machine's load (a Q4_0 forward at M=1: 10-21
+ms decoded, 2.4-4.4 ms in the kernel; an earlier, less loaded run gave M=1 0.18-0.30). So the
+float32 forward takes the kernels at any M (a 256-token step's forward ~1.7x faster than
+decoding, and no float32 copy of W at all), the float32 backward up to M=128 (past that
+PyTorch's GEMM over decoded chunks is as fast: its decode paid once per 16 MiB chunk, its GEMM
+tuned), and bf16 on AMX the forward up to 64 and the backward up to 16
+(:data:`AMX_BF16_MAX_ROWS`). Where bf16 is emulated (no AMX) its GEMM is slower than the
+kernels at every M (AVX2: a Q4_0 backward of 64 rows 4.8 s decoded in bf16, 0.17 s in the
+kernel), so there bf16 takes the kernels at any M.
 """
 
 from __future__ import annotations

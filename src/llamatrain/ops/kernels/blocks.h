@@ -123,7 +123,9 @@ inline void k_scales(const uint8_t* b, Unpacked out) {
 }
 
 inline void unpack_q4_k(const uint8_t* b, Unpacked out) {
-    for (int j = 0; j < 4; ++j) split_nibbles<32>(b + 16 + 32 * j, out.q + 64 * j, out.q + 64 * j + 32, 0);
+    for (int j = 0; j < 4; ++j) {
+        split_nibbles<32>(b + 16 + 32 * j, out.q + 64 * j, out.q + 64 * j + 32, 0);
+    }
     k_scales(b, out);
 }
 
@@ -163,8 +165,9 @@ inline void unpack_q6_k(const uint8_t* b, Unpacked out) {
 }
 
 // 32 values scale * q + off (scale lo for the first 16, hi for the rest), each operation
-// rounded to float32 as ggml's dequantize_row_* rounds it.
-inline void decode_32(const int8_t* q, float lo, float hi, float off, float* out) {
+// rounded to float32 as ggml's dequantize_row_* rounds it; values 0-15 to out[0], 16-31 to
+// out[1] (the two may be apart: slices of 16 columns).
+inline void decode_32(const int8_t* q, float lo, float hi, float off, float* const out[2]) {
 #if defined(__AVX2__)
     const __m128i bytes[2] = {_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)),
                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))};
@@ -175,11 +178,13 @@ inline void decode_32(const int8_t* q, float lo, float hi, float off, float* out
         const __m256i high = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes[half], bytes[half]));
         const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(low), scales[half]);
         const __m256 b = _mm256_mul_ps(_mm256_cvtepi32_ps(high), scales[half]);
-        _mm256_storeu_ps(out + 16 * half, _mm256_add_ps(a, offset));
-        _mm256_storeu_ps(out + 16 * half + 8, _mm256_add_ps(b, offset));
+        _mm256_storeu_ps(out[half], _mm256_add_ps(a, offset));
+        _mm256_storeu_ps(out[half] + 8, _mm256_add_ps(b, offset));
     }
 #else
-    for (int i = 0; i < 32; ++i) out[i] = (i < 16 ? lo : hi) * static_cast<float>(q[i]) + off;
+    for (int i = 0; i < 32; ++i) {
+        out[i / 16][i % 16] = (i < 16 ? lo : hi) * static_cast<float>(q[i]) + off;
+    }
 #endif
 }
 

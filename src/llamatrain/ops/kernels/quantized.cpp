@@ -13,8 +13,10 @@
 // of such a group with four of x's quants broadcast then gives eight rows' partial sums at
 // once, in eight int32 lanes, with no horizontal sums; every 32 values (16 for Q6_K's
 // scales) those sums are scaled in float, per lane, and accumulated in registers. A tile of
-// a few x rows shares each group loaded (kRowTile). The K types' activations are quantized
-// per 32 values too (llama.cpp's Q8_K uses 256): a finer scale, one activation format.
+// a few x rows shares each group loaded (kRowTile). Unsigned quants (4 and 5 bits) multiply
+// x's quants as they are; signed ones (Q8_0, Q6_K) as |w| times x with w's signs. The K
+// types' activations are quantized per 32 values too (llama.cpp's Q8_K uses 256): a finer
+// scale, one activation format.
 //
 // The backward decodes W a little at a time, never whole: each thread owns a tile of dx's
 // columns and walks W's rows a panel at a time, decoding the panel (ggml's arithmetic,
@@ -172,17 +174,16 @@ void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b
                    float* out) {
     int8_t q[V];
     float lo[V / 32], hi[V / 32], off[V / 32];
-    alignas(64) float values[32];
+    auto at = [&](int64_t r, int64_t v) {  // where value v of row r goes
+        return out + ((v / kSlice) * rows + r) * kSlice + v % kSlice;
+    };
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t b = 0; b < blocks; ++b) {
             U(w + r * row_stride + b * B, {q, lo, hi, off});
             for (int s = 0; s < V / 32; ++s) {
-                blocks::decode_32(q + 32 * s, lo[s], hi[s], off[s], values);
                 const int64_t first = b * V + 32 * s;
-                for (int h = 0; h < 32; h += kSlice) {
-                    const int64_t slice = (first + h) / kSlice;
-                    std::memcpy(out + (slice * rows + r) * kSlice, values + h, kSlice * 4);
-                }
+                float* const halves[2] = {at(r, first), at(r, first + 16)};
+                blocks::decode_32(q + 32 * s, lo[s], hi[s], off[s], halves);
             }
         }
     }
