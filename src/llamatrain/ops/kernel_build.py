@@ -7,9 +7,10 @@ this is one file of plain C ABI over data pointers, a few seconds of ``c++`` onc
 machine, loaded with ctypes.
 
 The library lands in a per-user cache, ``$XDG_CACHE_HOME/llamatrain/kernels/<hash>/`` (else
-``~/.cache/...``), the hash over the source, the flags and the compiler's version, so a
-changed source, flag or compiler builds afresh. It is written to a temporary name and renamed
-into place: two processes building at once each load a whole library, never a half-written one.
+``~/.cache/...``), the hash over the source, the headers beside it, the flags and the
+compiler's version, so a changed source, header, flag or compiler builds afresh. It is
+written to a temporary name and renamed into place: two processes building at once each
+load a whole library, never a half-written one.
 
 Environment: ``CXX`` names the compiler (default ``c++``); ``LLAMATRAIN_KERNEL_ARCH`` replaces
 ``-march=native`` (e.g. ``-march=haswell``: the AVX2 path on a newer CPU, for tests and
@@ -66,7 +67,9 @@ def _compiler_version(compiler: list[str]) -> str:
 def _build(source: Path, compiler: list[str], flags: list[str]) -> Path:
     """The library of ``source`` built with ``compiler`` and ``flags``, from the cache if there."""
     key = hashlib.sha256()
-    for part in (source.read_bytes(), "\0".join(flags), _compiler_version(compiler)):
+    headers = sorted(source.parent.glob("*.h"))  # what the source includes, ours
+    parts = [source.read_bytes(), *(h.read_bytes() for h in headers), "\0".join(flags)]
+    for part in (*parts, _compiler_version(compiler)):
         key.update(part if isinstance(part, bytes) else part.encode())
     folder = _cache_root() / key.hexdigest()[:16]
     library = folder / f"{source.stem}.so"

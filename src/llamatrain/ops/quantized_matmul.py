@@ -10,43 +10,49 @@ faster. These are the same scheme (``ops/kernels/quantized.cpp``, built on first
   scale (llama.cpp's Q8_0 activations; the K types also take 32-value activation blocks,
   finer than llama.cpp's 256-value Q8_K), integer dot products against each block, scaled in
   float. Not the exact product of x with the decoded W: off by x's rounding to 8 bits, as
-  llama.cpp's own.
-- :func:`blocks_matmul_t`, ``dx = G·W``: W decoded a 32 KiB panel at a time (ggml's float
-  arithmetic), G kept float32: the exact product up to float32 summation order (QLoRA's backward).
+  llama.cpp's own. A GEMM, as llama.cpp's prompt processing: W's rows repacked eight at a time
+  so that one integer instruction gives eight rows' partial sums, a tile of 4 (AVX2) or 8
+  (AVX-512) rows of x sharing each load.
+- :func:`blocks_matmul_t`, ``dx = G·W``: W decoded a panel at a time (ggml's float
+  arithmetic), G kept float32, a register-tiled float micro-kernel over each panel: the exact
+  product up to float32 summation order (QLoRA's backward).
 
 Types: :data:`KERNEL_TYPES` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: the types of Q4_K_M,
 Q5_K_M and Q8_0 files); others return None and keep the caller's decode-then-matmul path, as
 does everything when the library cannot be built (one warning, :mod:`kernel_build`).
 
 When a product takes the kernels (:func:`kernel_rows`): while its rows M (tokens) are at most
-:func:`max_rows`. At batch 1-8 (decoding, GRPO rollouts) the kernels win by 2-6x; for longer
-products (prompt evaluation, training steps) PyTorch's GEMM over decoded chunks catches up,
-sooner in bf16 on AMX, so the limit depends on the dtype. Measured single-thread CPU times
-(``time.thread_time``; 2048 x 8192 and 8192 x 2048 matrices, Q4_0 and Q4_K; the decoded path
-with the compiled decoders, ``ops.decode_kernels``, as QLoRA runs it) on a shared Sapphire
-Rapids core (AVX-512, VNNI, AMX), kernel time / decoded time::
+:func:`max_rows`, which depends on the dtype. Measured single-thread CPU times
+(``bench/kernel_rows.py``: ``time.thread_time``, 2048 x 8192 and 8192 x 2048 matrices, Q4_0
+and Q4_K; the decoded path with the compiled decoders, ``ops.decode_kernels``, as QLoRA runs
+it) on a shared Sapphire Rapids core (AVX-512, VNNI, AMX; load 5.7-7.2 on 2 cores), kernel
+time / decoded time, float32::
 
-    forward  float32  M=1 0.16-0.19  M=8 0.32-0.38  M=16 0.55-0.78  M=32 0.74-1.20
-                      M=64 0.92-1.35  M=256 1.39-2.13
-             bf16     M=1 0.16-0.20  M=8 0.49-0.52  M=16 0.76-1.05  M=32 1.47-2.08
-    backward float32  M=1 0.31-0.76  M=8 0.51-0.88  M=16 0.64-0.90  M=32 0.85-1.16
-                      M=64 1.15-1.45  M=256 1.72-1.92
-             bf16     M=8 0.55-0.87  M=16 0.70-1.23  M=32 1.23-1.75
+                M=1        M=8        M=16       M=32       M=64       M=128      M=256
+    forward     0.12-0.19  0.12-0.20  0.18-0.25  0.21-0.28  0.30-0.35  0.39-0.44  0.53-0.59
+    backward    0.43-0.53  0.33-0.40  0.36-0.45  0.46-0.54  0.58-0.64  0.64-0.70  0.94-1.03
 
-Runs on the shared machine vary by up to ~30% (an earlier one measured the float32 forward at
-M=32 0.63-0.85 and the backward 0.74-0.97); the limits are the largest M that won in every
-run. A float32 Q4_0 forward at M=1 over 16.7 M weights takes 1.4-2.0 ms, against 7.7-10 ms
-decoded by the compiled decoders and 23-26 ms by the eager ones (what inference uses). The
-AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
-``-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``), float32:
-forward M=1 0.14-0.19, M=16 0.49-0.66, M=32 0.63-0.93, M=64 0.75-1.08; backward M=8
-0.67-0.99, M=16 0.79-1.14, M=32 1.03-1.23: hence the backward's limit of 8. Where bf16 is emulated
-(no AMX) its GEMM is slower than the kernels at every M (AVX2: a Q4_0 backward of 64 rows
-4.8 s decoded in bf16, 0.17 s in the kernel), so there bf16 takes the kernels at any M.
+the AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
+``LLAMATRAIN_KERNEL_ARCH=-march=haswell``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``,
+``ONEDNN_MAX_CPU_ISA=AVX2``)::
 
-Past the limits (a 256-token training step) the kernels lose by up to 2x: their integer dot
-products and their float32 micro-kernel are not a tuned GEMM; QLoRA steps keep the decoded
-path there.
+    forward     0.10-0.19  0.16-0.21  0.21-0.26  0.28-0.32  0.38-0.41  0.47-0.52  0.58-0.63
+    backward    0.46-0.67  0.37-0.53  0.41-0.54  0.53-0.68  0.64-0.81  0.84-0.95  1.04-1.11
+
+and under bf16 autocast, where the decoded path's GEMM runs on AMX tiles (M=8..64)::
+
+    forward     0.25-0.41  0.31-0.53  0.44-0.62  0.66-0.88
+    backward    0.61-0.70  0.75-0.83  0.94-0.98  1.18-1.37
+
+The decoded times at small M swing most with the machine's load (a Q4_0 forward at M=1: 10-21
+ms decoded, 2.4-4.4 ms in the kernel; an earlier, less loaded run gave M=1 0.18-0.30). So the
+float32 forward takes the kernels at any M (a 256-token step's forward ~1.7x faster than
+decoding, and no float32 copy of W at all), the float32 backward up to M=128 (past that
+PyTorch's GEMM over decoded chunks is as fast: its decode paid once per 16 MiB chunk, its GEMM
+tuned), and bf16 on AMX the forward up to 64 and the backward up to 16
+(:data:`AMX_BF16_MAX_ROWS`). Where bf16 is emulated (no AMX) its GEMM is slower than the
+kernels at every M (AVX2: a Q4_0 backward of 64 rows 4.8 s decoded in bf16, 0.17 s in the
+kernel), so there bf16 takes the kernels at any M.
 """
 
 from __future__ import annotations
@@ -74,9 +80,10 @@ KERNEL_TYPES: dict[str, int] = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_
 
 _BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
-MAX_ROWS = {"forward": 16, "backward": 8}
-"""Rows M up to which a float32 product takes the kernels (the module docstring's figures)."""
-AMX_BF16_MAX_ROWS = {"forward": 8, "backward": 8}
+MAX_ROWS: dict[str, int | None] = {"forward": None, "backward": 128}
+"""Rows M up to which a float32 product takes the kernels, None: any (the module docstring's
+figures)."""
+AMX_BF16_MAX_ROWS: dict[str, int | None] = {"forward": 64, "backward": 16}
 """The same under bf16/f16 autocast on a CPU whose bf16 GEMM runs on AMX tiles."""
 
 

@@ -4,177 +4,50 @@
 // lt_matmul:   y  = x . W^T   x (m, k) float32 -> y (m, n)   W (n, k) as its blocks
 // lt_matmul_t: dx = G . W     G given transposed, gt (n, m)  -> dx (m, k), added into
 //
-// The forward follows llama.cpp's scheme (ggml-cpu's ggml_vec_dot_*_q8_*): x is quantized to
-// int8 per 32 values with one float scale d (and the block's d * sum(q), for the weight types
-// with an offset), each weight block is unpacked to signed 8-bit quants with a float scale
-// per 16 values and a float offset per 32, and every 32 values are one integer dot product
-// (AVX2 maddubs + madd, or VNNI dpbusd), scaled in float. Every weight type is reduced to
-// that one form, so one dot kernel serves them all:
-//   value = s * q + off     q int8, s per 16 values ("lo" for values 0-15, "hi" 16-31)
-//   sum over 32 values of value * x  ~  s . xd . sum(q * qx)  +  off . xd . sum(qx)
-// The K types are quantized against 32-value activation blocks too (llama.cpp's Q8_K uses
-// 256): a finer scale, so closer to the exact product, and one activation format for all.
+// The forward is llama.cpp's scheme for prompt processing (ggml-cpu's repacked
+// gemm_q4_0_8x8_q8_0 and llamafile's tinyBLAS): x is quantized once to int8 per 32 values
+// with one float scale d (and d * sum(q), for the weight types with an offset); W is taken
+// eight rows at a time (a panel) and its blocks unpacked to the one form of blocks.h
+// (value = s * q + off) and repacked so that 32 bytes hold four consecutive quants of each of
+// the eight rows. One integer dot product instruction (VNNI dpbusd, or AVX2 maddubs + madd)
+// of such a group with four of x's quants broadcast then gives eight rows' partial sums at
+// once, in eight int32 lanes, with no horizontal sums; every 32 values (16 for Q6_K's
+// scales) those sums are scaled in float, per lane, and accumulated in registers. A tile of
+// a few x rows shares each group loaded (kRowTile). Unsigned quants (4 and 5 bits) multiply
+// x's quants as they are; signed ones (Q8_0, Q6_K) as |w| times x with w's signs. The K
+// types' activations are quantized per 32 values too (llama.cpp's Q8_K uses 256): a finer
+// scale, one activation format.
 //
-// The backward decodes W a little at a time, never whole: each thread owns whole blocks of dx's columns and
-// walks W's rows a panel at a time, decoding the panel's blocks (ggml's arithmetic, float32)
-// into an L1-sized buffer and adding G[m, o] * W[o, cols] into dx, four rows of dx at a time
-// held in registers. Built with -ffp-contract=off, so the decoded values are ggml's, bit for bit.
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+// The backward decodes W a little at a time, never whole: each thread owns a tile of dx's
+// columns and walks W's rows a panel at a time, decoding the panel (ggml's arithmetic,
+// float32) into an L2-sized buffer, then a register-tiled float micro-kernel (kGradRows rows
+// of dx by two vectors of columns) adds G[m, o] * W[o, cols] into dx. Built with
+// -ffp-contract=off, so the decoded values are ggml's, bit for bit.
 #include <vector>
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+
+#include "blocks.h"
 
 namespace {
 
-constexpr int kTile = 4;  // activation rows per pass over a weight row
+using blocks::Unpack;
 
-float half_to_float(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
+constexpr int kPanelRows = 8;      // weight rows repacked together: one int32 lane each
+constexpr int kPanelSubs = 64;     // 32-value sub-blocks repacked at a time (16 KiB of quants)
+#if defined(__AVX512F__)
+constexpr int kRowTile = 8;        // x rows per pass over a panel (32 vector registers)
 #else
-    const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-    uint32_t bits;
-    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
-        const float value = std::ldexp(static_cast<float>(mantissa), -24);
-        return sign ? -value : value;
-    }
-    if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    }
-    float value;
-    std::memcpy(&value, &bits, 4);
-    return value;
+constexpr int kRowTile = 4;        // (16 vector registers)
 #endif
-}
 
-// One block unpacked: its quants as int8 and, per 32 values, the scale of values 0-15 (lo)
-// and 16-31 (hi) and the offset (off), so that value i = scale * q[i] + off.
-struct Unpacked {
-    int8_t* __restrict q;
-    float* __restrict lo;
-    float* __restrict hi;
-    float* __restrict off;
+// A panel's sub-blocks repacked: per sub-block 8 groups of 32 bytes, group g holding quants
+// 4g .. 4g+3 of each row (row j at bytes 4j .. 4j+3), then per sub-block each row's scales.
+struct Panel {
+    std::vector<int8_t> q;
+    std::vector<float> lo, hi, off;
 };
 
-using Unpack = void (*)(const uint8_t* block, Unpacked out);
-
-void set_scales(Unpacked out, int sub, float lo, float hi, float off) {
-    out.lo[sub] = lo;
-    out.hi[sub] = hi;
-    out.off[sub] = off;
-}
-
-// The low and the high nibbles of ``n`` bytes (16 or 32) as int8 values minus ``bias``.
-template <int N>
-inline void split_nibbles(const uint8_t* __restrict src, int8_t* __restrict low,
-                          int8_t* __restrict high, int8_t bias) {
-#if defined(__AVX2__)
-    const __m128i mask = _mm_set1_epi8(0x0F), offset = _mm_set1_epi8(bias);
-    for (int i = 0; i < N; i += 16) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-        const __m128i l = _mm_sub_epi8(_mm_and_si128(v, mask), offset);
-        const __m128i h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), offset);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(low + i), l);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(high + i), h);
-    }
-#else
-    for (int i = 0; i < N; ++i) {
-        low[i] = static_cast<int8_t>((src[i] & 0x0F) - bias);
-        high[i] = static_cast<int8_t>((src[i] >> 4) - bias);
-    }
-#endif
-}
-
-void unpack_q4_0(const uint8_t* b, Unpacked out) {
-    const float d = half_to_float(b);
-    split_nibbles<16>(b + 2, out.q, out.q + 16, 8);
-    set_scales(out, 0, d, d, 0.0f);
-}
-
-void unpack_q4_1(const uint8_t* b, Unpacked out) {
-    const float d = half_to_float(b), m = half_to_float(b + 2);
-    split_nibbles<16>(b + 4, out.q, out.q + 16, 0);
-    set_scales(out, 0, d, d, m);
-}
-
-void unpack_q8_0(const uint8_t* b, Unpacked out) {
-    const float d = half_to_float(b);
-    std::memcpy(out.q, b + 2, 32);
-    set_scales(out, 0, d, d, 0.0f);
-}
-
-// Q4_K/Q5_K: sub-block j's six-bit scale and min from the block's 12 packed bytes.
-void k_scale_min(int j, const uint8_t* packed, int* scale, int* min) {
-    if (j < 4) {
-        *scale = packed[j] & 63;
-        *min = packed[j + 4] & 63;
-    } else {
-        *scale = (packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4);
-        *min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
-    }
-}
-
-void k_scales(const uint8_t* b, Unpacked out) {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    for (int j = 0; j < 8; ++j) {
-        int scale, min;
-        k_scale_min(j, b + 4, &scale, &min);
-        const float d1 = d * static_cast<float>(scale), m1 = dmin * static_cast<float>(min);
-        set_scales(out, j, d1, d1, -m1);
-    }
-}
-
-void unpack_q4_k(const uint8_t* b, Unpacked out) {
-    for (int j = 0; j < 4; ++j) split_nibbles<32>(b + 16 + 32 * j, out.q + 64 * j, out.q + 64 * j + 32, 0);
-    k_scales(b, out);
-}
-
-void unpack_q5_k(const uint8_t* b, Unpacked out) {
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 48;
-    for (int j = 0; j < 4; ++j, qs += 32) {
-        for (int l = 0; l < 32; ++l) {
-            const int high_low = ((qh[l] >> (2 * j)) & 1) << 4;
-            const int high_high = ((qh[l] >> (2 * j + 1)) & 1) << 4;
-            out.q[64 * j + l] = static_cast<int8_t>((qs[l] & 0x0F) | high_low);
-            out.q[64 * j + 32 + l] = static_cast<int8_t>((qs[l] >> 4) | high_high);
-        }
-    }
-    k_scales(b, out);
-}
-
-void unpack_q6_k(const uint8_t* b, Unpacked out) {
-    const float d = half_to_float(b + 208);
-    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
-    for (int half = 0; half < 2; ++half) {
-        const uint8_t* ql = b + 64 * half;
-        const uint8_t* qh = b + 128 + 32 * half;
-        int8_t* q = out.q + 128 * half;
-        for (int l = 0; l < 32; ++l) {
-            q[l] = static_cast<int8_t>(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
-            q[32 + l] = static_cast<int8_t>(((ql[32 + l] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
-            q[64 + l] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-            q[96 + l] = static_cast<int8_t>(((ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-        }
-        for (int quarter = 0; quarter < 4; ++quarter) {
-            const int8_t* sc = scales + 8 * half + 2 * quarter;
-            set_scales(out, 4 * half + quarter, d * static_cast<float>(sc[0]),
-                       d * static_cast<float>(sc[1]), 0.0f);
-        }
-    }
-}
-
-struct Rows;
-using UnpackRows = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t k,
-                            Rows* out);
+using Repack = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first,
+                        int64_t count, Panel* out);
 using DecodeBlocks = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows,
                               int64_t blocks, float* out);
 
@@ -182,83 +55,156 @@ struct Format {
     int values;   // per block
     int bytes;    // per block
     bool offset;  // whether any block has a nonzero offset (the forward then adds off . xs)
-    UnpackRows unpack_rows;
+    bool split;   // whether values 0-15 and 16-31 may have different scales (Q6_K)
+    int run;      // repacked quants unsigned, at most 15 (8) or 31 (4): groups whose byte
+                  // products AVX2 may sum in int16 before widening; 0: signed quants
+    Repack repack;
     DecodeBlocks decode_blocks;
 };
 
-// A run of weight rows unpacked (quants, and per 32 values lo / hi / off), reused per thread.
-struct Rows {
-    std::vector<int8_t> q;
-    std::vector<float> lo, hi, off;
+// The backward's float vectors: AVX-512, AVX2 or plain C++ (kVec floats).
+#if defined(__AVX512F__)
+using FloatVec = __m512;
+constexpr int kVec = 16;
+inline FloatVec vzero() { return _mm512_setzero_ps(); }
+inline FloatVec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline FloatVec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vadd_into(float* p, FloatVec v) { _mm512_storeu_ps(p, _mm512_add_ps(vload(p), v)); }
+constexpr int kGradRows = 8;
+#elif defined(__AVX2__)
+using FloatVec = __m256;
+constexpr int kVec = 8;
+inline FloatVec vzero() { return _mm256_setzero_ps(); }
+inline FloatVec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline FloatVec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vadd_into(float* p, FloatVec v) { _mm256_storeu_ps(p, _mm256_add_ps(vload(p), v)); }
+constexpr int kGradRows = 6;  // 12 accumulators, 2 columns, 1 broadcast: 15 of 16 registers
+#else
+struct FloatVec {
+    float v[8];
 };
-
-// Rows of blocks unpacked into ``out``; a template over the type's unpack, so it is inlined.
-template <Unpack U, int V, int B>
-void unpack_rows(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t k, Rows* out) {
-    const int64_t subs = k / 32, blocks = k / V;
-    out->q.resize(rows * k);
-    out->lo.resize(rows * subs);
-    out->hi.resize(rows * subs);
-    out->off.resize(rows * subs);
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t sub = r * subs + b * (V / 32);
-            U(w + r * row_stride + b * B,
-              {&out->q[r * k + b * V], &out->lo[sub], &out->hi[sub], &out->off[sub]});
-        }
-    }
+constexpr int kVec = 8;
+inline FloatVec vzero() { return {}; }
+inline FloatVec vload(const float* p) {
+    FloatVec out;
+    std::memcpy(out.v, p, sizeof(out.v));
+    return out;
 }
+inline FloatVec vbroadcast(const float* p) {
+    FloatVec out;
+    for (float& value : out.v) value = *p;
+    return out;
+}
+inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) {
+    for (int i = 0; i < kVec; ++i) c.v[i] += a.v[i] * b.v[i];
+    return c;
+}
+inline void vadd_into(float* p, FloatVec v) {
+    for (int i = 0; i < kVec; ++i) p[i] += v.v[i];
+}
+constexpr int kGradRows = 4;
+#endif
+constexpr int kSlice = 2 * kVec;  // dx columns a micro-kernel call holds (32 divides it)
 
-// 32 values scale * q + off (scale lo for the first 16, hi for the rest), each operation
-// rounded to float32 as ggml's dequantize_row_* rounds it.
-inline void decode_32(const int8_t* q, float lo, float hi, float off, float* out) {
+// 8 rows of 8 groups of four bytes (rows 32 bytes apart in ``src``, ``stride`` bytes) written
+// group-major: out[g][j] = src[j][g], an 8 x 8 transpose of int32s.
+inline void transpose_groups(const int8_t* src, int64_t stride, int8_t* out) {
 #if defined(__AVX2__)
-    const __m128i bytes[2] = {_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)),
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))};
-    const __m256 scales[2] = {_mm256_set1_ps(lo), _mm256_set1_ps(hi)};
-    const __m256 offset = _mm256_set1_ps(off);
-    for (int half = 0; half < 2; ++half) {
-        const __m256i low = _mm256_cvtepi8_epi32(bytes[half]);
-        const __m256i high = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes[half], bytes[half]));
-        const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(low), scales[half]);
-        const __m256 b = _mm256_mul_ps(_mm256_cvtepi32_ps(high), scales[half]);
-        _mm256_storeu_ps(out + 16 * half, _mm256_add_ps(a, offset));
-        _mm256_storeu_ps(out + 16 * half + 8, _mm256_add_ps(b, offset));
+    __m256i r[8], t[8], u[8];
+    for (int j = 0; j < 8; ++j)
+        r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j * stride));
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
+        t[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {
+        u[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
+        u[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
+        u[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
+        u[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+    for (int g = 0; g < 4; ++g) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * g),
+                            _mm256_permute2x128_si256(u[g], u[g + 4], 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (g + 4)),
+                            _mm256_permute2x128_si256(u[g], u[g + 4], 0x31));
     }
 #else
-    for (int i = 0; i < 32; ++i) out[i] = (i < 16 ? lo : hi) * static_cast<float>(q[i]) + off;
+    for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < 8; ++j) std::memcpy(out + 32 * g + 4 * j, src + j * stride + 4 * g, 4);
 #endif
 }
 
-// The first ``blocks`` blocks of a run of weight rows as floats, ``out[row][value]`` (a row's
-// blocks are contiguous: read in order, where one block of many rows would be a strided walk
-// over pages); ggml's float arithmetic.
+// Blocks first .. first+count of up to 8 weight rows unpacked and repacked into ``out``;
+// missing rows (the last panel of W) are zeros. A template over the type's unpack, so it is
+// inlined.
 template <Unpack U, int V, int B>
-void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t blocks,
-                   float* out) {
-    int8_t q[V];
-    float lo[V / 32], hi[V / 32], off[V / 32];
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t b = 0; b < blocks; ++b) {
-            U(w + r * row_stride + b * B, {q, lo, hi, off});
-            float* values = out + (r * blocks + b) * V;
-            for (int s = 0; s < V / 32; ++s) {
-                decode_32(q + 32 * s, lo[s], hi[s], off[s], values + 32 * s);
+void repack(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first, int64_t count,
+            Panel* out) {
+    constexpr int kSubs = V / 32;
+    out->q.resize(count * kSubs * 256);
+    out->lo.resize(count * kSubs * kPanelRows);
+    out->hi.resize(out->lo.size());
+    out->off.resize(out->lo.size());
+    alignas(32) int8_t q[kPanelRows][V] = {};
+    float lo[kPanelRows][kSubs] = {}, hi[kPanelRows][kSubs] = {}, off[kPanelRows][kSubs] = {};
+    for (int64_t b = 0; b < count; ++b) {
+        for (int j = 0; j < rows; ++j)
+            U(w + j * row_stride + (first + b) * B, {q[j], lo[j], hi[j], off[j]});
+        for (int s = 0; s < kSubs; ++s) {
+            const int64_t sub = b * kSubs + s;
+            transpose_groups(&q[0][32 * s], V, &out->q[sub * 256]);
+            for (int j = 0; j < kPanelRows; ++j) {
+                out->lo[sub * kPanelRows + j] = lo[j][s];
+                out->hi[sub * kPanelRows + j] = hi[j][s];
+                out->off[sub * kPanelRows + j] = off[j][s];
             }
         }
     }
 }
 
-template <Unpack U, int V, int B, bool Offset>
-constexpr Format format() {
-    return {V, B, Offset, unpack_rows<U, V, B>, decode_blocks<U, V, B>};
+// The first ``blocks`` blocks of a run of weight rows as floats, in slices of kSlice columns:
+// value v of row r at out[(v / kSlice) * rows + r][v % kSlice], so that the micro-kernel
+// walks one slice's rows contiguously (rows a power-of-two apart would share cache sets);
+// ggml's float arithmetic. A row's blocks are read in order, its bytes contiguous.
+template <Unpack U, int V, int B>
+void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t blocks,
+                   float* out) {
+    int8_t q[V];
+    float lo[V / 32], hi[V / 32], off[V / 32];
+    auto at = [&](int64_t r, int64_t v) {  // where value v of row r goes
+        return out + ((v / kSlice) * rows + r) * kSlice + v % kSlice;
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t b = 0; b < blocks; ++b) {
+            U(w + r * row_stride + b * B, {q, lo, hi, off});
+            for (int s = 0; s < V / 32; ++s) {
+                const int64_t first = b * V + 32 * s;
+                float* const halves[2] = {at(r, first), at(r, first + 16)};
+                blocks::decode_32(q + 32 * s, lo[s], hi[s], off[s], halves);
+            }
+        }
+    }
 }
 
-// Indexed by the type ids of quantized_matmul.KERNEL_TYPES.
+// A type's format: U decodes (the backward), Forward unpacks for the forward's repacking.
+template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run>
+constexpr Format format() {
+    return {V, B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>};
+}
+
+// Indexed by the type ids of quantized_matmul.KERNEL_TYPES. Unsigned quants where the type's
+// are (or, Q4_0, are made so with an offset): they multiply x's signed quants directly, where
+// signed ones need x's signs flipped per weight first (Q8_0's -128..127, Q6_K's per-16 scales).
 const Format kFormats[] = {
-    format<unpack_q4_0, 32, 18, false>(),  format<unpack_q4_1, 32, 20, true>(),
-    format<unpack_q8_0, 32, 34, false>(),  format<unpack_q4_k, 256, 144, true>(),
-    format<unpack_q5_k, 256, 176, true>(), format<unpack_q6_k, 256, 210, false>(),
+    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8>(),
+    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8>(),
+    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0>(),
+    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8>(),
+    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4>(),
+    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0>(),
 };
 constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
@@ -268,6 +214,49 @@ struct Activations {
     std::vector<float> d, s;
 };
 
+// 32 values of x as int8 quants q = round-half-even(v * 127 / amax); returns sum(q) and sets
+// d = amax / 127.
+inline int quantize_32(const float* v, int8_t* q, float* d) {
+#if defined(__AVX2__)
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    __m256 values[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        values[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, values[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float top = _mm_cvtss_f32(m);
+    *d = top / 127.0f;
+    const __m256 scale = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i ints[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {  // the current rounding mode: to nearest, ties to even
+        ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], scale));
+        total = _mm256_add_epi32(total, ints[i]);
+    }
+    const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                             _mm256_packs_epi32(ints[2], ints[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the lane interleave
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(words, order));
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 1));
+    return _mm_cvtsi128_si32(sum);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    *d = amax / 127.0f;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+        q[j] = static_cast<int8_t>(static_cast<int>(std::nearbyint(v[j] * id)));
+        sum += q[j];
+    }
+    return sum;
+#endif
+}
+
 void quantize_rows(const float* x, int64_t m, int64_t k, Activations* a, int threads) {
     const int64_t subs = k / 32;
     a->q.resize(m * k);
@@ -275,180 +264,251 @@ void quantize_rows(const float* x, int64_t m, int64_t k, Activations* a, int thr
     a->s.resize(m * subs);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < m * subs; ++i) {
-        const float* v = x + i * 32;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < 32; ++j) {
-            const int q = static_cast<int>(std::nearbyint(v[j] * id));
-            a->q[i * 32 + j] = static_cast<int8_t>(q);
-            sum += q;
-        }
-        a->d[i] = d;
-        a->s[i] = d * static_cast<float>(sum);
+        const int sum = quantize_32(x + i * 32, &a->q[i * 32], &a->d[i]);
+        a->s[i] = a->d[i] * static_cast<float>(sum);
     }
 }
 
+// Where one tile of the forward reads and writes: x rows m0 .. (quants, scales, sums), the
+// panel's sub-blocks, and y's block of rows m0 .., columns o0 .. o0+cols.
+struct TileArgs {
+    const Panel* panel;
+    int64_t subs;        // sub-blocks in the panel
+    const int8_t* xq;    // x row m0's quants at the panel's first sub-block
+    const float* xd;     // its scales
+    const float* xs;     // its d * sum(q)
+    int64_t k;           // x's row length (quants from one row to the next)
+    int64_t x_subs;      // k / 32 (scales from one row to the next)
+    float* y;            // y[m0, o0]
+    int64_t n;           // y's row length
+    int cols;            // valid columns of the panel (8, or fewer in W's last panel)
+    bool accumulate;     // add into y (a later chunk of the panel) or set it
+};
+
 #if defined(__AVX2__)
-// sum over each 4 consecutive byte products of unsigned a and signed b: 8 int32 lanes.
-inline __m256i dot_u8_i8(__m256i a, __m256i b) {
+// acc + sums over each 4 consecutive byte products of |w| (unsigned) and x signed as w.
+inline __m256i dot_acc(__m256i acc, __m256i magnitude, __m256i x_signed) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+    return _mm256_dpbusd_epi32(acc, magnitude, x_signed);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+    return _mm256_dpbusd_avx_epi32(acc, magnitude, x_signed);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+    const __m256i pairs = _mm256_maddubs_epi16(magnitude, x_signed);  // |w| |x| < 2^15: exact
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
 
-inline float horizontal_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+// x row r's quants 4g .. 4g+3 of sub-block s, in every int32 lane.
+inline __m256i broadcast_four(const TileArgs& t, int r, int64_t s, int g) {
+    int32_t four;
+    std::memcpy(&four, t.xq + r * t.k + 32 * s + 4 * g, 4);
+    return _mm256_set1_epi32(four);
 }
-#endif
 
-// y[r] = sum over the row of s * xd * sum(q * qx) for R activation rows against one weight
-// row (its quants wq, scales lo / hi per 32 values); offsets are added by the caller.
-template <int R>
-void dot_rows(const int8_t* wq, const float* lo, const float* hi, int64_t subs, const int8_t* xq,
-              const float* xd, int64_t k, float* y) {
-#if defined(__AVX2__)
+// y[m0 + r, o0 + j] for R rows and the panel's 8 columns: per sub-block, the integer sums of
+// 8 groups in registers, then scaled (lo for groups 0-3, hi for 4-7) and added in float.
+// acc[r] += the 8 groups' byte products of unsigned w and x row r's quants: VNNI's dpbusd
+// takes them as they are; AVX2's maddubs sums Run groups' products in int16 (|w| <= 15 or
+// 31: no saturation) before widening them once.
+template <int R, int Run>
+inline void add_unsigned(const int8_t* wq, const TileArgs& t, int64_t s, __m256i* sums) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
+        for (int r = 0; r < R; ++r) sums[r] = dot_acc(sums[r], w, broadcast_four(t, r, s, g));
+    }
+#else
+    for (int g0 = 0; g0 < 8; g0 += Run) {
+        __m256i pairs[R];
+        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = g0; g < g0 + Run; ++g) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
+            for (int r = 0; r < R; ++r)
+                pairs[r] = _mm256_add_epi16(
+                    pairs[r], _mm256_maddubs_epi16(w, broadcast_four(t, r, s, g)));
+        }
+        for (int r = 0; r < R; ++r)
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+    }
+#endif
+}
+
+template <int R, bool Offset, bool Split, int Run>
+void panel_tile(const TileArgs& t) {
+    static_assert(!(Split && Run), "split scales come with signed quants (Q6_K)");
+    const Panel& p = *t.panel;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < subs; ++s) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * s));
-        const __m256i magnitude = _mm256_sign_epi8(w, w);
-        const __m256 scale = _mm256_set_m128(_mm_set1_ps(hi[s]), _mm_set1_ps(lo[s]));
-        for (int r = 0; r < R; ++r) {
-            const __m256i x =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + 32 * s));
-            const __m256i sums = dot_u8_i8(magnitude, _mm256_sign_epi8(x, w));
-            const __m256 factor = _mm256_mul_ps(scale, _mm256_set1_ps(xd[r * subs + s]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factor, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) y[r] = horizontal_sum(acc[r]);
-#else
-    for (int r = 0; r < R; ++r) {
-        float total = 0.0f;
-        for (int64_t s = 0; s < subs; ++s) {
-            const int8_t* w = wq + 32 * s;
-            const int8_t* x = xq + r * k + 32 * s;
-            int low = 0, high = 0;
-            for (int i = 0; i < 16; ++i) low += w[i] * x[i];
-            for (int i = 16; i < 32; ++i) high += w[i] * x[i];
-            total += (lo[s] * static_cast<float>(low) + hi[s] * static_cast<float>(high)) *
-                     xd[r * subs + s];
-        }
-        y[r] = total;
-    }
-#endif
-}
-
-float offset_dot(const float* off, const float* xs, int64_t subs) {
-    float total = 0.0f;
-    for (int64_t s = 0; s < subs; ++s) total += off[s] * xs[s];
-    return total;
-}
-
-// y[m0 .. m0+R, o] for every row o of the unpacked run (rows o0 ..).
-template <int R>
-void tile_rows(const Format& f, const Rows& w, int64_t rows, int64_t o0, const Activations& a,
-               int64_t m0, int64_t k, int64_t n, float* y) {
-    const int64_t subs = k / 32;
-    float part[R];
-    for (int64_t o = 0; o < rows; ++o) {
-        dot_rows<R>(&w.q[o * k], &w.lo[o * subs], &w.hi[o * subs], subs, &a.q[m0 * k],
-                    &a.d[m0 * subs], k, part);
-        for (int r = 0; r < R; ++r) {
-            const float extra =
-                f.offset ? offset_dot(&w.off[o * subs], &a.s[(m0 + r) * subs], subs) : 0.0f;
-            y[(m0 + r) * n + o0 + o] = part[r] + extra;
-        }
-    }
-}
-
-// dx[m0 .. m0+R, c .. c+32] += sum over the panel's rows o of gt[o, m] * panel[o][c ..].
-#if defined(__AVX2__)
-// One row of dx's 32 columns in registers, or (R = 4) four: named accumulators, not an array,
-// which GCC would keep on the stack and store every iteration.
-inline void add_32(float* out, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), a0));
-    _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), a1));
-    _mm256_storeu_ps(out + 16, _mm256_add_ps(_mm256_loadu_ps(out + 16), a2));
-    _mm256_storeu_ps(out + 24, _mm256_add_ps(_mm256_loadu_ps(out + 24), a3));
-}
-
-template <int R>
-void add_panel(const float* panel, int64_t width, int64_t rows, const float* gt, int64_t m,
-               int64_t m0, float* dx, int64_t k) {
-    if constexpr (R != 4) {
-        for (int r = 0; r < R; ++r) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t o = 0; o < rows; ++o) {
-                const float* w = panel + o * width;
-                const __m256 g = _mm256_broadcast_ss(gt + o * m + m0 + r);
-                a0 = _mm256_fmadd_ps(g, _mm256_loadu_ps(w), a0);
-                a1 = _mm256_fmadd_ps(g, _mm256_loadu_ps(w + 8), a1);
-                a2 = _mm256_fmadd_ps(g, _mm256_loadu_ps(w + 16), a2);
-                a3 = _mm256_fmadd_ps(g, _mm256_loadu_ps(w + 24), a3);
+    for (int64_t s = 0; s < t.subs; ++s) {
+        const int8_t* wq = &p.q[s * 256];
+        __m256i sums[R];
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+        auto scale_into_acc = [&](const float* scales) {
+            const __m256 w_scale = _mm256_loadu_ps(scales + s * kPanelRows);
+            for (int r = 0; r < R; ++r) {
+                const __m256 scale = _mm256_mul_ps(w_scale, _mm256_set1_ps(t.xd[r * t.x_subs + s]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), scale, acc[r]);
+                sums[r] = _mm256_setzero_si256();
             }
-            add_32(dx + (m0 + r) * k, a0, a1, a2, a3);
+        };
+        if constexpr (Run > 0) {
+            add_unsigned<R, Run>(wq, t, s, sums);
+        } else {
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; ++g) {
+                if (Split && g == 4) scale_into_acc(p.lo.data());
+                const __m256i w =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
+                const __m256i magnitude = _mm256_sign_epi8(w, w);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i x = _mm256_sign_epi8(broadcast_four(t, r, s, g), w);
+                    sums[r] = dot_acc(sums[r], magnitude, x);
+                }
+            }
         }
-    } else {
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-        __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-        __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-        __m256 a30 = a00, a31 = a00, a32 = a00, a33 = a00;
-        for (int64_t o = 0; o < rows; ++o) {
-            const float* w = panel + o * width;
-            const float* g = gt + o * m + m0;
-            const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-            const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
-            __m256 b = _mm256_broadcast_ss(g);
-            a00 = _mm256_fmadd_ps(b, w0, a00), a01 = _mm256_fmadd_ps(b, w1, a01);
-            a02 = _mm256_fmadd_ps(b, w2, a02), a03 = _mm256_fmadd_ps(b, w3, a03);
-            b = _mm256_broadcast_ss(g + 1);
-            a10 = _mm256_fmadd_ps(b, w0, a10), a11 = _mm256_fmadd_ps(b, w1, a11);
-            a12 = _mm256_fmadd_ps(b, w2, a12), a13 = _mm256_fmadd_ps(b, w3, a13);
-            b = _mm256_broadcast_ss(g + 2);
-            a20 = _mm256_fmadd_ps(b, w0, a20), a21 = _mm256_fmadd_ps(b, w1, a21);
-            a22 = _mm256_fmadd_ps(b, w2, a22), a23 = _mm256_fmadd_ps(b, w3, a23);
-            b = _mm256_broadcast_ss(g + 3);
-            a30 = _mm256_fmadd_ps(b, w0, a30), a31 = _mm256_fmadd_ps(b, w1, a31);
-            a32 = _mm256_fmadd_ps(b, w2, a32), a33 = _mm256_fmadd_ps(b, w3, a33);
+        scale_into_acc(Split ? p.hi.data() : p.lo.data());
+        if (Offset) {
+            const __m256 off = _mm256_loadu_ps(&p.off[s * kPanelRows]);
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(t.xs[r * t.x_subs + s]), acc[r]);
         }
-        add_32(dx + m0 * k, a00, a01, a02, a03);
-        add_32(dx + (m0 + 1) * k, a10, a11, a12, a13);
-        add_32(dx + (m0 + 2) * k, a20, a21, a22, a23);
-        add_32(dx + (m0 + 3) * k, a30, a31, a32, a33);
+    }
+    for (int r = 0; r < R; ++r) {
+        alignas(32) float row[kPanelRows];
+        _mm256_store_ps(row, acc[r]);
+        float* out = t.y + r * t.n;
+        for (int j = 0; j < t.cols; ++j) out[j] = t.accumulate ? out[j] + row[j] : row[j];
     }
 }
 #else
-template <int R>
-void add_panel(const float* panel, int64_t width, int64_t rows, const float* gt, int64_t m,
-               int64_t m0, float* dx, int64_t k) {
-    float acc[R][32] = {};
-    for (int64_t o = 0; o < rows; ++o) {
-        const float* w = panel + o * width;
-        for (int r = 0; r < R; ++r) {
-            const float g = gt[o * m + m0 + r];
-            for (int i = 0; i < 32; ++i) acc[r][i] += g * w[i];
+template <int R, bool Offset, bool Split, int Run>
+void panel_tile(const TileArgs& t) {
+    const Panel& p = *t.panel;
+    for (int r = 0; r < R; ++r) {
+        float* out = t.y + r * t.n;
+        for (int j = 0; j < t.cols; ++j) {
+            float total = 0.0f;
+            for (int64_t s = 0; s < t.subs; ++s) {
+                int low = 0, high = 0;
+                for (int i = 0; i < 32; ++i) {
+                    const int w = p.q[s * 256 + (i / 4) * 32 + 4 * j + i % 4];
+                    (i < 16 ? low : high) += w * t.xq[r * t.k + 32 * s + i];
+                }
+                const int64_t at = s * kPanelRows + j;
+                const float xd = t.xd[r * t.x_subs + s];
+                total += static_cast<float>(low) * (p.lo[at] * xd);
+                total += static_cast<float>(high) * (p.hi[at] * xd);
+                if (Offset) total += p.off[at] * t.xs[r * t.x_subs + s];
+            }
+            out[j] = t.accumulate ? out[j] + total : total;
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < 32; ++i) dx[(m0 + r) * k + i] += acc[r][i];
 }
 #endif
 
-template <typename Step>
+template <int R>
+void tile_for(const Format& f, const TileArgs& t) {
+    if (f.split) return panel_tile<R, false, true, 0>(t);  // Q6_K
+    if (f.run == 8) return panel_tile<R, true, false, 8>(t);   // Q4_0, Q4_1, Q4_K
+    if (f.run == 4) return panel_tile<R, true, false, 4>(t);   // Q5_K
+    return panel_tile<R, false, false, 0>(t);                 // Q8_0
+}
+
+// step(m0, rows) over [0, m) in tiles of Tile rows, the last one shorter.
+template <int Tile, typename Step>
 void over_tiles(int64_t m, Step step) {
     int64_t m0 = 0;
-    for (; m0 + kTile <= m; m0 += kTile) step(m0, kTile);
+    for (; m0 + Tile <= m; m0 += Tile) step(m0, Tile);
     if (m0 < m) step(m0, static_cast<int>(m - m0));
+}
+
+// One of the tile kernels by its row count (1 .. kRowTile), a compile-time constant inside.
+template <int R = kRowTile>
+void tile_rows(int rows, const Format& f, const TileArgs& t) {
+    if constexpr (R > 1) {
+        if (rows < R) return tile_rows<R - 1>(rows, f, t);
+    }
+    tile_for<R>(f, t);
+}
+
+
+// One row of G's tile against the two column vectors, if the tile has row r (R > r).
+template <int R, int r>
+inline void fma_row(const float* g, FloatVec w0, FloatVec w1, FloatVec& a0, FloatVec& a1) {
+    if constexpr (R > r) {
+        const FloatVec b = vbroadcast(g + r);
+        a0 = vfma(b, w0, a0);
+        a1 = vfma(b, w1, a1);
+    }
+}
+
+template <int R, int r>
+inline void add_row(float* dx, int64_t k, FloatVec a0, FloatVec a1) {
+    if constexpr (R > r) {
+        vadd_into(dx + r * k, a0);
+        vadd_into(dx + r * k + kVec, a1);
+    }
+}
+
+// dx[m0 .. m0+R, c .. c+kSlice] += sum over the panel's rows o of G[m0 + r, o] * W[o, c ..],
+// for one slice of the decoded panel and G's rows m0 .. packed as g[o][kGradRows]: R x 2
+// vector accumulators in registers for the whole panel, added into dx once. Named
+// accumulators, not an array: GCC keeps an array of vectors on the stack and stores it every
+// iteration (AVX2: 1.4x slower).
+template <int R>
+void add_panel(const float* slice, int64_t rows, const float* g, float* dx, int64_t k) {
+    static_assert(R <= 8, "eight rows of accumulators at most");
+    FloatVec a00 = vzero(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00;
+    FloatVec a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00;
+    FloatVec a70 = a00, a71 = a00;
+    for (int64_t o = 0; o < rows; ++o, g += kGradRows) {
+        const FloatVec w0 = vload(slice + o * kSlice), w1 = vload(slice + o * kSlice + kVec);
+        fma_row<R, 0>(g, w0, w1, a00, a01);
+        fma_row<R, 1>(g, w0, w1, a10, a11);
+        fma_row<R, 2>(g, w0, w1, a20, a21);
+        fma_row<R, 3>(g, w0, w1, a30, a31);
+        fma_row<R, 4>(g, w0, w1, a40, a41);
+        fma_row<R, 5>(g, w0, w1, a50, a51);
+        fma_row<R, 6>(g, w0, w1, a60, a61);
+        fma_row<R, 7>(g, w0, w1, a70, a71);
+    }
+    add_row<R, 0>(dx, k, a00, a01);
+    add_row<R, 1>(dx, k, a10, a11);
+    add_row<R, 2>(dx, k, a20, a21);
+    add_row<R, 3>(dx, k, a30, a31);
+    add_row<R, 4>(dx, k, a40, a41);
+    add_row<R, 5>(dx, k, a50, a51);
+    add_row<R, 6>(dx, k, a60, a61);
+    add_row<R, 7>(dx, k, a70, a71);
+}
+
+template <int R = kGradRows>
+void add_panel_rows(int rows_m, const float* slice, int64_t rows, const float* g, float* dx,
+                    int64_t k) {
+    if constexpr (R > 1) {
+        if (rows_m < R) return add_panel_rows<R - 1>(rows_m, slice, rows, g, dx, k);
+    }
+    add_panel<R>(slice, rows, g, dx, k);
+}
+
+// G (gt's n rows of m) packed once for every tile of kGradRows of G's rows, tile by tile as
+// out[tile][o][r] (zeros past G's last row): a tile's reads over a panel are contiguous.
+void pack_gradient(const float* gt, int64_t n, int64_t m, std::vector<float>* out,
+                   int threads) {
+    const int64_t tiles = (m + kGradRows - 1) / kGradRows;
+    out->resize(tiles * kGradRows * n);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; ++o) {
+        for (int64_t t = 0; t < tiles; ++t) {
+            float* packed = out->data() + (t * n + o) * kGradRows;
+            for (int r = 0; r < kGradRows; ++r) {
+                const int64_t row = t * kGradRows + r;
+                packed[r] = row < m ? gt[o * m + row] : 0.0f;
+            }
+        }
+    }
 }
 
 }  // namespace
@@ -466,24 +526,28 @@ int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const f
     static thread_local Activations buffers;
     Activations& a = buffers;  // the calling thread's, shared with the team below
     quantize_rows(x, m, k, &a, threads);
-    // rows a task: a small run unpacked once and used for every tile of x's rows
-    const int64_t chunk =
-        m <= kTile ? 1 : std::max<int64_t>(1, std::min<int64_t>(16, n / (4 * threads)));
+    const int64_t x_subs = k / 32, chunk_blocks = kPanelSubs * 32 / f.values;
+    const int64_t blocks_in_row = k / f.values;
 #pragma omp parallel num_threads(threads)
     {
-        static thread_local Rows rows;
+        static thread_local Panel panel;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t o0 = 0; o0 < n; o0 += chunk) {
-            const int64_t count = std::min(chunk, n - o0);
-            f.unpack_rows(w + o0 * row_stride, row_stride, count, k, &rows);
-            over_tiles(m, [&](int64_t m0, int tile) {
-                switch (tile) {
-                    case 4: tile_rows<4>(f, rows, count, o0, a, m0, k, n, y); break;
-                    case 3: tile_rows<3>(f, rows, count, o0, a, m0, k, n, y); break;
-                    case 2: tile_rows<2>(f, rows, count, o0, a, m0, k, n, y); break;
-                    default: tile_rows<1>(f, rows, count, o0, a, m0, k, n, y); break;
-                }
-            });
+        for (int64_t o0 = 0; o0 < n; o0 += kPanelRows) {
+            const int cols = static_cast<int>(std::min<int64_t>(kPanelRows, n - o0));
+            for (int64_t first = 0; first < blocks_in_row; first += chunk_blocks) {
+                const int64_t count = std::min(chunk_blocks, blocks_in_row - first);
+                f.repack(w + o0 * row_stride, row_stride, cols, first, count, &panel);
+                const int64_t s0 = first * f.values / 32;
+                over_tiles<kRowTile>(m, [&](int64_t m0, int tile) {
+                    const TileArgs t{&panel,          count * f.values / 32,
+                                     &a.q[m0 * k + s0 * 32], &a.d[m0 * x_subs + s0],
+                                     &a.s[m0 * x_subs + s0], k,
+                                     x_subs,          y + m0 * n + o0,
+                                     n,               cols,
+                                     first > 0};
+                    tile_rows(tile, f, t);
+                });
+            }
         }
     }
     return 0;
@@ -496,12 +560,16 @@ int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const
                 int64_t m, int64_t k, float* dx, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
     const Format& f = kFormats[type];
-    // a panel of 32 KiB of floats, as deep as it can be: each panel adds its sums into dx once,
-    // and dx's rows (k floats apart) contend for the same cache sets
-    constexpr int64_t kPanelValues = 8192, kTileValues = 128;
+    // a panel of 256 KiB of floats (L2): each panel adds its sums into dx once, and each slice
+    // of it (kSlice columns, contiguous) stays in L1 while every tile of dx's rows passes over
+    // it; 512 columns a task: G, packed once, is read k / 512 times
+    constexpr int64_t kPanelValues = 65536, kTileValues = 512;
     const int64_t tile_blocks = std::max<int64_t>(1, kTileValues / f.values);
     const int64_t panel_rows = kPanelValues / (tile_blocks * f.values);
     const int64_t tiles = (k / f.values + tile_blocks - 1) / tile_blocks;
+    static thread_local std::vector<float> packed;  // kept, as lt_matmul's activations
+    pack_gradient(gt, n, m, &packed, threads);
+    const float* g = packed.data();
 #pragma omp parallel num_threads(threads)
     {
         static thread_local std::vector<float> panel(kPanelValues);
@@ -514,17 +582,11 @@ int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const
                 const int64_t rows = std::min(panel_rows, n - o0);
                 f.decode_blocks(w + o0 * row_stride + first * f.bytes, row_stride, rows, blocks,
                                 panel.data());
-                const float* g = gt + o0 * m;
-                for (int64_t c = 0; c < width; c += 32) {
-                    float* out = dx + first * f.values + c;
-                    const float* cols = panel.data() + c;
-                    over_tiles(m, [&](int64_t m0, int tile) {
-                        switch (tile) {
-                            case 4: add_panel<4>(cols, width, rows, g, m, m0, out, k); break;
-                            case 3: add_panel<3>(cols, width, rows, g, m, m0, out, k); break;
-                            case 2: add_panel<2>(cols, width, rows, g, m, m0, out, k); break;
-                            default: add_panel<1>(cols, width, rows, g, m, m0, out, k); break;
-                        }
+                for (int64_t c = 0; c < width; c += kSlice) {
+                    over_tiles<kGradRows>(m, [&](int64_t m0, int tile) {
+                        const float* g_tile = g + m0 * n + o0 * kGradRows;
+                        add_panel_rows(tile, panel.data() + c * rows, rows, g_tile,
+                                       dx + m0 * k + first * f.values + c, k);
                     });
                 }
             }

@@ -1,0 +1,191 @@
+// GGUF blocks unpacked to one form (llamatrain.ops.quantized_matmul's kernels, quantized.cpp):
+// every type's block becomes signed 8-bit quants q, and per 32 values a scale for values 0-15
+// ("lo"), one for values 16-31 ("hi") and an offset, so that value i = scale * q[i] + off,
+// each operation rounded as ggml's dequantize_row_* rounds it.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace blocks {
+
+inline float half_to_float(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    uint32_t bits;
+    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+        const float value = std::ldexp(static_cast<float>(mantissa), -24);
+        return sign ? -value : value;
+    }
+    if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    }
+    float value;
+    std::memcpy(&value, &bits, 4);
+    return value;
+#endif
+}
+
+// One block unpacked: its quants as int8 and, per 32 values, the scale of values 0-15 (lo)
+// and 16-31 (hi) and the offset (off), so that value i = scale * q[i] + off.
+struct Unpacked {
+    int8_t* __restrict q;
+    float* __restrict lo;
+    float* __restrict hi;
+    float* __restrict off;
+};
+
+using Unpack = void (*)(const uint8_t* block, Unpacked out);
+
+inline void set_scales(Unpacked out, int sub, float lo, float hi, float off) {
+    out.lo[sub] = lo;
+    out.hi[sub] = hi;
+    out.off[sub] = off;
+}
+
+// The low and the high nibbles of ``n`` bytes (16 or 32) as int8 values minus ``bias``.
+template <int N>
+inline void split_nibbles(const uint8_t* __restrict src, int8_t* __restrict low,
+                          int8_t* __restrict high, int8_t bias) {
+#if defined(__AVX2__)
+    const __m128i mask = _mm_set1_epi8(0x0F), offset = _mm_set1_epi8(bias);
+    for (int i = 0; i < N; i += 16) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        const __m128i l = _mm_sub_epi8(_mm_and_si128(v, mask), offset);
+        const __m128i h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), offset);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(low + i), l);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(high + i), h);
+    }
+#else
+    for (int i = 0; i < N; ++i) {
+        low[i] = static_cast<int8_t>((src[i] & 0x0F) - bias);
+        high[i] = static_cast<int8_t>((src[i] >> 4) - bias);
+    }
+#endif
+}
+
+inline void unpack_q4_0(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b);
+    split_nibbles<16>(b + 2, out.q, out.q + 16, 8);
+    set_scales(out, 0, d, d, 0.0f);
+}
+
+// Q4_0 for the forward's integer sums: its quants left unsigned (0-15) and the 8 taken off
+// as an offset, value = d * u - 8d (the offset's product goes with the activations' sums).
+// Not for decoding: d * u - 8d may round differently from ggml's d * (u - 8).
+inline void unpack_q4_0_unsigned(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b);
+    split_nibbles<16>(b + 2, out.q, out.q + 16, 0);
+    set_scales(out, 0, d, d, -8.0f * d);
+}
+
+inline void unpack_q4_1(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b), m = half_to_float(b + 2);
+    split_nibbles<16>(b + 4, out.q, out.q + 16, 0);
+    set_scales(out, 0, d, d, m);
+}
+
+inline void unpack_q8_0(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b);
+    std::memcpy(out.q, b + 2, 32);
+    set_scales(out, 0, d, d, 0.0f);
+}
+
+// Q4_K/Q5_K: sub-block j's six-bit scale and min from the block's 12 packed bytes.
+inline void k_scale_min(int j, const uint8_t* packed, int* scale, int* min) {
+    if (j < 4) {
+        *scale = packed[j] & 63;
+        *min = packed[j + 4] & 63;
+    } else {
+        *scale = (packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4);
+        *min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+    }
+}
+
+inline void k_scales(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    for (int j = 0; j < 8; ++j) {
+        int scale, min;
+        k_scale_min(j, b + 4, &scale, &min);
+        const float d1 = d * static_cast<float>(scale), m1 = dmin * static_cast<float>(min);
+        set_scales(out, j, d1, d1, -m1);
+    }
+}
+
+inline void unpack_q4_k(const uint8_t* b, Unpacked out) {
+    for (int j = 0; j < 4; ++j) {
+        split_nibbles<32>(b + 16 + 32 * j, out.q + 64 * j, out.q + 64 * j + 32, 0);
+    }
+    k_scales(b, out);
+}
+
+inline void unpack_q5_k(const uint8_t* b, Unpacked out) {
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    for (int j = 0; j < 4; ++j, qs += 32) {
+        for (int l = 0; l < 32; ++l) {
+            const int high_low = ((qh[l] >> (2 * j)) & 1) << 4;
+            const int high_high = ((qh[l] >> (2 * j + 1)) & 1) << 4;
+            out.q[64 * j + l] = static_cast<int8_t>((qs[l] & 0x0F) | high_low);
+            out.q[64 * j + 32 + l] = static_cast<int8_t>((qs[l] >> 4) | high_high);
+        }
+    }
+    k_scales(b, out);
+}
+
+inline void unpack_q6_k(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b + 208);
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+    for (int half = 0; half < 2; ++half) {
+        const uint8_t* ql = b + 64 * half;
+        const uint8_t* qh = b + 128 + 32 * half;
+        int8_t* q = out.q + 128 * half;
+        for (int l = 0; l < 32; ++l) {
+            q[l] = static_cast<int8_t>(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+            q[32 + l] = static_cast<int8_t>(((ql[32 + l] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            q[64 + l] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            q[96 + l] = static_cast<int8_t>(((ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+        for (int quarter = 0; quarter < 4; ++quarter) {
+            const int8_t* sc = scales + 8 * half + 2 * quarter;
+            set_scales(out, 4 * half + quarter, d * static_cast<float>(sc[0]),
+                       d * static_cast<float>(sc[1]), 0.0f);
+        }
+    }
+}
+
+// 32 values scale * q + off (scale lo for the first 16, hi for the rest), each operation
+// rounded to float32 as ggml's dequantize_row_* rounds it; values 0-15 to out[0], 16-31 to
+// out[1] (the two may be apart: slices of 16 columns).
+inline void decode_32(const int8_t* q, float lo, float hi, float off, float* const out[2]) {
+#if defined(__AVX2__)
+    const __m128i bytes[2] = {_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))};
+    const __m256 scales[2] = {_mm256_set1_ps(lo), _mm256_set1_ps(hi)};
+    const __m256 offset = _mm256_set1_ps(off);
+    for (int half = 0; half < 2; ++half) {
+        const __m256i low = _mm256_cvtepi8_epi32(bytes[half]);
+        const __m256i high = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes[half], bytes[half]));
+        const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(low), scales[half]);
+        const __m256 b = _mm256_mul_ps(_mm256_cvtepi32_ps(high), scales[half]);
+        _mm256_storeu_ps(out[half], _mm256_add_ps(a, offset));
+        _mm256_storeu_ps(out[half] + 8, _mm256_add_ps(b, offset));
+    }
+#else
+    for (int i = 0; i < 32; ++i) {
+        out[i / 16][i % 16] = (i < 16 ? lo : hi) * static_cast<float>(q[i]) + off;
+    }
+#endif
+}
+
+}  // namespace blocks
