@@ -18,8 +18,10 @@ faster. These are the same scheme (``ops/kernels/quantized.cpp``, built on first
   product up to float32 summation order (QLoRA's backward).
 
 Types: :data:`KERNEL_TYPES` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: the types of Q4_K_M,
-Q5_K_M and Q8_0 files); others return None and keep the caller's decode-then-matmul path, as
-does everything when the library cannot be built (one warning, :mod:`kernel_build`).
+Q5_K_M and Q8_0 files; Q5_0 and Q5_1, which llama.cpp's quantizer puts in a Q4_K_M/Q5_K_M
+file where rows are no multiple of 256, as SmolLM2-135M's 576); others return None and keep
+the caller's decode-then-matmul path, as does everything when the library cannot be built
+(one warning, :mod:`kernel_build`).
 
 When a product takes the kernels (:func:`kernel_rows`): while its rows M (tokens) are at most
 :func:`max_rows`, which depends on the dtype. Measured single-thread CPU times
@@ -75,10 +77,12 @@ __all__ = [
     "kernel_rows",
 ]
 
-KERNEL_TYPES: dict[str, int] = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+KERNEL_TYPES: dict[str, int] = {
+    "Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q5_0": 6, "Q5_1": 7,
+}  # fmt: skip
 """ggml type -> its id in the C++ library's format table."""
 
-_BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+_BLOCK_VALUES = {qtype: 256 if qtype.endswith("_K") else 32 for qtype in KERNEL_TYPES}
 
 MAX_ROWS: dict[str, int | None] = {"forward": None, "backward": 128}
 """Rows M up to which a float32 product takes the kernels, None: any (the module docstring's

@@ -95,6 +95,35 @@ inline void unpack_q4_1(const uint8_t* b, Unpacked out) {
     set_scales(out, 0, d, d, m);
 }
 
+// Q5_0/Q5_1: the low nibbles as Q4's, the fifth bits from the 32-bit qh (bit j for value j),
+// values 0-31 unsigned.
+inline void five_bit_quants(const uint8_t* qh_bytes, const uint8_t* qs, int8_t* q) {
+    uint32_t qh;
+    std::memcpy(&qh, qh_bytes, 4);
+    split_nibbles<16>(qs, q, q + 16, 0);
+    for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(q[j] | (((qh >> j) & 1) << 4));
+}
+
+inline void unpack_q5_0(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b);
+    five_bit_quants(b + 2, b + 6, out.q);
+    for (int j = 0; j < 32; ++j) out.q[j] = static_cast<int8_t>(out.q[j] - 16);
+    set_scales(out, 0, d, d, 0.0f);
+}
+
+// Q5_0 for the forward's integer sums, as unpack_q4_0_unsigned: value = d * u - 16d.
+inline void unpack_q5_0_unsigned(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b);
+    five_bit_quants(b + 2, b + 6, out.q);
+    set_scales(out, 0, d, d, -16.0f * d);
+}
+
+inline void unpack_q5_1(const uint8_t* b, Unpacked out) {
+    const float d = half_to_float(b), m = half_to_float(b + 2);
+    five_bit_quants(b + 4, b + 8, out.q);
+    set_scales(out, 0, d, d, m);
+}
+
 inline void unpack_q8_0(const uint8_t* b, Unpacked out) {
     const float d = half_to_float(b);
     std::memcpy(out.q, b + 2, 32);

@@ -205,6 +205,8 @@ const Format kFormats[] = {
     format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8>(),
     format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4>(),
     format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0>(),
+    format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4>(),
+    format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4>(),
 };
 constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
@@ -412,7 +414,7 @@ template <int R>
 void tile_for(const Format& f, const TileArgs& t) {
     if (f.split) return panel_tile<R, false, true, 0>(t);  // Q6_K
     if (f.run == 8) return panel_tile<R, true, false, 8>(t);   // Q4_0, Q4_1, Q4_K
-    if (f.run == 4) return panel_tile<R, true, false, 4>(t);   // Q5_K
+    if (f.run == 4) return panel_tile<R, true, false, 4>(t);   // Q5_K, Q5_0, Q5_1
     return panel_tile<R, false, false, 0>(t);                 // Q8_0
 }
 
