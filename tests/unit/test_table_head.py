@@ -12,7 +12,13 @@ compute (themselves checked against the full logits):
   decoded table, computed in float64 from the full logits, with maxima that grow from chunk to
   chunk (the running rescale) and logits large enough for absolute sums to cancel;
 * logits equal to the decoded table's product; all rows ignored: loss 0, gradient 0;
-* under bf16 autocast, the log-probs of the bf16-rounded logits (the products run in bf16).
+* under bf16 autocast, the log-probs of the bf16-rounded logits (the products run in bf16);
+* in float32 over a kernel type (``ops.quantized_matmul``: both products over the stored
+  blocks), the dense head of the hidden rows as the kernel rounds them to 8 bits, in float64.
+
+The exact comparisons (float32, entropy, and bf16's float32 reference) run with the kernels
+off (``decoded_products``, conftest): over the blocks the logits carry the rows' 8-bit
+rounding, which the last test checks on its own.
 
 float32 tolerance ``TOL`` (relative to the largest |value| of each compared tensor): the
 products are the same, but the log-sum-exp is summed a vocabulary chunk at a time and the
@@ -93,6 +99,7 @@ def test_gradcheck_float64_over_blocks() -> None:
     assert gradcheck(lambda h: fn(h, table, t, qtype="Q4_0", chunk_rows=6, softcap=3.0), (h,))
 
 
+@pytest.mark.usefixtures("decoded_products")
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("chunk", [None, 7])
 @pytest.mark.parametrize(("qtype", "dim"), [("Q4_0", 64), ("Q8_0", 64), ("Q5_1", 96), (None, 48)])
@@ -113,6 +120,7 @@ def test_float32_equals_the_dense_head_over_the_decoded_table(qtype, dim, chunk,
     assert relative(loss, want_loss) <= TOL and relative(loss_dh, want_loss_dh) <= TOL
 
 
+@pytest.mark.usefixtures("decoded_products")
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 @pytest.mark.parametrize("scale", [1.0, 40.0])  # logits of ~1 and of ~±100 (peaked rows)
@@ -162,6 +170,7 @@ def test_a_table_of_another_shape_is_refused() -> None:
         table_logps(h, table, t, qtype="Q4_0")
 
 
+@pytest.mark.usefixtures("decoded_products")  # the float32 head it is held to: exact
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize(("qtype", "dim", "chunk"), [("Q4_0", 64, 7), ("Q8_0", 256, None)])
 def test_bf16_autocast_runs_the_products_in_bf16(qtype, dim, chunk, softcap) -> None:
@@ -194,3 +203,36 @@ def test_bf16_autocast_runs_the_products_in_bf16(qtype, dim, chunk, softcap) -> 
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
     assert relative(f32, want) > 1e-4  # the float32 head is not what ran
     assert relative(got_dh, f32_dh) <= 2**-6
+
+
+def eight_bit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels quantize a product's rows (``ops.quantized_matmul``: int8 per 32
+    values, one scale amax/127), in float64."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (q.double() * (amax.double() / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize(("qtype", "dim", "chunk"), [("Q4_0", 64, 7), ("Q8_0", 96, None)])
+def test_float32_over_the_blocks_is_the_head_of_the_8bit_rows(qtype, dim, chunk, softcap) -> None:
+    """Over a kernel type the logits are the kernel's: the hidden rows (times log2(e), as the
+    head scores) rounded to 8 bits per 32 values, times the stored rows; dH is the exact
+    product of the softmax's weights with the stored rows. Against the dense head of those
+    rounded rows in float64: log-probs and dH within ``TOL`` (measured <= 1.4e-7 and
+    2.4e-7: the kernel's integer sums are exact, its scales and the head's chunked sums
+    float32), where the exact head is > 1e-4 away (the rows' rounding)."""
+    table, w = stored(50, dim, qtype)
+    h, t = hidden(3, 9, dim, vocab=50)
+    up = torch.randn(t.shape, generator=gen(4))
+    got = table_logps(h, table, t, qtype=qtype, chunk_rows=chunk, softcap=softcap)
+    (got_dh,) = torch.autograd.grad(got, h, up)
+
+    rounded = eight_bit_rows(h.detach().reshape(-1, dim) * LOG2E) / LOG2E
+    rounded = rounded.reshape(h.shape).requires_grad_(True)
+    want = linear_logps(rounded, w.double(), t, softcap=softcap)
+    (want_dh,) = torch.autograd.grad(want, rounded, up.double())
+    assert relative(got.double(), want) <= TOL and relative(got_dh.double(), want_dh) <= TOL
+    exact = linear_logps(h, w, t, softcap=softcap)
+    assert relative(got, exact) > 1e-4  # the exact head is not what ran

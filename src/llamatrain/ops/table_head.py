@@ -38,6 +38,21 @@ that dtype. Against the dense head over the decoded table the products are the s
 log-sum-exp is summed per chunk and combined, another order than one sum over the whole
 vocabulary, so values and dH agree to float32 rounding (~1e-7 relative), not bit for bit.
 
+Over the blocks: in float32, over a table of a kernel type (``ops.quantized_matmul``), both
+products run over the chunk's stored blocks (a chunk of the table is a range of its rows,
+so a view of its bytes) where :func:`~llamatrain.ops.quantized_matmul.kernel_rows` says the
+kernels win at the scored rows' count (the forward at any count; with grad, the backward up
+to 128 rows: past that, each chunk is decoded once for both products, as before). No chunk
+is decoded then, only the targets' rows. Z_c then carries the rows' 8-bit rounding (h·log2(e)
+quantized per 32 values, as the base's products over the blocks and llama.cpp's own logits
+do): the log-probs are the dense head's of those rounded rows (to float32 rounding;
+tests/unit/test_table_head.py), ~1e-3 of the largest logit from the exact head's; dH is
+the exact product of the softmax's weights with the stored rows. Why: the head's two
+products over a 128k × 2048 Q4_0 table were a third of a Llama-3.2-1B-shape float32 QLoRA
+step of 64 tokens (decoding every chunk, then two float GEMMs); over the blocks they cost
+0.60 s where they cost 0.98 (one thread, ``bench/README.md``). float64 (gradchecks) and the
+bf16/f16 products under autocast keep the decoded path.
+
 Under bf16 (or f16) autocast the two products with the table run in that dtype, as autocast
 runs a linear lm head: h and the decoded rows rounded to it, float32 accumulation, each
 product rounded once; the softmax, its running sums and the returned log-probs stay float32.
@@ -62,7 +77,8 @@ from torch.autograd.function import once_differentiable
 from llamatrain.ops.dequantize import row_bytes
 from llamatrain.ops.dtypes import autocast_dtype, compute_dtype
 from llamatrain.ops.logps import to_all_rows
-from llamatrain.ops.lora import base_forward, row_chunks, rows_per_chunk
+from llamatrain.ops.lora import base_forward, dense_weight, row_chunks, rows_per_chunk
+from llamatrain.ops.quantized_matmul import blocks_matmul, blocks_matmul_t, kernel_rows
 
 __all__ = ["table_cross_entropy", "table_logits", "table_logps", "table_logps_and_entropy"]
 
@@ -85,6 +101,9 @@ class _Scored:
     chunk_rows: int
     low: torch.Tensor | None
     """``h2`` in the bf16/f16 the products with the table run in under autocast, else None."""
+    over_blocks: bool
+    """Whether Z_c = h·W_cᵀ and (with grad) the softmax's product with W_c run over the
+    chunk's blocks as stored (``ops.quantized_matmul``), no chunk decoded."""
 
     @classmethod
     def of(
@@ -97,6 +116,7 @@ class _Scored:
         softcap: float | None,
         chunk_rows: int | None,
         low: torch.dtype | None,
+        with_grad: bool,
     ) -> _Scored:
         flat = targets.reshape(-1)
         rows = (flat != ignore_index).nonzero().squeeze(-1)
@@ -105,35 +125,80 @@ class _Scored:
         # vocabulary rows a chunk: CHUNK_BYTES of decoded rows and of logits, at most
         step = rows_per_chunk(max(h.shape[-1], h2.shape[0]), chunk_rows)
         h2_low = None if low is None or h2.dtype == torch.float64 else h2.to(low)
-        return cls(h2, rows, flat[rows].long(), cap2, table, qtype, step, h2_low)
+        over_blocks = h2_low is None and _over_blocks(table, qtype, h2, with_grad)
+        return cls(h2, rows, flat[rows].long(), cap2, table, qtype, step, h2_low, over_blocks)
 
     def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``a @ b`` in the products' dtype, as ``h2``'s (float32: accumulated in float32 and
         rounded to the low dtype once, under autocast)."""
         return torch.mm(a, b).to(self.h2.dtype)
 
-    def chunks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """Per chunk of the table: each row's local target index and whether the target is in
-        the chunk (index clamped into it where not), the scores Z_c (base 2, capped), and
-        tanh(Z/cap) under a cap (else None)."""
+    def chunks(self) -> Iterator[_Chunk]:
+        """Per chunk of the table: its rows decoded (None where both products run over the
+        blocks), each row's local target index and whether the target is in the chunk (index
+        clamped into it where not), the scores Z_c (base 2, capped), and tanh(Z/cap) under a
+        cap (else None)."""
         if not len(self.rows):
             return
-        dim, h2 = self.h2.shape[1], self.h2 if self.low is None else self.low
-        for cols, w in row_chunks(self.table, self.qtype, dim, h2.dtype, self.chunk_rows):
+        h2 = self.h2 if self.low is None else self.low
+        for cols, w in self._decoded(h2.dtype):
+            blocks = self.table[cols]
             local = self.targets - cols.start
-            inside = (local >= 0) & (local < w.shape[0])
-            z = self.product(h2, w.t())
+            inside = (local >= 0) & (local < blocks.shape[0])
+            z = blocks_matmul(h2, blocks, self.qtype) if w is None else self.product(h2, w.t())
             t = None
             if self.cap2 is not None:  # softcap forward: Z' = cap·tanh(Z/cap)
                 t = z.div_(self.cap2).tanh_()
                 z = t * self.cap2
-            yield _Chunk(w, local.clamp(0, w.shape[0] - 1).unsqueeze(-1), inside, z, t)
+            clamped = local.clamp(0, blocks.shape[0] - 1).unsqueeze(-1)
+            yield _Chunk(blocks, w, clamped, inside, z, t)
+
+    def _decoded(self, dtype: torch.dtype) -> Iterator[tuple[slice, torch.Tensor | None]]:
+        """The table's chunks of rows, decoded to ``dtype`` unless both products run over
+        the blocks (then None): one decode serves both products where either needs it."""
+        dim = self.h2.shape[1]
+        if not self.over_blocks:
+            yield from row_chunks(self.table, self.qtype, dim, dtype, self.chunk_rows)
+            return
+        for start in range(0, self.table.shape[0], self.chunk_rows):
+            yield slice(start, start + self.chunk_rows), None
+
+    def target_rows(self, chunk: _Chunk, hit: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows that are the ``hit`` rows' targets, decoded as the products see
+        them (float32 for the softmax's sums)."""
+        picked = chunk.blocks[chunk.local[hit, 0]]
+        dtype = (self.h2 if self.low is None else self.low).dtype
+        rows = (
+            picked.to(dtype)
+            if self.qtype is None
+            else dense_weight(picked, self.qtype, self.h2.shape[1], dtype)
+        )
+        return rows.to(self.h2.dtype)
+
+    def spread(self, weights: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+        """The softmax's weights (rows, chunk) times the chunk's rows W_c: over the blocks
+        (exact, float32) or the decoded rows."""
+        if chunk.w is None:
+            return blocks_matmul_t(weights, chunk.blocks, self.qtype, self.h2.shape[1])
+        return self.product(weights.to(chunk.w.dtype), chunk.w)
+
+
+def _over_blocks(table: torch.Tensor, qtype: str | None, h2: torch.Tensor, with_grad: bool) -> bool:
+    """Whether the products run over the blocks: where ``kernel_rows`` says the kernels win
+    at these rows for the forward and, with grad, the backward too. Where the backward needs
+    a decoded chunk, both products use it: decoded once, its float GEMM beats the kernel."""
+    rows, dim = h2.shape
+    if with_grad and not kernel_rows(table, qtype, dim, rows, h2.dtype, "backward"):
+        return False
+    return kernel_rows(table, qtype, dim, rows, h2.dtype)
 
 
 @dataclass
 class _Chunk:
-    w: torch.Tensor
-    """(chunk, dim) the decoded rows."""
+    blocks: torch.Tensor
+    """(chunk, row bytes or dim) the rows as stored."""
+    w: torch.Tensor | None
+    """(chunk, dim) the rows decoded, None where both products run over the blocks."""
     local: torch.Tensor
     """(rows, 1) each target's index in the chunk, clamped into it."""
     inside: torch.Tensor
@@ -185,13 +250,13 @@ def _one_pass(scored: _Scored, with_grad: bool, with_entropy: bool) -> _Pass:
         high = top
         if spread is not None and own is not None:
             hit = chunk.inside.nonzero().squeeze(1)  # rows whose target is in this chunk
-            target_rows = chunk.w[chunk.local[hit, 0]].to(own.dtype)
+            target_rows = scored.target_rows(chunk, hit)
             if chunk.t is not None:  # softcap backward: dZ = dZ'·(1 − t²)
                 slope = chunk.t.square_().neg_().add_(1.0)
                 weights.mul_(slope)
                 target_rows.mul_(slope[hit].gather(1, chunk.local[hit]))
             spread.mul_(rescale.unsqueeze(1))
-            spread.add_(scored.product(weights.to(chunk.w.dtype), chunk.w))
+            spread.add_(scored.spread(weights, chunk))
             own.index_copy_(0, hit, target_rows)
     entropy = None if mixed is None else mixed.div_(total).add_(total.log())
     lse2 = total.log2().add_(high)
@@ -216,7 +281,9 @@ class _TableLogps(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         low = autocast_dtype(h.device.type)
         with torch.autocast(h.device.type, enabled=False):
-            scored = _Scored.of(h, table, qtype, targets, ignore_index, softcap, chunk_rows, low)
+            scored = _Scored.of(
+                h, table, qtype, targets, ignore_index, softcap, chunk_rows, low, with_grad
+            )
             done = _one_pass(scored, with_grad, with_entropy)
             logps = done.picked.sub_(done.lse2).mul_(_LN2)  # base 2 to nats
             logps, entropies = (to_all_rows(x, scored.rows, targets) for x in (logps, done.entropy))
