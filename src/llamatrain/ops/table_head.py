@@ -47,11 +47,11 @@ is decoded then, only the targets' rows. Z_c then carries the rows' 8-bit roundi
 quantized per 32 values, as the base's products over the blocks and llama.cpp's own logits
 do): the log-probs are the dense head's of those rounded rows (to float32 rounding;
 tests/unit/test_table_head.py), ~1e-3 of the largest logit from the exact head's; dH is
-the exact product of the softmax's weights with the stored rows. Why: the head's two
-products over a 128k × 2048 Q4_0 table were a third of a Llama-3.2-1B-shape float32 QLoRA
-step of 64 tokens (decoding every chunk, then two float GEMMs); over the blocks they cost
-0.60 s where they cost 0.98 (one thread, ``bench/README.md``). float64 (gradchecks) and the
-bf16/f16 products under autocast keep the decoded path.
+the exact product of the softmax's weights with the stored rows. Why: the head over a
+128k × 2048 Q4_0 table was 22% of a Llama-3.2-1B-shape float32 QLoRA step of 64 tokens
+(profiled: every chunk decoded, then two float GEMMs); over the blocks it costs 0.60 s
+where it cost 0.98 (one thread), the step ~8% less (``bench/README.md``). float64
+(gradchecks) and the bf16/f16 products under autocast keep the decoded path.
 
 Under bf16 (or f16) autocast the two products with the table run in that dtype, as autocast
 runs a linear lm head: h and the decoded rows rounded to it, float32 accumulation, each
