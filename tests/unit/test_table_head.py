@@ -215,16 +215,21 @@ def eight_bit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("batch", [3, 24])  # 20 and 162 scored rows: dH over the blocks / decoded
 @pytest.mark.parametrize(("qtype", "dim", "chunk"), [("Q4_0", 64, 7), ("Q8_0", 96, None)])
-def test_float32_over_the_blocks_is_the_head_of_the_8bit_rows(qtype, dim, chunk, softcap) -> None:
+def test_float32_over_the_blocks_is_the_head_of_the_8bit_rows(
+    qtype, dim, chunk, batch, softcap
+) -> None:
     """Over a kernel type the logits are the kernel's: the hidden rows (times log2(e), as the
     head scores) rounded to 8 bits per 32 values, times the stored rows; dH is the exact
-    product of the softmax's weights with the stored rows. Against the dense head of those
-    rounded rows in float64: log-probs and dH within ``TOL`` (measured <= 1.4e-7 and
-    2.4e-7: the kernel's integer sums are exact, its scales and the head's chunked sums
-    float32), where the exact head is > 1e-4 away (the rows' rounding)."""
+    product of the softmax's weights with the stored rows, over the blocks up to 128 scored
+    rows and over decoded chunks past that (``kernel_rows``), the logits the same either way
+    and without grad. Against the dense head of those rounded rows in float64: log-probs and
+    dH within ``TOL`` (measured <= 1.8e-7 and 3.9e-7: the kernel's integer sums are exact, its
+    scales and the head's chunked sums float32), where the exact head is > 1e-4 away (the
+    rows' rounding)."""
     table, w = stored(50, dim, qtype)
-    h, t = hidden(3, 9, dim, vocab=50)
+    h, t = hidden(batch, 9, dim, vocab=50)
     up = torch.randn(t.shape, generator=gen(4))
     got = table_logps(h, table, t, qtype=qtype, chunk_rows=chunk, softcap=softcap)
     (got_dh,) = torch.autograd.grad(got, h, up)
@@ -234,5 +239,9 @@ def test_float32_over_the_blocks_is_the_head_of_the_8bit_rows(qtype, dim, chunk,
     want = linear_logps(rounded, w.double(), t, softcap=softcap)
     (want_dh,) = torch.autograd.grad(want, rounded, up.double())
     assert relative(got.double(), want) <= TOL and relative(got_dh.double(), want_dh) <= TOL
+    with torch.no_grad():
+        assert torch.equal(
+            table_logps(h, table, t, qtype=qtype, chunk_rows=chunk, softcap=softcap), got
+        )
     exact = linear_logps(h, w, t, softcap=softcap)
     assert relative(got, exact) > 1e-4  # the exact head is not what ran

@@ -41,9 +41,12 @@ vocabulary, so values and dH agree to float32 rounding (~1e-7 relative), not bit
 Over the blocks: in float32, over a table of a kernel type (``ops.quantized_matmul``), both
 products run over the chunk's stored blocks (a chunk of the table is a range of its rows,
 so a view of its bytes) where :func:`~llamatrain.ops.quantized_matmul.kernel_rows` says the
-kernels win at the scored rows' count (the forward at any count; with grad, the backward up
-to 128 rows: past that, each chunk is decoded once for both products, as before). No chunk
-is decoded then, only the targets' rows. Z_c then carries the rows' 8-bit rounding (h·log2(e)
+kernels win at the scored rows' count, each product deciding alone: the forward at any
+count, so the logits are the same with and without grad (a GRPO ratio's old and new
+log-probs); with grad the backward up to 128 rows, past that over a decoded chunk (at 256
+rows the kernel is no faster; the forward over the blocks costs no more there either: the
+whole head 2.38 s against 2.42 decoded). Below 128 rows no chunk is decoded, only the
+targets' rows. Z_c carries the rows' 8-bit rounding (h·log2(e)
 quantized per 32 values, as the base's products over the blocks and llama.cpp's own logits
 do): the log-probs are the dense head's of those rounded rows (to float32 rounding;
 tests/unit/test_table_head.py), ~1e-3 of the largest logit from the exact head's; dH is
@@ -101,9 +104,10 @@ class _Scored:
     chunk_rows: int
     low: torch.Tensor | None
     """``h2`` in the bf16/f16 the products with the table run in under autocast, else None."""
-    over_blocks: bool
-    """Whether Z_c = h·W_cᵀ and (with grad) the softmax's product with W_c run over the
-    chunk's blocks as stored (``ops.quantized_matmul``), no chunk decoded."""
+    over_blocks: tuple[bool, bool | None]
+    """Whether Z_c = h·W_cᵀ and the softmax's product with W_c (None: no grad, not computed)
+    run over the chunk's blocks as stored (``ops.quantized_matmul``) rather than decoded
+    rows: :func:`_over_blocks`."""
 
     @classmethod
     def of(
@@ -125,7 +129,7 @@ class _Scored:
         # vocabulary rows a chunk: CHUNK_BYTES of decoded rows and of logits, at most
         step = rows_per_chunk(max(h.shape[-1], h2.shape[0]), chunk_rows)
         h2_low = None if low is None or h2.dtype == torch.float64 else h2.to(low)
-        over_blocks = h2_low is None and _over_blocks(table, qtype, h2, with_grad)
+        over_blocks = _over_blocks(table, qtype, h2, with_grad) if h2_low is None else (False,) * 2
         return cls(h2, rows, flat[rows].long(), cap2, table, qtype, step, h2_low, over_blocks)
 
     def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -134,10 +138,10 @@ class _Scored:
         return torch.mm(a, b).to(self.h2.dtype)
 
     def chunks(self) -> Iterator[_Chunk]:
-        """Per chunk of the table: its rows decoded (None where both products run over the
-        blocks), each row's local target index and whether the target is in the chunk (index
-        clamped into it where not), the scores Z_c (base 2, capped), and tanh(Z/cap) under a
-        cap (else None)."""
+        """Per chunk of the table: its rows as stored and decoded (None where no product
+        needs them), each row's local target index and whether the target is in the chunk
+        (index clamped into it where not), the scores Z_c (base 2, capped), and tanh(Z/cap)
+        under a cap (else None)."""
         if not len(self.rows):
             return
         h2 = self.h2 if self.low is None else self.low
@@ -145,7 +149,10 @@ class _Scored:
             blocks = self.table[cols]
             local = self.targets - cols.start
             inside = (local >= 0) & (local < blocks.shape[0])
-            z = blocks_matmul(h2, blocks, self.qtype) if w is None else self.product(h2, w.t())
+            if self.over_blocks[0]:
+                z = blocks_matmul(h2, blocks, self.qtype)
+            else:
+                z = self.product(h2, w.t())
             t = None
             if self.cap2 is not None:  # softcap forward: Z' = cap·tanh(Z/cap)
                 t = z.div_(self.cap2).tanh_()
@@ -154,10 +161,10 @@ class _Scored:
             yield _Chunk(blocks, w, clamped, inside, z, t)
 
     def _decoded(self, dtype: torch.dtype) -> Iterator[tuple[slice, torch.Tensor | None]]:
-        """The table's chunks of rows, decoded to ``dtype`` unless both products run over
-        the blocks (then None): one decode serves both products where either needs it."""
+        """The table's chunks of rows, decoded to ``dtype`` where a product needs them, else
+        None."""
         dim = self.h2.shape[1]
-        if not self.over_blocks:
+        if False in self.over_blocks:
             yield from row_chunks(self.table, self.qtype, dim, dtype, self.chunk_rows)
             return
         for start in range(0, self.table.shape[0], self.chunk_rows):
@@ -168,29 +175,26 @@ class _Scored:
         them (float32 for the softmax's sums)."""
         picked = chunk.blocks[chunk.local[hit, 0]]
         dtype = (self.h2 if self.low is None else self.low).dtype
-        rows = (
-            picked.to(dtype)
-            if self.qtype is None
-            else dense_weight(picked, self.qtype, self.h2.shape[1], dtype)
-        )
-        return rows.to(self.h2.dtype)
+        return dense_weight(picked, self.qtype, self.h2.shape[1], dtype).to(self.h2.dtype)
 
     def spread(self, weights: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
         """The softmax's weights (rows, chunk) times the chunk's rows W_c: over the blocks
         (exact, float32) or the decoded rows."""
-        if chunk.w is None:
+        if chunk.w is None or self.over_blocks[1]:
             return blocks_matmul_t(weights, chunk.blocks, self.qtype, self.h2.shape[1])
         return self.product(weights.to(chunk.w.dtype), chunk.w)
 
 
-def _over_blocks(table: torch.Tensor, qtype: str | None, h2: torch.Tensor, with_grad: bool) -> bool:
-    """Whether the products run over the blocks: where ``kernel_rows`` says the kernels win
-    at these rows for the forward and, with grad, the backward too. Where the backward needs
-    a decoded chunk, both products use it: decoded once, its float GEMM beats the kernel."""
+def _over_blocks(
+    table: torch.Tensor, qtype: str | None, h2: torch.Tensor, with_grad: bool
+) -> tuple[bool, bool | None]:
+    """(forward, backward) over the blocks, each where ``kernel_rows`` says the kernels win
+    at these rows (backward None without grad). The forward is decided alone, as the base's
+    products decide theirs: so the logits (and log-probs) are the same with and without
+    grad, at any number of rows."""
     rows, dim = h2.shape
-    if with_grad and not kernel_rows(table, qtype, dim, rows, h2.dtype, "backward"):
-        return False
-    return kernel_rows(table, qtype, dim, rows, h2.dtype)
+    backward = kernel_rows(table, qtype, dim, rows, h2.dtype, "backward") if with_grad else None
+    return kernel_rows(table, qtype, dim, rows, h2.dtype), backward
 
 
 @dataclass
@@ -198,7 +202,7 @@ class _Chunk:
     blocks: torch.Tensor
     """(chunk, row bytes or dim) the rows as stored."""
     w: torch.Tensor | None
-    """(chunk, dim) the rows decoded, None where both products run over the blocks."""
+    """(chunk, dim) the rows decoded, None where no product needs them."""
     local: torch.Tensor
     """(rows, 1) each target's index in the chunk, clamped into it."""
     inside: torch.Tensor
