@@ -45,12 +45,12 @@ kernels win at the scored rows' count, each product deciding alone: the forward 
 count, so the logits are the same with and without grad (a GRPO ratio's old and new
 log-probs); with grad the backward up to 128 rows, past that over a decoded chunk (at 256
 rows the kernel is no faster; the forward over the blocks costs no more there either: the
-whole head 2.38 s against 2.42 decoded). Below 128 rows no chunk is decoded, only the
-targets' rows. Z_c carries the rows' 8-bit rounding (h·log2(e)
-quantized per 32 values, as the base's products over the blocks and llama.cpp's own logits
-do): the log-probs are the dense head's of those rounded rows (to float32 rounding;
-tests/unit/test_table_head.py), ~1e-3 of the largest logit from the exact head's; dH is
-the exact product of the softmax's weights with the stored rows. Why: the head over a
+whole head 2.38 s against 2.42 decoded). Up to 128 rows no chunk is decoded, only the
+targets' rows. Z_c carries the rows' 8-bit rounding (h·log2(e) quantized per 32 values, as
+the base's products over the blocks and llama.cpp's own logits do): the log-probs are the
+dense head's of those rounded rows to float32 rounding, and ~3e-3 of the largest log-prob
+from the exact head's (tests/unit/test_table_head.py's sizes); dH is the exact product of
+the softmax's weights with the stored rows. Why: the head over a
 128k × 2048 Q4_0 table was 22% of a Llama-3.2-1B-shape float32 QLoRA step of 64 tokens
 (profiled: every chunk decoded, then two float GEMMs); over the blocks it costs 0.60 s
 where it cost 0.98 (one thread), the step ~8% less (``bench/README.md``). float64
