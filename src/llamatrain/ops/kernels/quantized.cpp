@@ -25,7 +25,7 @@
 // -ffp-contract=off, so the decoded values are ggml's, bit for bit.
 #include <vector>
 
-#include "blocks.h"
+#include "rows_dot.h"
 
 namespace {
 
@@ -60,6 +60,7 @@ struct Format {
                   // products AVX2 may sum in int16 before widening; 0: signed quants
     Repack repack;
     DecodeBlocks decode_blocks;
+    RowsProduct rows;  // the forward for a few rows of x (rows_dot.h)
 };
 
 // The backward's float vectors: AVX-512, AVX2 or plain C++ (kVec floats).
@@ -190,18 +191,20 @@ void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b
 }
 
 // A type's format: U decodes (the backward), Forward unpacks for the forward's repacking.
-template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run>
+template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run,
+          typename Rows = Unpacker<Forward, V>>
 constexpr Format format() {
-    return {V, B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>};
+    return {V,           B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>,
+            rows_product<Rows, V, B, Offset, Run == 0>};
 }
 
 // Indexed by the type ids of quantized_matmul.KERNEL_TYPES. Unsigned quants where the type's
 // are (or, Q4_0, are made so with an offset): they multiply x's signed quants directly, where
 // signed ones need x's signs flipped per weight first (Q8_0's -128..127, Q6_K's per-16 scales).
 const Format kFormats[] = {
-    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8>(),
-    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8>(),
-    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0>(),
+    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8, Q4_0Rows>(),
+    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, Q4_1Rows>(),
+    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0, Q8_0Rows>(),
     format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8>(),
     format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4>(),
     format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0>(),
@@ -209,67 +212,6 @@ const Format kFormats[] = {
     format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4>(),
 };
 constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
-
-// x quantized per 32 values: int8 quants, the scale d and d * sum(q) of each block.
-struct Activations {
-    std::vector<int8_t> q;
-    std::vector<float> d, s;
-};
-
-// 32 values of x as int8 quants q = round-half-even(v * 127 / amax); returns sum(q) and sets
-// d = amax / 127.
-inline int quantize_32(const float* v, int8_t* q, float* d) {
-#if defined(__AVX2__)
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    __m256 values[4], amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-        values[i] = _mm256_loadu_ps(v + 8 * i);
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, values[i]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float top = _mm_cvtss_f32(m);
-    *d = top / 127.0f;
-    const __m256 scale = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-    __m256i ints[4], total = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {  // the current rounding mode: to nearest, ties to even
-        ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], scale));
-        total = _mm256_add_epi32(total, ints[i]);
-    }
-    const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
-                                             _mm256_packs_epi32(ints[2], ints[3]));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the lane interleave
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(words, order));
-    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
-    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 1));
-    return _mm_cvtsi128_si32(sum);
-#else
-    float amax = 0.0f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-    *d = amax / 127.0f;
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < 32; ++j) {
-        q[j] = static_cast<int8_t>(static_cast<int>(std::nearbyint(v[j] * id)));
-        sum += q[j];
-    }
-    return sum;
-#endif
-}
-
-void quantize_rows(const float* x, int64_t m, int64_t k, Activations* a, int threads) {
-    const int64_t subs = k / 32;
-    a->q.resize(m * k);
-    a->d.resize(m * subs);
-    a->s.resize(m * subs);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < m * subs; ++i) {
-        const int sum = quantize_32(x + i * 32, &a->q[i * 32], &a->d[i]);
-        a->s[i] = a->d[i] * static_cast<float>(sum);
-    }
-}
 
 // Where one tile of the forward reads and writes: x rows m0 .. (quants, scales, sums), the
 // panel's sub-blocks, and y's block of rows m0 .., columns o0 .. o0+cols.
@@ -288,18 +230,6 @@ struct TileArgs {
 };
 
 #if defined(__AVX2__)
-// acc + sums over each 4 consecutive byte products of |w| (unsigned) and x signed as w.
-inline __m256i dot_acc(__m256i acc, __m256i magnitude, __m256i x_signed) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, magnitude, x_signed);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, magnitude, x_signed);
-#else
-    const __m256i pairs = _mm256_maddubs_epi16(magnitude, x_signed);  // |w| |x| < 2^15: exact
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
 // x row r's quants 4g .. 4g+3 of sub-block s, in every int32 lane.
 inline __m256i broadcast_four(const TileArgs& t, int r, int64_t s, int g) {
     int32_t four;
@@ -517,17 +447,14 @@ void pack_gradient(const float* gt, int64_t n, int64_t m, std::vector<float>* ou
 
 extern "C" {
 
-// y (m, n) = x (m, k) . W^T, W's n rows of blocks row_stride bytes apart. 0, or -1 for a
-// type id without a format or a k that is not whole blocks.
-int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
-              int64_t m, int64_t k, float* y, int threads) {
+// y (m, n) = x (m, k) . W^T, W's n rows of blocks row_stride bytes apart, over repacked
+// panels (any m; lt_matmul's path from kDirectRows + 1 rows). 0, or -1 for a type id without
+// a format or a k that is not whole blocks.
+int lt_matmul_panels(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
+                     int64_t m, int64_t k, float* y, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
     const Format& f = kFormats[type];
-    // kept per thread across calls: a buffer freed and allocated again every product would be
-    // fresh pages to fault in each time (glibc maps large blocks anew)
-    static thread_local Activations buffers;
-    Activations& a = buffers;  // the calling thread's, shared with the team below
-    quantize_rows(x, m, k, &a, threads);
+    Activations& a = quantized_rows(x, m, k, threads);
     const int64_t x_subs = k / 32, chunk_blocks = kPanelSubs * 32 / f.values;
     const int64_t blocks_in_row = k / f.values;
 #pragma omp parallel num_threads(threads)
@@ -553,6 +480,22 @@ int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const f
         }
     }
     return 0;
+}
+
+// lt_matmul_panels' product one weight row at a time (rows_dot.h; any m, lt_matmul's path
+// up to kDirectRows rows): the same values but for the order of float sums.
+int lt_matmul_rows(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
+                   int64_t m, int64_t k, float* y, int threads) {
+    if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
+    kFormats[type].rows(w, n, row_stride, quantized_rows(x, m, k, threads), m, k, y, threads);
+    return 0;
+}
+
+// y (m, n) = x (m, k) . W^T as lt_matmul_panels, by the faster path for m.
+int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
+              int64_t m, int64_t k, float* y, int threads) {
+    const auto product = m <= kDirectRows ? lt_matmul_rows : lt_matmul_panels;
+    return product(type, w, n, row_stride, x, m, k, y, threads);
 }
 
 // dx (m, k) += G . W with G given as gt (n, m); W as lt_matmul's. 0, or -1 as lt_matmul.
