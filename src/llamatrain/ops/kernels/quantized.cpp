@@ -60,6 +60,7 @@ struct Format {
                   // products AVX2 may sum in int16 before widening; 0: signed quants
     Repack repack;
     DecodeBlocks decode_blocks;
+    int direct_rows;   // x rows up to which lt_matmul takes ``rows`` (at most kDirectRows)
     RowsProduct rows;  // the forward for a few rows of x (rows_dot.h)
 };
 
@@ -192,24 +193,28 @@ void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b
 
 // A type's format: U decodes (the backward), Forward unpacks for the forward's repacking.
 template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run,
-          typename Rows = Unpacker<Forward, V>>
+          int DirectRows, typename Rows = Unpacker<Forward, V>>
 constexpr Format format() {
-    return {V,           B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>,
-            rows_product<Rows, V, B, Offset, Run == 0>};
+    return {V,          B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>,
+            DirectRows, rows_product<Rows, V, B, Offset, Run == 0>};
 }
 
 // Indexed by the type ids of quantized_matmul.KERNEL_TYPES. Unsigned quants where the type's
 // are (or, Q4_0, are made so with an offset): they multiply x's signed quants directly, where
 // signed ones need x's signs flipped per weight first (Q8_0's -128..127, Q6_K's per-16 scales).
+// Direct rows (bench/README.md's kernel_rows figures): up to 4 where the direct path reads
+// the stored bytes (and Q6_K, whose panels are slow), 2 where it unpacks to a buffer.
 const Format kFormats[] = {
-    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8, Q4_0Rows>(),
-    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, Q4_1Rows>(),
-    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0, Q8_0Rows>(),
-    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8>(),
-    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4>(),
-    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0>(),
-    format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4>(),
-    format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4>(),
+    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8, 4,
+           Q4_0Rows>(),
+    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, 4, Q4_1Rows>(),
+    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0, 4, Q8_0Rows>(),
+    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8, 2>(),
+    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4, 2>(),
+    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0, 4>(),
+    format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4, 2,
+           Q5_0Rows>(),
+    format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4, 2, Q5_1Rows>(),
 };
 constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
@@ -448,8 +453,8 @@ void pack_gradient(const float* gt, int64_t n, int64_t m, std::vector<float>* ou
 extern "C" {
 
 // y (m, n) = x (m, k) . W^T, W's n rows of blocks row_stride bytes apart, over repacked
-// panels (any m; lt_matmul's path from kDirectRows + 1 rows). 0, or -1 for a type id without
-// a format or a k that is not whole blocks.
+// panels (any m; lt_matmul's path past its format's direct_rows). 0, or -1 for a type id
+// without a format or a k that is not whole blocks.
 int lt_matmul_panels(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
                      int64_t m, int64_t k, float* y, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
@@ -483,7 +488,7 @@ int lt_matmul_panels(int type, const uint8_t* w, int64_t n, int64_t row_stride, 
 }
 
 // lt_matmul_panels' product one weight row at a time (rows_dot.h; any m, lt_matmul's path
-// up to kDirectRows rows): the same values but for the order of float sums.
+// up to its format's direct_rows): the same values but for the order of float sums.
 int lt_matmul_rows(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
                    int64_t m, int64_t k, float* y, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
@@ -491,10 +496,11 @@ int lt_matmul_rows(int type, const uint8_t* w, int64_t n, int64_t row_stride, co
     return 0;
 }
 
-// y (m, n) = x (m, k) . W^T as lt_matmul_panels, by the faster path for m.
+// y (m, n) = x (m, k) . W^T as lt_matmul_panels, by the faster path for m and the type.
 int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
               int64_t m, int64_t k, float* y, int threads) {
-    const auto product = m <= kDirectRows ? lt_matmul_rows : lt_matmul_panels;
+    const bool direct = type >= 0 && type < kFormatCount && m <= kFormats[type].direct_rows;
+    const auto product = direct ? lt_matmul_rows : lt_matmul_panels;
     return product(type, w, n, row_stride, x, m, k, y, threads);
 }
 

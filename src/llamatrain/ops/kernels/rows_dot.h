@@ -1,5 +1,6 @@
-// The forward for a few rows of x (quantized.cpp's lt_matmul below kDirectRows): each weight
-// row's blocks dotted straight against x's int8 blocks, as ggml's ggml_vec_dot_*_q8_0 does.
+// The forward for a few rows of x (quantized.cpp's lt_matmul up to a format's direct_rows):
+// each weight row's blocks dotted straight against x's int8 blocks, as ggml's
+// ggml_vec_dot_*_q8_0 does.
 //
 // Why not the panels: lt_matmul's GEMM repacks every 8 weight rows per call (an 8 x 8
 // transpose of the quants, written and read back), which pays for itself only when several
@@ -17,7 +18,7 @@
 
 namespace {
 
-constexpr int kDirectRows = 4;  // lt_matmul's x rows up to which this path is faster (bench)
+constexpr int kDirectRows = 4;  // x rows sharing each weight block loaded
 
 // One weight row against up to kDirectRows rows of x, starting at sub-block 0.
 struct RowsArgs {
@@ -40,49 +41,34 @@ inline __m256i dot_acc(__m256i acc, __m256i magnitude, __m256i x_signed) {
 #endif
 }
 
-// 16 bytes' low nibbles then their high nibbles: a Q4 block's 32 quants in value order.
-inline __m256i nibbles_32(const uint8_t* p) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+inline __m256i q4_0_quants(const uint8_t* b) { return blocks::nibbles_32(b + 2); }
+inline __m256i q4_1_quants(const uint8_t* b) { return blocks::nibbles_32(b + 4); }
+inline __m256i q5_0_quants(const uint8_t* b) {
+    return _mm256_or_si256(blocks::nibbles_32(b + 6), blocks::fifth_bits(b + 2));
+}
+inline __m256i q5_1_quants(const uint8_t* b) {
+    return _mm256_or_si256(blocks::nibbles_32(b + 8), blocks::fifth_bits(b + 4));
+}
+inline __m256i q8_0_quants(const uint8_t* b) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
 
-// A block's quants and scales for the dot, read straight from its bytes (Q4_0 unsigned with
-// -8d as its offset, Q4_1, Q8_0) or through blocks.h's unpacker (Unpacker, any type).
-struct Q4_0Block {
+// A 32-value block read straight from its bytes into a register: its quants by Read
+// (unsigned for Q4/Q5, as the forward's unpackers leave them), the float16 d at byte 0, and
+// the offset the float16 m at byte 2 (Min: Q4_1, Q5_1) or -Bias * d (Q4_0: 8, Q5_0: 16).
+template <__m256i (*Read)(const uint8_t*), int Bias, bool Min>
+struct StoredBlock {
     static constexpr int kSubs = 1;
     __m256i q;
-    float d;
-    explicit Q4_0Block(const uint8_t* b) : q(nibbles_32(b + 2)), d(blocks::half_to_float(b)) {}
+    float d, offset;
+    explicit StoredBlock(const uint8_t* b)
+        : q(Read(b)),
+          d(blocks::half_to_float(b)),
+          offset(Min ? blocks::half_to_float(b + 2) : -static_cast<float>(Bias) * d) {}
     __m256i quants(int) const { return q; }
     float lo(int) const { return d; }
     float hi(int) const { return d; }
-    float off(int) const { return -8.0f * d; }
-};
-
-struct Q4_1Block {
-    static constexpr int kSubs = 1;
-    __m256i q;
-    float d, m;
-    explicit Q4_1Block(const uint8_t* b)
-        : q(nibbles_32(b + 4)), d(blocks::half_to_float(b)), m(blocks::half_to_float(b + 2)) {}
-    __m256i quants(int) const { return q; }
-    float lo(int) const { return d; }
-    float hi(int) const { return d; }
-    float off(int) const { return m; }
-};
-
-struct Q8_0Block {
-    static constexpr int kSubs = 1;
-    __m256i q;
-    float d;
-    explicit Q8_0Block(const uint8_t* b)
-        : q(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2))),
-          d(blocks::half_to_float(b)) {}
-    __m256i quants(int) const { return q; }
-    float lo(int) const { return d; }
-    float hi(int) const { return d; }
-    float off(int) const { return 0.0f; }
+    float off(int) const { return offset; }
 };
 #endif
 
@@ -110,36 +96,49 @@ inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// y_r = row . x_r for R rows of x: per 32 values an integer dot product in eight int32 lanes
-// (lanes 0-3 values 0-15, 4-7 values 16-31), scaled per lane by w's scale times x's d into
-// eight float sums; the offsets' terms off * (d * sum(qx)) in one float sum beside them.
+// acc[r] += block b's terms for R rows of x: per 32 values an integer dot product in eight
+// int32 lanes (lanes 0-3 values 0-15, 4-7 values 16-31), scaled per lane by w's scale times
+// x's d; the offsets' terms off * (d * sum(qx)) into one float sum beside them.
 template <typename Block, int B, bool Offset, bool Signed, int R>
-void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stride) {
+inline void add_block(const uint8_t* row, int64_t b, const RowsArgs& t, __m256* acc,
+                      float* offsets) {
     const Activations& a = *t.a;
     const int64_t x_subs = t.k / 32;
-    __m256 acc[R];
-    float offsets[R] = {};
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < t.blocks; ++b) {
-        const Block block(row + b * B);
-        for (int s = 0; s < Block::kSubs; ++s) {
-            const int64_t sub = b * Block::kSubs + s;
-            const __m256i w = block.quants(s);
-            const __m256i magnitude = Signed ? _mm256_sign_epi8(w, w) : w;
-            const __m256 w_scale =
-                _mm256_set_m128(_mm_set1_ps(block.hi(s)), _mm_set1_ps(block.lo(s)));
-            for (int r = 0; r < R; ++r) {
-                const int64_t at = (t.m0 + r) * x_subs + sub;
-                __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[at * 32]));
-                if (Signed) x = _mm256_sign_epi8(x, w);
-                const __m256i sums = dot_acc(_mm256_setzero_si256(), magnitude, x);
-                const __m256 scale = _mm256_mul_ps(w_scale, _mm256_set1_ps(a.d[at]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-                if (Offset) offsets[r] += block.off(s) * a.s[at];
-            }
+    const Block block(row + b * B);
+    for (int s = 0; s < Block::kSubs; ++s) {
+        const int64_t sub = b * Block::kSubs + s;
+        const __m256i w = block.quants(s);
+        const __m256i magnitude = Signed ? _mm256_sign_epi8(w, w) : w;
+        const __m256 w_scale = _mm256_set_m128(_mm_set1_ps(block.hi(s)), _mm_set1_ps(block.lo(s)));
+        for (int r = 0; r < R; ++r) {
+            const int64_t at = (t.m0 + r) * x_subs + sub;
+            __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[at * 32]));
+            if (Signed) x = _mm256_sign_epi8(x, w);
+            const __m256i sums = dot_acc(_mm256_setzero_si256(), magnitude, x);
+            const __m256 scale = _mm256_mul_ps(w_scale, _mm256_set1_ps(a.d[at]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+            if (Offset) offsets[r] += block.off(s) * a.s[at];
         }
     }
-    for (int r = 0; r < R; ++r) out[r * out_stride] = sum_lanes(acc[r]) + offsets[r];
+}
+
+// y_r = row . x_r for R rows of x: even and odd blocks into two sets of sums (two chains of
+// dependent adds, not one, for the 32-value types' one sub-block a block), added at the end.
+template <typename Block, int B, bool Offset, bool Signed, int R>
+void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stride) {
+    __m256 even[R], odd[R];
+    float even_offsets[R] = {}, odd_offsets[R] = {};
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < t.blocks; b += 2) {
+        add_block<Block, B, Offset, Signed, R>(row, b, t, even, even_offsets);
+        add_block<Block, B, Offset, Signed, R>(row, b + 1, t, odd, odd_offsets);
+    }
+    if (b < t.blocks) add_block<Block, B, Offset, Signed, R>(row, b, t, even, even_offsets);
+    for (int r = 0; r < R; ++r) {
+        const float offsets = even_offsets[r] + odd_offsets[r];
+        out[r * out_stride] = sum_lanes(_mm256_add_ps(even[r], odd[r])) + offsets;
+    }
 }
 #else
 // y_r = row . x_r for R rows of x, plain C++: the GEMM fallback's order, per 32 values the
@@ -191,14 +190,18 @@ void rows_product(const uint8_t* w, int64_t n, int64_t row_stride, const Activat
     }
 }
 
-// The blocks read straight from their bytes where a reader is written for the type (AVX2).
+// The 32-value types' blocks read straight from their bytes (AVX2), else unpacked.
 #if defined(__AVX2__)
-using Q4_0Rows = Q4_0Block;
-using Q4_1Rows = Q4_1Block;
-using Q8_0Rows = Q8_0Block;
+using Q4_0Rows = StoredBlock<q4_0_quants, 8, false>;
+using Q4_1Rows = StoredBlock<q4_1_quants, 0, true>;
+using Q5_0Rows = StoredBlock<q5_0_quants, 16, false>;
+using Q5_1Rows = StoredBlock<q5_1_quants, 0, true>;
+using Q8_0Rows = StoredBlock<q8_0_quants, 0, false>;
 #else
 using Q4_0Rows = Unpacker<blocks::unpack_q4_0_unsigned, 32>;
 using Q4_1Rows = Unpacker<blocks::unpack_q4_1, 32>;
+using Q5_0Rows = Unpacker<blocks::unpack_q5_0_unsigned, 32>;
+using Q5_1Rows = Unpacker<blocks::unpack_q5_1, 32>;
 using Q8_0Rows = Unpacker<blocks::unpack_q8_0, 32>;
 #endif
 
