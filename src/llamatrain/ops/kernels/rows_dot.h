@@ -175,6 +175,16 @@ void rows_for(int rows, const uint8_t* row, const RowsArgs& t, float* out, int64
     row_dot<Block, B, Offset, Signed, R>(row, t, out, stride);
 }
 
+// Weight rows asked from memory ahead of their dot products: a decoding step streams every
+// weight from memory once, and the hardware prefetcher alone left it waiting (Q4_0 1536x576,
+// M=1, weights not in cache, thread CPU: 190 -> 88 us AVX2, 157 -> 81 us AVX-512; 2 rows
+// ahead 95 / 86).
+constexpr int64_t kAheadRows = 4;
+
+inline void prefetch(const uint8_t* bytes, int64_t count) {
+    for (int64_t at = 0; at < count; at += 64) __builtin_prefetch(bytes + at);
+}
+
 // y (m, n) = x . W^T over x's quantized rows ``a``, W's rows one at a time (threads split
 // them; one thread, no OpenMP region at all), each against up to kDirectRows rows of x.
 template <typename Block, int V, int B, bool Offset, bool Signed>
@@ -182,6 +192,7 @@ void rows_product(const uint8_t* w, int64_t n, int64_t row_stride, const Activat
                   int64_t m, int64_t k, float* y, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t o = 0; o < n; ++o) {
+        if (o + kAheadRows < n) prefetch(w + (o + kAheadRows) * row_stride, row_stride);
         for (int64_t m0 = 0; m0 < m; m0 += kDirectRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kDirectRows, m - m0));
             const RowsArgs t{&a, m0, k, k / V};
