@@ -474,6 +474,10 @@ int lt_matmul_panels(int type, const uint8_t* w, int64_t n, int64_t row_stride, 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t o0 = 0; o0 < n; o0 += kPanelRows) {
             const int cols = static_cast<int>(std::min<int64_t>(kPanelRows, n - o0));
+            // the next panel's rows asked from memory meanwhile (rows_dot.h's prefetch: a
+            // decoding step at batch 8, SmolLM2-135M Q4_0, 52-54 -> 42 ms)
+            const int64_t next = std::min<int64_t>(kPanelRows, n - o0 - kPanelRows);
+            if (next > 0) prefetch(w + (o0 + kPanelRows) * row_stride, next * row_stride);
             for (int64_t first = 0; first < blocks_in_row; first += chunk_blocks) {
                 const int64_t count = std::min(chunk_blocks, blocks_in_row - first);
                 f.repack(w + o0 * row_stride, row_stride, cols, first, count, &panel);
