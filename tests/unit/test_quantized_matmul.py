@@ -18,6 +18,7 @@ Backward ``dx = G·W``: no quantization (W decoded in registers, G float32), so 
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 
 import numpy as np
@@ -113,6 +114,43 @@ def test_backward_matches_the_float64_product(qtype: str, m: int) -> None:
         dx = blocks_matmul_t(g, w_blocks, qtype, n_in).double()
         bound = 1e-5 * (g.double().abs() @ w.abs())
         assert (dx - g.double() @ w).abs().le(bound).all()
+
+
+def one_path(path: str, x: torch.Tensor, w_blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``x·Wᵀ`` by one of lt_matmul's two paths, whatever the rows: ``rows`` (each weight
+    row dotted straight from its blocks, rows_dot.h) or ``panels`` (the repacked GEMM)."""
+    function = getattr(load_kernels(), f"lt_matmul_{path}")
+    y = torch.empty(x.shape[0], w_blocks.shape[0])
+    pointers = (w_blocks.data_ptr(), x.data_ptr(), y.data_ptr())
+    status = function(
+        ctypes.c_int(KERNEL_TYPES[qtype]),
+        ctypes.c_void_p(pointers[0]),
+        ctypes.c_int64(w_blocks.shape[0]),
+        ctypes.c_int64(w_blocks.stride(0)),
+        ctypes.c_void_p(pointers[1]),
+        ctypes.c_int64(x.shape[0]),
+        ctypes.c_int64(x.shape[1]),
+        ctypes.c_void_p(pointers[2]),
+        ctypes.c_int(1),
+    )
+    assert status == 0
+    return y
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
+def test_the_direct_rows_and_the_panels_agree(qtype: str) -> None:
+    """lt_matmul takes the direct path up to 2 or 4 rows of x by type (a decoding step's) and
+    the GEMM past them: the same integer sums and scale products, summed in another order, so
+    the two agree to float32 rounding of Σ|x̂·w| on each side of the threshold (rows 1-5)."""
+    n_in = 512
+    w_blocks = stored(qtype, 43, n_in, seed=7)
+    w = dequantize(w_blocks, qtype, n_in).double()
+    x = torch.randn(5, n_in, generator=torch.Generator().manual_seed(7))
+    for m in range(1, 6):
+        rows, panels = (one_path(path, x[:m], w_blocks, qtype) for path in ("rows", "panels"))
+        x_hat, _ = quantized_activations(x[:m])
+        bound = 1e-6 * (x_hat.abs() @ w.abs().t())
+        assert (rows.double() - panels.double()).abs().le(bound).all()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])

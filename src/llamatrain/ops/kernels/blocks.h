@@ -95,13 +95,40 @@ inline void unpack_q4_1(const uint8_t* b, Unpacked out) {
     set_scales(out, 0, d, d, m);
 }
 
+#if defined(__AVX2__)
+// 16 bytes' low nibbles then their high nibbles: a Q4 block's 32 quants in value order.
+inline __m256i nibbles_32(const uint8_t* p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// A Q5 block's fifth bits (32-bit qh, bit j for value j) as bytes 16 or 0 in value order:
+// byte j picks qh's byte j / 8, keeps bit j % 8, and that bit set becomes 0x10.
+inline __m256i fifth_bits(const uint8_t* qh_bytes) {
+    uint32_t qh;
+    std::memcpy(&qh, qh_bytes, 4);
+    const __m256i which = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                             0x0303030303030303);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), which);
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+#endif
+
 // Q5_0/Q5_1: the low nibbles as Q4's, the fifth bits from the 32-bit qh (bit j for value j),
 // values 0-31 unsigned.
 inline void five_bit_quants(const uint8_t* qh_bytes, const uint8_t* qs, int8_t* q) {
+#if defined(__AVX2__)
+    const __m256i quants = _mm256_or_si256(nibbles_32(qs), fifth_bits(qh_bytes));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), quants);
+#else
+    split_nibbles<16>(qs, q, q + 16, 0);
     uint32_t qh;
     std::memcpy(&qh, qh_bytes, 4);
-    split_nibbles<16>(qs, q, q + 16, 0);
     for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(q[j] | (((qh >> j) & 1) << 4));
+#endif
 }
 
 inline void unpack_q5_0(const uint8_t* b, Unpacked out) {

@@ -4,6 +4,10 @@
 // lt_matmul:   y  = x . W^T   x (m, k) float32 -> y (m, n)   W (n, k) as its blocks
 // lt_matmul_t: dx = G . W     G given transposed, gt (n, m)  -> dx (m, k), added into
 //
+// lt_matmul takes lt_matmul_panels (below) past a format's direct_rows rows of x, and up to
+// them lt_matmul_rows (rows_dot.h: each weight row straight from its blocks, as decoding's
+// one token a row has no x rows to share a panel's repack).
+//
 // The forward is llama.cpp's scheme for prompt processing (ggml-cpu's repacked
 // gemm_q4_0_8x8_q8_0 and llamafile's tinyBLAS): x is quantized once to int8 per 32 values
 // with one float scale d (and d * sum(q), for the weight types with an offset); W is taken
@@ -25,7 +29,7 @@
 // -ffp-contract=off, so the decoded values are ggml's, bit for bit.
 #include <vector>
 
-#include "blocks.h"
+#include "rows_dot.h"
 
 namespace {
 
@@ -60,6 +64,8 @@ struct Format {
                   // products AVX2 may sum in int16 before widening; 0: signed quants
     Repack repack;
     DecodeBlocks decode_blocks;
+    int direct_rows;   // x rows up to which lt_matmul takes ``rows`` (at most kDirectRows)
+    RowsProduct rows;  // the forward for a few rows of x (rows_dot.h)
 };
 
 // The backward's float vectors: AVX-512, AVX2 or plain C++ (kVec floats).
@@ -109,8 +115,10 @@ constexpr int kGradRows = 4;
 constexpr int kSlice = 2 * kVec;  // dx columns a micro-kernel call holds (32 divides it)
 
 // 8 rows of 8 groups of four bytes (rows 32 bytes apart in ``src``, ``stride`` bytes) written
-// group-major: out[g][j] = src[j][g], an 8 x 8 transpose of int32s.
-inline void transpose_groups(const int8_t* src, int64_t stride, int8_t* out) {
+// group-major: out[g][j] = src[j][g], an 8 x 8 transpose of int32s. Inlined by force: GCC
+// otherwise stops inlining it into repack once the file holds rows_dot.h too (the AVX2
+// panels' M=8 1.2-1.4x slower).
+[[gnu::always_inline]] inline void transpose_groups(const int8_t* src, int64_t stride, int8_t* out) {
 #if defined(__AVX2__)
     __m256i r[8], t[8], u[8];
     for (int j = 0; j < 8; ++j)
@@ -190,86 +198,31 @@ void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b
 }
 
 // A type's format: U decodes (the backward), Forward unpacks for the forward's repacking.
-template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run>
+template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run,
+          int DirectRows, typename Rows = Unpacker<Forward, V>>
 constexpr Format format() {
-    return {V, B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>};
+    return {V,          B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>,
+            DirectRows, rows_product<Rows, V, B, Offset, Run == 0>};
 }
 
 // Indexed by the type ids of quantized_matmul.KERNEL_TYPES. Unsigned quants where the type's
 // are (or, Q4_0, are made so with an offset): they multiply x's signed quants directly, where
 // signed ones need x's signs flipped per weight first (Q8_0's -128..127, Q6_K's per-16 scales).
+// Direct rows (bench/README.md's kernel_rows figures): up to 4 where the direct path reads
+// the stored bytes (and Q6_K, whose panels are slow), 2 where it unpacks to a buffer.
 const Format kFormats[] = {
-    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8>(),
-    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8>(),
-    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0>(),
-    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8>(),
-    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4>(),
-    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0>(),
-    format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4>(),
-    format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4>(),
+    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8, 4,
+           Q4_0Rows>(),
+    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, 4, Q4_1Rows>(),
+    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0, 4, Q8_0Rows>(),
+    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8, 2>(),
+    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4, 2>(),
+    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0, 4>(),
+    format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4, 2,
+           Q5_0Rows>(),
+    format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4, 2, Q5_1Rows>(),
 };
 constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
-
-// x quantized per 32 values: int8 quants, the scale d and d * sum(q) of each block.
-struct Activations {
-    std::vector<int8_t> q;
-    std::vector<float> d, s;
-};
-
-// 32 values of x as int8 quants q = round-half-even(v * 127 / amax); returns sum(q) and sets
-// d = amax / 127.
-inline int quantize_32(const float* v, int8_t* q, float* d) {
-#if defined(__AVX2__)
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    __m256 values[4], amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-        values[i] = _mm256_loadu_ps(v + 8 * i);
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, values[i]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float top = _mm_cvtss_f32(m);
-    *d = top / 127.0f;
-    const __m256 scale = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-    __m256i ints[4], total = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {  // the current rounding mode: to nearest, ties to even
-        ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], scale));
-        total = _mm256_add_epi32(total, ints[i]);
-    }
-    const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
-                                             _mm256_packs_epi32(ints[2], ints[3]));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the lane interleave
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(words, order));
-    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
-    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 1));
-    return _mm_cvtsi128_si32(sum);
-#else
-    float amax = 0.0f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-    *d = amax / 127.0f;
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < 32; ++j) {
-        q[j] = static_cast<int8_t>(static_cast<int>(std::nearbyint(v[j] * id)));
-        sum += q[j];
-    }
-    return sum;
-#endif
-}
-
-void quantize_rows(const float* x, int64_t m, int64_t k, Activations* a, int threads) {
-    const int64_t subs = k / 32;
-    a->q.resize(m * k);
-    a->d.resize(m * subs);
-    a->s.resize(m * subs);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < m * subs; ++i) {
-        const int sum = quantize_32(x + i * 32, &a->q[i * 32], &a->d[i]);
-        a->s[i] = a->d[i] * static_cast<float>(sum);
-    }
-}
 
 // Where one tile of the forward reads and writes: x rows m0 .. (quants, scales, sums), the
 // panel's sub-blocks, and y's block of rows m0 .., columns o0 .. o0+cols.
@@ -288,18 +241,6 @@ struct TileArgs {
 };
 
 #if defined(__AVX2__)
-// acc + sums over each 4 consecutive byte products of |w| (unsigned) and x signed as w.
-inline __m256i dot_acc(__m256i acc, __m256i magnitude, __m256i x_signed) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, magnitude, x_signed);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, magnitude, x_signed);
-#else
-    const __m256i pairs = _mm256_maddubs_epi16(magnitude, x_signed);  // |w| |x| < 2^15: exact
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
 // x row r's quants 4g .. 4g+3 of sub-block s, in every int32 lane.
 inline __m256i broadcast_four(const TileArgs& t, int r, int64_t s, int g) {
     int32_t four;
@@ -517,17 +458,14 @@ void pack_gradient(const float* gt, int64_t n, int64_t m, std::vector<float>* ou
 
 extern "C" {
 
-// y (m, n) = x (m, k) . W^T, W's n rows of blocks row_stride bytes apart. 0, or -1 for a
-// type id without a format or a k that is not whole blocks.
-int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
-              int64_t m, int64_t k, float* y, int threads) {
+// y (m, n) = x (m, k) . W^T, W's n rows of blocks row_stride bytes apart, over repacked
+// panels (any m; lt_matmul's path past its format's direct_rows). 0, or -1 for a type id
+// without a format or a k that is not whole blocks.
+int lt_matmul_panels(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
+                     int64_t m, int64_t k, float* y, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
     const Format& f = kFormats[type];
-    // kept per thread across calls: a buffer freed and allocated again every product would be
-    // fresh pages to fault in each time (glibc maps large blocks anew)
-    static thread_local Activations buffers;
-    Activations& a = buffers;  // the calling thread's, shared with the team below
-    quantize_rows(x, m, k, &a, threads);
+    Activations& a = quantized_rows(x, m, k, threads);
     const int64_t x_subs = k / 32, chunk_blocks = kPanelSubs * 32 / f.values;
     const int64_t blocks_in_row = k / f.values;
 #pragma omp parallel num_threads(threads)
@@ -536,6 +474,10 @@ int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const f
 #pragma omp for schedule(dynamic, 1)
         for (int64_t o0 = 0; o0 < n; o0 += kPanelRows) {
             const int cols = static_cast<int>(std::min<int64_t>(kPanelRows, n - o0));
+            // the next panel's rows asked from memory meanwhile (rows_dot.h's prefetch: a
+            // decoding step at batch 8, SmolLM2-135M Q4_0, 52-54 -> 42 ms)
+            const int64_t next = std::min<int64_t>(kPanelRows, n - o0 - kPanelRows);
+            if (next > 0) prefetch(w + (o0 + kPanelRows) * row_stride, next * row_stride);
             for (int64_t first = 0; first < blocks_in_row; first += chunk_blocks) {
                 const int64_t count = std::min(chunk_blocks, blocks_in_row - first);
                 f.repack(w + o0 * row_stride, row_stride, cols, first, count, &panel);
@@ -553,6 +495,23 @@ int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const f
         }
     }
     return 0;
+}
+
+// lt_matmul_panels' product one weight row at a time (rows_dot.h; any m, lt_matmul's path
+// up to its format's direct_rows): the same values but for the order of float sums.
+int lt_matmul_rows(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
+                   int64_t m, int64_t k, float* y, int threads) {
+    if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
+    kFormats[type].rows(w, n, row_stride, quantized_rows(x, m, k, threads), m, k, y, threads);
+    return 0;
+}
+
+// y (m, n) = x (m, k) . W^T as lt_matmul_panels, by the faster path for m and the type.
+int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* x,
+              int64_t m, int64_t k, float* y, int threads) {
+    const bool direct = type >= 0 && type < kFormatCount && m <= kFormats[type].direct_rows;
+    const auto product = direct ? lt_matmul_rows : lt_matmul_panels;
+    return product(type, w, n, row_stride, x, m, k, y, threads);
 }
 
 // dx (m, k) += G . W with G given as gt (n, m); W as lt_matmul's. 0, or -1 as lt_matmul.

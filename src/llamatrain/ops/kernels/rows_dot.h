@@ -1,0 +1,222 @@
+// The forward for a few rows of x (quantized.cpp's lt_matmul up to a format's direct_rows):
+// each weight row's blocks dotted straight against x's int8 blocks, as ggml's
+// ggml_vec_dot_*_q8_0 does.
+//
+// Why not the panels: lt_matmul's GEMM repacks every 8 weight rows per call (an 8 x 8
+// transpose of the quants, written and read back), which pays for itself only when several
+// x rows share it; at one row (decoding) that repack is most of the time. Here a block's
+// quants go from the stored bytes into a register (Q4_0, Q4_1, Q8_0), or through blocks.h's
+// unpacker into a small buffer on the stack (the other types), and meet each x row there.
+//
+// Numerics are the GEMM's: the same integer sums per 32 values (16 for Q6_K's scales) and the
+// same per-block float scale product (w's scale times x's d); only the order in which the
+// float terms are summed differs (eight lanes, then across them), so the two agree to float32
+// rounding.
+#pragma once
+#include "activations.h"
+#include "blocks.h"
+
+namespace {
+
+constexpr int kDirectRows = 4;  // x rows sharing each weight block loaded
+
+// One weight row against up to kDirectRows rows of x, starting at sub-block 0.
+struct RowsArgs {
+    const Activations* a;
+    int64_t m0;      // x's first row
+    int64_t k;       // values per row
+    int64_t blocks;  // weight blocks per row
+};
+
+#if defined(__AVX2__)
+// acc + sums over each 4 consecutive byte products of |w| (unsigned) and x signed as w.
+inline __m256i dot_acc(__m256i acc, __m256i magnitude, __m256i x_signed) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, magnitude, x_signed);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, magnitude, x_signed);
+#else
+    const __m256i pairs = _mm256_maddubs_epi16(magnitude, x_signed);  // |w| |x| < 2^15: exact
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i q4_0_quants(const uint8_t* b) { return blocks::nibbles_32(b + 2); }
+inline __m256i q4_1_quants(const uint8_t* b) { return blocks::nibbles_32(b + 4); }
+inline __m256i q5_0_quants(const uint8_t* b) {
+    return _mm256_or_si256(blocks::nibbles_32(b + 6), blocks::fifth_bits(b + 2));
+}
+inline __m256i q5_1_quants(const uint8_t* b) {
+    return _mm256_or_si256(blocks::nibbles_32(b + 8), blocks::fifth_bits(b + 4));
+}
+inline __m256i q8_0_quants(const uint8_t* b) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+}
+
+// A 32-value block read straight from its bytes into a register: its quants by Read
+// (unsigned for Q4/Q5, as the forward's unpackers leave them), the float16 d at byte 0, and
+// the offset the float16 m at byte 2 (Min: Q4_1, Q5_1) or -Bias * d (Q4_0: 8, Q5_0: 16).
+template <__m256i (*Read)(const uint8_t*), int Bias, bool Min>
+struct StoredBlock {
+    static constexpr int kSubs = 1;
+    __m256i q;
+    float d, offset;
+    explicit StoredBlock(const uint8_t* b)
+        : q(Read(b)),
+          d(blocks::half_to_float(b)),
+          offset(Min ? blocks::half_to_float(b + 2) : -static_cast<float>(Bias) * d) {}
+    __m256i quants(int) const { return q; }
+    float lo(int) const { return d; }
+    float hi(int) const { return d; }
+    float off(int) const { return offset; }
+};
+#endif
+
+template <blocks::Unpack U, int V>
+struct Unpacker {
+    static constexpr int kSubs = V / 32;
+    alignas(32) int8_t q[V];
+    float lo_[kSubs], hi_[kSubs], off_[kSubs];
+    explicit Unpacker(const uint8_t* b) { U(b, {q, lo_, hi_, off_}); }
+#if defined(__AVX2__)
+    __m256i quants(int s) const {
+        return _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
+    }
+#endif
+    const int8_t* bytes(int s) const { return q + 32 * s; }
+    float lo(int s) const { return lo_[s]; }
+    float hi(int s) const { return hi_[s]; }
+    float off(int s) const { return off_[s]; }
+};
+
+#if defined(__AVX2__)
+inline float sum_lanes(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// acc[r] += block b's terms for R rows of x: per 32 values an integer dot product in eight
+// int32 lanes (lanes 0-3 values 0-15, 4-7 values 16-31), scaled per lane by w's scale times
+// x's d; the offsets' terms off * (d * sum(qx)) into one float sum beside them.
+template <typename Block, int B, bool Offset, bool Signed, int R>
+inline void add_block(const uint8_t* row, int64_t b, const RowsArgs& t, __m256* acc,
+                      float* offsets) {
+    const Activations& a = *t.a;
+    const int64_t x_subs = t.k / 32;
+    const Block block(row + b * B);
+    for (int s = 0; s < Block::kSubs; ++s) {
+        const int64_t sub = b * Block::kSubs + s;
+        const __m256i w = block.quants(s);
+        const __m256i magnitude = Signed ? _mm256_sign_epi8(w, w) : w;
+        const __m256 w_scale = _mm256_set_m128(_mm_set1_ps(block.hi(s)), _mm_set1_ps(block.lo(s)));
+        for (int r = 0; r < R; ++r) {
+            const int64_t at = (t.m0 + r) * x_subs + sub;
+            __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[at * 32]));
+            if (Signed) x = _mm256_sign_epi8(x, w);
+            const __m256i sums = dot_acc(_mm256_setzero_si256(), magnitude, x);
+            const __m256 scale = _mm256_mul_ps(w_scale, _mm256_set1_ps(a.d[at]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+            if (Offset) offsets[r] += block.off(s) * a.s[at];
+        }
+    }
+}
+
+// y_r = row . x_r for R rows of x: even and odd blocks into two sets of sums (two chains of
+// dependent adds, not one, for the 32-value types' one sub-block a block), added at the end.
+template <typename Block, int B, bool Offset, bool Signed, int R>
+void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stride) {
+    __m256 even[R], odd[R];
+    float even_offsets[R] = {}, odd_offsets[R] = {};
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < t.blocks; b += 2) {
+        add_block<Block, B, Offset, Signed, R>(row, b, t, even, even_offsets);
+        add_block<Block, B, Offset, Signed, R>(row, b + 1, t, odd, odd_offsets);
+    }
+    if (b < t.blocks) add_block<Block, B, Offset, Signed, R>(row, b, t, even, even_offsets);
+    for (int r = 0; r < R; ++r) {
+        const float offsets = even_offsets[r] + odd_offsets[r];
+        out[r * out_stride] = sum_lanes(_mm256_add_ps(even[r], odd[r])) + offsets;
+    }
+}
+#else
+// y_r = row . x_r for R rows of x, plain C++: the GEMM fallback's order, per 32 values the
+// integer sums of values 0-15 and 16-31 scaled and added in float.
+template <typename Block, int B, bool Offset, bool Signed, int R>
+void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stride) {
+    const Activations& a = *t.a;
+    const int64_t x_subs = t.k / 32;
+    float total[R] = {};
+    for (int64_t b = 0; b < t.blocks; ++b) {
+        const Block block(row + b * B);
+        for (int s = 0; s < Block::kSubs; ++s) {
+            const int8_t* w = block.bytes(s);
+            for (int r = 0; r < R; ++r) {
+                const int64_t at = (t.m0 + r) * x_subs + b * Block::kSubs + s;
+                int low = 0, high = 0;
+                for (int i = 0; i < 32; ++i) (i < 16 ? low : high) += w[i] * a.q[at * 32 + i];
+                total[r] += static_cast<float>(low) * (block.lo(s) * a.d[at]);
+                total[r] += static_cast<float>(high) * (block.hi(s) * a.d[at]);
+                if (Offset) total[r] += block.off(s) * a.s[at];
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = total[r];
+}
+#endif
+
+// One of the row_dot kernels by its row count (1 .. kDirectRows).
+template <typename Block, int B, bool Offset, bool Signed, int R = kDirectRows>
+void rows_for(int rows, const uint8_t* row, const RowsArgs& t, float* out, int64_t stride) {
+    if constexpr (R > 1) {
+        if (rows < R) return rows_for<Block, B, Offset, Signed, R - 1>(rows, row, t, out, stride);
+    }
+    row_dot<Block, B, Offset, Signed, R>(row, t, out, stride);
+}
+
+// Weight rows asked from memory ahead of their dot products: a decoding step streams every
+// weight from memory once, and the hardware prefetcher alone left it waiting (Q4_0 1536x576,
+// M=1, weights not in cache, thread CPU: 190 -> 88 us AVX2, 157 -> 81 us AVX-512; 2 rows
+// ahead 95 / 86).
+constexpr int64_t kAheadRows = 4;
+
+inline void prefetch(const uint8_t* bytes, int64_t count) {
+    for (int64_t at = 0; at < count; at += 64) __builtin_prefetch(bytes + at);
+}
+
+// y (m, n) = x . W^T over x's quantized rows ``a``, W's rows one at a time (threads split
+// them; one thread, no OpenMP region at all), each against up to kDirectRows rows of x.
+template <typename Block, int V, int B, bool Offset, bool Signed>
+void rows_product(const uint8_t* w, int64_t n, int64_t row_stride, const Activations& a,
+                  int64_t m, int64_t k, float* y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t o = 0; o < n; ++o) {
+        if (o + kAheadRows < n) prefetch(w + (o + kAheadRows) * row_stride, row_stride);
+        for (int64_t m0 = 0; m0 < m; m0 += kDirectRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kDirectRows, m - m0));
+            const RowsArgs t{&a, m0, k, k / V};
+            rows_for<Block, B, Offset, Signed>(rows, w + o * row_stride, t, y + m0 * n + o, n);
+        }
+    }
+}
+
+// The 32-value types' blocks read straight from their bytes (AVX2), else unpacked.
+#if defined(__AVX2__)
+using Q4_0Rows = StoredBlock<q4_0_quants, 8, false>;
+using Q4_1Rows = StoredBlock<q4_1_quants, 0, true>;
+using Q5_0Rows = StoredBlock<q5_0_quants, 16, false>;
+using Q5_1Rows = StoredBlock<q5_1_quants, 0, true>;
+using Q8_0Rows = StoredBlock<q8_0_quants, 0, false>;
+#else
+using Q4_0Rows = Unpacker<blocks::unpack_q4_0_unsigned, 32>;
+using Q4_1Rows = Unpacker<blocks::unpack_q4_1, 32>;
+using Q5_0Rows = Unpacker<blocks::unpack_q5_0_unsigned, 32>;
+using Q5_1Rows = Unpacker<blocks::unpack_q5_1, 32>;
+using Q8_0Rows = Unpacker<blocks::unpack_q8_0, 32>;
+#endif
+
+using RowsProduct = void (*)(const uint8_t* w, int64_t n, int64_t row_stride,
+                             const Activations& a, int64_t m, int64_t k, float* y, int threads);
+
+}  // namespace
