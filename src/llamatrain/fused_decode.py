@@ -26,9 +26,10 @@ import weakref
 
 import torch
 
-from llamatrain.lora import FrozenLinear
+from llamatrain.lora import FrozenLinear, LoraLinear
 from llamatrain.model import Block, Blocks, KVCache, Llama, Rope
 from llamatrain.ops.decode_step import (
+    Adapter,
     LayerWeights,
     StepLayers,
     decode_step,
@@ -57,22 +58,46 @@ def _plain_block(block: Block) -> bool:
     )
 
 
+def _steps_adapter(module: LoraLinear) -> bool:
+    """Whether the step computes ``module``'s update as the module does: no dropout drawn
+    (eval mode, or none configured), contiguous float32 factors (adapters of a bf16 Linear
+    are bf16)."""
+    factors = (module.lora_a, module.lora_b)
+    plain = all(t.dtype == torch.float32 and t.is_contiguous() for t in factors)
+    return plain and not (module.training and module.dropout)
+
+
+def _projection(
+    module: torch.nn.Module, rows: int
+) -> tuple[torch.Tensor, str, Adapter | None] | None:
+    """(blocks, qtype, LoRA update or None) of a projection the step computes at ``rows``
+    rows, or None: a float weight or one the kernels do not multiply, a bias, an update the
+    step does not compute. Switched-off adapters (``lora.adapters_disabled``): the base's."""
+    if not isinstance(module, FrozenLinear | LoraLinear) or module.bias is not None:
+        return None
+    adapter = None
+    if isinstance(module, LoraLinear):
+        if not _steps_adapter(module):
+            return None
+        if not module.disabled:
+            adapter = Adapter(module.lora_a.detach(), module.lora_b.detach(), module.scale)
+    weight = module.weight
+    n_in = module.lora_a.shape[1] if isinstance(module, LoraLinear) else module.in_features
+    if not (weight.is_contiguous() and kernel_rows(weight, module.qtype, n_in, rows)):
+        return None
+    return weight, module.qtype, adapter
+
+
 def _layer_weights(block: Block, rows: int) -> LayerWeights | None:
     """The block's tensors as the C++ step takes them, or None where a projection is not
-    frozen blocks the kernels multiply at ``rows`` rows (a float or adapted one, a bias)."""
-    projections = [getattr(block, name) for name in _PROJECTIONS]
-    for module in projections:
-        if not isinstance(module, FrozenLinear) or module.bias is not None:
-            return None
-        weight = module.weight
-        if not (
-            weight.is_contiguous() and kernel_rows(weight, module.qtype, module.in_features, rows)
-        ):
-            return None
+    frozen blocks the kernels multiply at ``rows`` rows, with or without a LoRA update
+    (:func:`_projection`)."""
+    projections = [_projection(getattr(block, name), rows) for name in _PROJECTIONS]
     norms = (block.attn_norm.weight, block.ffn_norm.weight)
-    if any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+    if None in projections or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
         return None
-    return LayerWeights([m.weight for m in projections], [m.qtype for m in projections], *norms)
+    blocks, qtypes, adapters = zip(*projections, strict=True)
+    return LayerWeights(blocks, qtypes, *norms, adapters=adapters)
 
 
 class FusedDecodeBlocks(Blocks):

@@ -28,9 +28,15 @@ from random_models import move_off_neutral
 
 from llamatrain import fused_decode
 from llamatrain.fused_decode import FusedDecodeBlocks, fuse_decoding
-from llamatrain.lora import apply_lora, store_frozen_targets
+from llamatrain.lora import apply_lora, load_lora_state_dict, lora_state_dict, store_frozen_targets
 from llamatrain.model import KVCache, Llama, ModelConfig, Rope
-from llamatrain.ops.decode_step import LayerWeights, StepLayers, decode_step, step_available
+from llamatrain.ops.decode_step import (
+    Adapter,
+    LayerWeights,
+    StepLayers,
+    decode_step,
+    step_available,
+)
 from llamatrain.ops.dequantize import dequantize
 from llamatrain.ops.rope import rope_angles
 
@@ -63,6 +69,21 @@ def quantized_pair(qtype: str) -> tuple[Llama, Llama]:
     return kept, dense
 
 
+@torch.no_grad()
+def adapted_pair(qtype: str, rank: int) -> tuple[Llama, Llama]:
+    """:func:`quantized_pair` with LoRA of ``rank`` on every projection of both, the same
+    random nonzero factors on each (PEFT's B is zero: a fresh adapter would change nothing)."""
+    kept, dense = quantized_pair(qtype)
+    for model in (kept, dense):
+        apply_lora(model, rank, alpha=2.0 * rank).eval()
+    generator = torch.Generator().manual_seed(2)
+    factors = lora_state_dict(dense)
+    for name, tensor in factors.items():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    load_lora_state_dict(kept, factors)
+    return kept, dense
+
+
 def filled_cache(model: Llama) -> KVCache:
     """A cache of ROWS rows holding a ragged prompt (row 1 left-padded by 2, row 2 with an
     interior hole), as the blocks write it."""
@@ -87,7 +108,8 @@ def exact_matmul(model: Llama) -> _MATMUL:
     for block in model.blk:
         for name in TARGETS:
             module = getattr(block, name)
-            weight = dequantize(module.weight, module.qtype, module.in_features)
+            n_in = module.lora_a.shape[1] if hasattr(module, "lora_a") else module.in_features
+            weight = dequantize(module.weight, module.qtype, n_in)
             decoded[module.weight.data_ptr()] = weight.double()
 
     def product(_type, blocks, n, _stride, x, m, k, y, _threads) -> int:  # noqa: ANN001
@@ -100,22 +122,35 @@ def exact_matmul(model: Llama) -> _MATMUL:
 
 
 def step_layers(model: Llama, cache: KVCache) -> StepLayers:
-    layers = [
-        LayerWeights(
-            [getattr(b, t).weight for t in TARGETS],
-            [getattr(b, t).qtype for t in TARGETS],
-            b.attn_norm.weight,
-            b.ffn_norm.weight,
-        )  # fmt: skip
-        for b in model.blk
-    ]
+    layers = []
+    for b in model.blk:
+        adapters = [
+            Adapter(m.lora_a.detach(), m.lora_b.detach(), m.scale) if hasattr(m, "lora_a") else None
+            for m in (getattr(b, t) for t in TARGETS)
+        ]
+        layers.append(
+            LayerWeights(
+                [getattr(b, t).weight for t in TARGETS],
+                [getattr(b, t).qtype for t in TARGETS],
+                b.attn_norm.weight,
+                b.ffn_norm.weight,
+                adapters,
+            )  # fmt: skip
+        )
     return StepLayers(layers, cache.k, cache.v)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-@pytest.mark.parametrize("mode", ["norm", "neox"])
-def test_the_steps_small_ops_are_the_blocks(qtype: str, mode: str) -> None:
-    kept, dense = quantized_pair(qtype)
+@pytest.mark.parametrize(
+    ("qtype", "mode", "rank"),
+    [
+        ("Q4_0", "norm", None), ("Q8_0", "norm", None), ("Q4_0", "neox", None),
+        ("Q8_0", "neox", None), ("Q4_0", "norm", 1), ("Q8_0", "neox", 8),
+    ],
+)  # fmt: skip
+def test_the_steps_small_ops_are_the_blocks(qtype: str, mode: str, rank: int | None) -> None:
+    """With a LoRA update of ``rank`` on every projection (the blocks' ``ops.lora_linear``
+    over float32 weights) or none."""
+    kept, dense = quantized_pair(qtype) if rank is None else adapted_pair(qtype, rank)
     ours, theirs = filled_cache(dense), filled_cache(dense)
     pos = torch.tensor([[PROMPT], [PROMPT - 2], [PROMPT]])
     rope = Rope(pos, dense.cfg.rope_theta, mode=mode)
@@ -142,9 +177,11 @@ def rope_tables(rope: Rope, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_angles(rope.pos, head_dim, **settings)
 
 
-def test_a_fused_model_decodes_as_its_blocks_do(monkeypatch) -> None:
-    """Generation's model (kernels on both sides) over a ragged batch, step after step."""
-    kept, _ = quantized_pair("Q4_0")
+@pytest.mark.parametrize("rank", [None, 8])
+def test_a_fused_model_decodes_as_its_blocks_do(monkeypatch, rank: int | None) -> None:
+    """Generation's model (kernels on both sides) over a ragged batch, step after step,
+    with the adapters of a QLoRA run unmerged or none."""
+    kept = quantized_pair("Q4_0")[0] if rank is None else adapted_pair("Q4_0", rank)[0]
     fused = fuse_decoding(copy.deepcopy(kept))
     steps = []
     monkeypatch.setattr(
@@ -177,9 +214,12 @@ def test_the_blocks_run_where_the_step_does_not_compute_them() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert blocks.step_layers(one, cache) is None
     assert blocks.step_layers(one.requires_grad_(), cache) is None  # a graph
-    adapted = apply_lora(kept, rank=2, alpha=4.0)  # adapted projections: the blocks' own
+    adapted = apply_lora(kept, rank=2, alpha=4.0, dropout=0.1)  # dropout drawn in training
+    cache = filled_cache(adapted)
     with torch.no_grad():
-        assert adapted.blk.step_layers(one.detach(), filled_cache(adapted)) is None
+        assert adapted.blk.step_layers(one.detach(), cache) is None
+        adapted.eval()  # none drawn: the step's (a new cache, laid out again)
+        assert adapted.blk.step_layers(one.detach(), filled_cache(adapted)) is not None
 
 
 def test_a_finished_generations_cache_is_not_kept_by_the_step() -> None:
