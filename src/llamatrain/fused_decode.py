@@ -11,18 +11,26 @@ step when it is a decoding step the step computes as the blocks do (:meth:`Fused
 .step_layers`): one new token per row on a float32 KV cache, no graph recorded, no autocast,
 and every layer a plain llama block (rope on every layer, no window, no q/k norms, biases or
 sandwich norms, SwiGLU) whose seven projections are frozen blocks that the quantized kernels
-multiply at this batch (``ops.quantized_matmul.kernel_rows``). Anything else (a prompt, an
-adapted projection, training) runs the blocks as before.
+multiply at this batch (``ops.quantized_matmul.kernel_rows``), each with or without a LoRA
+update the step adds (``lora.LoraLinear``: float32 factors, no dropout drawn; switched off by
+``lora.adapters_disabled``: the base alone). Anything else (a prompt, a float weight, dropout
+in training mode, training) runs the blocks as before.
+
+:func:`fused_decoding` does the same swap for the length of a ``with``, for a model built to
+be trained (GRPO's rollouts sample from it).
 
 The layers' pointers are laid out once per KV cache (a generation or a rollout makes its own):
-the model's weights must not be replaced while one cache decodes (``lora.decoded_base``
+the model's weights and adapter factors may change in place between caches (an optimizer's
+step), but must not be replaced while one cache decodes (``lora.decoded_base``
 swaps them around a whole rollout, before its cache exists).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -39,7 +47,7 @@ from llamatrain.ops.grad_mode import records_graph
 from llamatrain.ops.quantized_matmul import kernel_rows
 from llamatrain.ops.rope import rope_angles
 
-__all__ = ["FusedDecodeBlocks", "fuse_decoding"]
+__all__ = ["FusedDecodeBlocks", "fuse_decoding", "fused_decoding"]
 
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 """A block's projections in ``ops.decode_step.PROJECTIONS`` order."""
@@ -166,3 +174,27 @@ def fuse_decoding(model: Llama) -> Llama:
     if not isinstance(model.blk, FusedDecodeBlocks):
         model.blk = FusedDecodeBlocks(model.blk)
     return model
+
+
+@contextlib.contextmanager
+def fused_decoding(model: torch.nn.Module) -> Iterator[bool]:
+    """Within it, ``model``'s decoding steps take the C++ step where it computes them (a
+    training model's rollouts: GRPO samples from the model it trains, which
+    ``model_source.inference_model`` did not build); yields whether the blocks were swapped.
+
+    The swap is :func:`fuse_decoding`'s over the very blocks (no parameter, buffer or name
+    changes), undone on exit, so training, checkpoints and exports never see it; checkpointed
+    blocks are wrapped as they are (they checkpoint nothing while a cache decodes) and put
+    back. A model that is not a plain ``Llama`` (a DDP or FSDP wrapper, a compiled one) or
+    is fused already is left as it is. The adapters' factors are read through pointers laid
+    out per KV cache, i.e. per rollout: an optimizer's in-place update is seen by the next."""
+    blocks = getattr(model, "blk", None)
+    plain = isinstance(model, Llama) and isinstance(blocks, Blocks)
+    if not plain or isinstance(blocks, FusedDecodeBlocks):
+        yield False
+        return
+    model.blk = FusedDecodeBlocks(blocks)
+    try:
+        yield True
+    finally:
+        model.blk = blocks

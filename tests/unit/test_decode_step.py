@@ -26,10 +26,13 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from random_models import move_off_neutral
 
-from llamatrain import fused_decode
-from llamatrain.fused_decode import FusedDecodeBlocks, fuse_decoding
+from llamatrain import activation_checkpointing, fused_decode
+from llamatrain.config import TrainSection
+from llamatrain.fused_decode import FusedDecodeBlocks, fuse_decoding, fused_decoding
 from llamatrain.lora import apply_lora, load_lora_state_dict, lora_state_dict, store_frozen_targets
 from llamatrain.model import KVCache, Llama, ModelConfig, Rope
+from llamatrain.objectives.grpo.rollout import sample_completions
+from llamatrain.objectives.grpo.rules import rollout_params
 from llamatrain.ops.decode_step import (
     Adapter,
     LayerWeights,
@@ -78,7 +81,7 @@ def adapted_pair(qtype: str, rank: int) -> tuple[Llama, Llama]:
         apply_lora(model, rank, alpha=2.0 * rank).eval()
     generator = torch.Generator().manual_seed(2)
     factors = lora_state_dict(dense)
-    for name, tensor in factors.items():
+    for tensor in factors.values():
         tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
     load_lora_state_dict(kept, factors)
     return kept, dense
@@ -233,3 +236,43 @@ def test_a_finished_generations_cache_is_not_kept_by_the_step() -> None:
     del cache
     gc.collect()
     assert gone() is None
+
+
+def decode_once(model: Llama) -> torch.Tensor:
+    """The logits of one decoding step after :func:`filled_cache`'s prompt (a new cache)."""
+    cache = filled_cache(model)
+    at = torch.tensor([[PROMPT], [PROMPT - 2], [PROMPT]])
+    with torch.no_grad():
+        return model(torch.tensor([[4], [9], [17]]), cache=cache, positions=at)
+
+
+def test_a_training_models_rollout_takes_the_step_with_its_current_adapters(monkeypatch) -> None:
+    """GRPO samples from the model it trains (checkpointed blocks, training mode): the rollout
+    decodes through the step, each rollout with the factors as the optimizer left them (in
+    place, or replaced), and the model is given back with its own blocks and mode."""
+    kept, _ = adapted_pair("Q4_0", 8)
+    activation_checkpointing.apply(kept, "full")
+    own = kept.blk
+    kept.train()
+    steps = []
+    monkeypatch.setattr(
+        fused_decode, "decode_step", lambda *a, **k: steps.append(1) or decode_step(*a, **k)
+    )
+    params = rollout_params(TrainSection(temperature=1.0))
+    out = sample_completions(kept, [[1, 2, 3], [4, 5]], 4, params, frozenset(), lambda i: i)
+    assert [len(c.tokens) for c in out] == [4, 4] and len(steps) == 3
+    assert kept.blk is own and kept.training
+    for update in ("in place", "replaced"):
+        module = kept.blk[1].ffn_down
+        with torch.no_grad():
+            if update == "in place":  # as an optimizer's step
+                module.lora_b.mul_(-3.0)
+            else:
+                module.lora_b.data = module.lora_b.detach() * 2.0
+        kept.eval()
+        expected = decode_once(kept)
+        with fused_decoding(kept) as swapped:
+            got = decode_once(kept)
+        assert swapped and kept.blk is own
+        bound = LOGIT_BOUND * expected.abs().max()
+        torch.testing.assert_close(got, expected, atol=bound, rtol=0)
