@@ -9,12 +9,13 @@ Python calls; the C++ step leaves the products and a few microseconds a layer.
 the same parameter names, as ``activation_checkpointing`` swaps it): a forward takes the C++
 step when it is a decoding step the step computes as the blocks do (:meth:`FusedDecodeBlocks
 .step_layers`): one new token per row on a float32 KV cache, no graph recorded, no autocast,
-and every layer a plain llama block (rope on every layer, no window, no q/k norms, biases or
+and every layer a plain llama block (rope on every layer, no window, no q/k norms or
 sandwich norms, SwiGLU) whose seven projections are frozen blocks that the quantized kernels
-multiply at this batch (``ops.quantized_matmul.kernel_rows``), each with or without a LoRA
-update the step adds (``lora.LoraLinear``: float32 factors, no dropout drawn; switched off by
-``lora.adapters_disabled``: the base alone). Anything else (a prompt, a float weight, dropout
-in training mode, training) runs the blocks as before.
+multiply at this batch (``ops.quantized_matmul.kernel_rows``), each with or without a
+float32 bias (qwen2's q/k/v) and a LoRA update the step adds (``lora.LoraLinear``: float32
+factors, no dropout drawn; switched off by ``lora.adapters_disabled``: the base alone).
+Anything else (a prompt, a float weight, dropout in training mode, training) runs the blocks
+as before.
 
 :func:`fused_decoding` does the same swap for the length of a ``with``, for a model built to
 be trained (GRPO's rollouts sample from it).
@@ -77,11 +78,15 @@ def _steps_adapter(module: LoraLinear) -> bool:
 
 def _projection(
     module: torch.nn.Module, rows: int
-) -> tuple[torch.Tensor, str, Adapter | None] | None:
-    """(blocks, qtype, LoRA update or None) of a projection the step computes at ``rows``
-    rows, or None: a float weight or one the kernels do not multiply, a bias, an update the
-    step does not compute. Switched-off adapters (``lora.adapters_disabled``): the base's."""
-    if not isinstance(module, FrozenLinear | LoraLinear) or module.bias is not None:
+) -> tuple[torch.Tensor, str, Adapter | None, torch.Tensor | None] | None:
+    """(blocks, qtype, LoRA update or None, bias or None) of a projection the step computes
+    at ``rows`` rows, or None: a float weight or one the kernels do not multiply, a bias not
+    float32, an update the step does not compute. Switched-off adapters
+    (``lora.adapters_disabled``): the base's."""
+    if not isinstance(module, FrozenLinear | LoraLinear):
+        return None
+    bias = module.bias
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     adapter = None
     if isinstance(module, LoraLinear):
@@ -93,19 +98,19 @@ def _projection(
     n_in = module.lora_a.shape[1] if isinstance(module, LoraLinear) else module.in_features
     if not (weight.is_contiguous() and kernel_rows(weight, module.qtype, n_in, rows)):
         return None
-    return weight, module.qtype, adapter
+    return weight, module.qtype, adapter, None if bias is None else bias.detach()
 
 
 def _layer_weights(block: Block, rows: int) -> LayerWeights | None:
     """The block's tensors as the C++ step takes them, or None where a projection is not
-    frozen blocks the kernels multiply at ``rows`` rows, with or without a LoRA update
-    (:func:`_projection`)."""
+    frozen blocks the kernels multiply at ``rows`` rows, with or without a LoRA update and a
+    bias (:func:`_projection`)."""
     projections = [_projection(getattr(block, name), rows) for name in _PROJECTIONS]
     norms = (block.attn_norm.weight, block.ffn_norm.weight)
     if None in projections or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
         return None
-    blocks, qtypes, adapters = zip(*projections, strict=True)
-    return LayerWeights(blocks, qtypes, *norms, adapters=adapters)
+    blocks, qtypes, adapters, biases = zip(*projections, strict=True)
+    return LayerWeights(blocks, qtypes, *norms, adapters=adapters, biases=biases)
 
 
 class FusedDecodeBlocks(Blocks):

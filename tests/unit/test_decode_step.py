@@ -50,13 +50,13 @@ VOCAB, ROWS, CAPACITY, PROMPT = 50, 3, 12, 5
 LOGIT_BOUND = 1e-2
 
 
-def quantized_pair(qtype: str) -> tuple[Llama, Llama]:
-    """(a model whose projections are ``qtype`` blocks, the same model with them decoded to
-    float32 ``Linear`` weights)."""
+def quantized_pair(qtype: str, arch: str = "llama") -> tuple[Llama, Llama]:
+    """(a model of ``arch`` whose projections are ``qtype`` blocks, the same model with them
+    decoded to float32 ``Linear`` weights); qwen2's q/k/v biases random, nonzero."""
     torch.manual_seed(0)
     cfg = ModelConfig(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=VOCAB,
-        max_seq_len=64,
+        max_seq_len=64, arch=arch,
     )  # fmt: skip
     dense = move_off_neutral(Llama(cfg)).eval()
     kept = copy.deepcopy(dense)
@@ -73,10 +73,10 @@ def quantized_pair(qtype: str) -> tuple[Llama, Llama]:
 
 
 @torch.no_grad()
-def adapted_pair(qtype: str, rank: int) -> tuple[Llama, Llama]:
+def adapted_pair(qtype: str, rank: int, arch: str = "llama") -> tuple[Llama, Llama]:
     """:func:`quantized_pair` with LoRA of ``rank`` on every projection of both, the same
     random nonzero factors on each (PEFT's B is zero: a fresh adapter would change nothing)."""
-    kept, dense = quantized_pair(qtype)
+    kept, dense = quantized_pair(qtype, arch)
     for model in (kept, dense):
         apply_lora(model, rank, alpha=2.0 * rank).eval()
     generator = torch.Generator().manual_seed(2)
@@ -138,22 +138,28 @@ def step_layers(model: Llama, cache: KVCache) -> StepLayers:
                 b.attn_norm.weight,
                 b.ffn_norm.weight,
                 adapters,
+                [getattr(b, t).bias for t in TARGETS],
             )  # fmt: skip
         )
     return StepLayers(layers, cache.k, cache.v)
 
 
 @pytest.mark.parametrize(
-    ("qtype", "mode", "rank"),
+    ("qtype", "mode", "rank", "arch"),
     [
-        ("Q4_0", "norm", None), ("Q8_0", "norm", None), ("Q4_0", "neox", None),
-        ("Q8_0", "neox", None), ("Q4_0", "norm", 1), ("Q8_0", "neox", 8),
+        ("Q4_0", "norm", None, "llama"), ("Q8_0", "norm", None, "llama"),
+        ("Q4_0", "neox", None, "llama"), ("Q8_0", "neox", None, "llama"),
+        ("Q4_0", "norm", 1, "llama"), ("Q8_0", "neox", 8, "llama"),
+        ("Q4_0", "neox", None, "qwen2"), ("Q8_0", "neox", 8, "qwen2"),
     ],
 )  # fmt: skip
-def test_the_steps_small_ops_are_the_blocks(qtype: str, mode: str, rank: int | None) -> None:
+def test_the_steps_small_ops_are_the_blocks(
+    qtype: str, mode: str, rank: int | None, arch: str
+) -> None:
     """With a LoRA update of ``rank`` on every projection (the blocks' ``ops.lora_linear``
-    over float32 weights) or none."""
-    kept, dense = quantized_pair(qtype) if rank is None else adapted_pair(qtype, rank)
+    over float32 weights) or none; qwen2's q/k/v biases."""
+    pair = quantized_pair(qtype, arch) if rank is None else adapted_pair(qtype, rank, arch)
+    kept, dense = pair
     ours, theirs = filled_cache(dense), filled_cache(dense)
     pos = torch.tensor([[PROMPT], [PROMPT - 2], [PROMPT]])
     rope = Rope(pos, dense.cfg.rope_theta, mode=mode)
@@ -180,11 +186,12 @@ def rope_tables(rope: Rope, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_angles(rope.pos, head_dim, **settings)
 
 
-@pytest.mark.parametrize("rank", [None, 8])
-def test_a_fused_model_decodes_as_its_blocks_do(monkeypatch, rank: int | None) -> None:
+@pytest.mark.parametrize(("rank", "arch"), [(None, "llama"), (8, "llama"), (8, "qwen2")])
+def test_a_fused_model_decodes_as_its_blocks_do(monkeypatch, rank: int | None, arch: str) -> None:
     """Generation's model (kernels on both sides) over a ragged batch, step after step,
-    with the adapters of a QLoRA run unmerged or none."""
-    kept = quantized_pair("Q4_0")[0] if rank is None else adapted_pair("Q4_0", rank)[0]
+    with the adapters of a QLoRA run unmerged or none (qwen2: with q/k/v biases)."""
+    pair = quantized_pair("Q4_0", arch) if rank is None else adapted_pair("Q4_0", rank, arch)
+    kept = pair[0]
     fused = fuse_decoding(copy.deepcopy(kept))
     steps = []
     monkeypatch.setattr(

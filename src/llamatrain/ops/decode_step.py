@@ -15,6 +15,11 @@ them. The arithmetic is the same in float32, summed in another order (the norm's
 double, as ggml sums them), so its outputs equal the PyTorch ops' to float rounding, and the
 products see their 8-bit activations rounded from those (``tests/unit/test_decode_step.py``).
 
+A projection may carry a LoRA update (:class:`Adapter`: a QLoRA run's adapters, unmerged),
+which the step adds after the base product as ``ops.lora`` does, through the rank-r
+bottleneck in float32: ``u = A·x``, then ``y += scale·B·u`` (no dropout: the step decodes),
+and a bias, added last (qwen2's q/k/v).
+
 The tensor side only: which layers qualify and when a step takes this path is the model's
 (``llamatrain.fused_decode``).
 """
@@ -47,6 +52,7 @@ class _Projection(ctypes.Structure):
         ("lora_b", ctypes.c_void_p),
         ("rank", ctypes.c_int64),
         ("scale", ctypes.c_double),
+        ("bias", ctypes.c_void_p),
     ]
 
 
@@ -91,14 +97,16 @@ class Adapter:
 @dataclass(frozen=True)
 class LayerWeights:
     """One layer's tensors: the seven projections' blocks (uint8 (out, row bytes), contiguous
-    rows) with their ggml types, in :data:`PROJECTIONS` order, the two norms' weights, and
-    each projection's :class:`Adapter` or None (none at all: no adapters)."""
+    rows) with their ggml types, in :data:`PROJECTIONS` order, the two norms' weights, each
+    projection's :class:`Adapter` or None and its bias (float32 (out,), contiguous) or None
+    (empty sequences: none at all)."""
 
     blocks: Sequence[torch.Tensor]
     qtypes: Sequence[str]
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
     adapters: Sequence[Adapter | None] = ()
+    biases: Sequence[torch.Tensor | None] = ()
 
 
 @functools.cache
@@ -144,21 +152,30 @@ class StepLayers:
         self.hidden = layers[0].blocks[PROJECTIONS.index("gate")].shape[0]
         for i, layer in enumerate(layers):
             record = self.array[i]
-            adapters = layer.adapters or [None] * len(PROJECTIONS)
-            parts = zip(PROJECTIONS, layer.blocks, layer.qtypes, adapters, strict=True)
-            for name, blocks, qtype, adapter in parts:
-                setattr(record, name, _projection(blocks, qtype, adapter))
+            none = [None] * len(PROJECTIONS)
+            extras = zip(layer.adapters or none, layer.biases or none, strict=True)
+            for name, blocks, qtype, (adapter, bias) in zip(
+                PROJECTIONS, layer.blocks, layer.qtypes, extras, strict=True
+            ):
+                setattr(record, name, _projection(blocks, qtype, adapter, bias))
             record.attn_norm = layer.attn_norm.data_ptr()
             record.ffn_norm = layer.ffn_norm.data_ptr()
             record.k_cache, record.v_cache = k[i].data_ptr(), v[i].data_ptr()
 
 
-def _projection(blocks: torch.Tensor, qtype: str, adapter: Adapter | None) -> _Projection:
-    """One projection's record: its blocks, and its adapter's factors (null without)."""
+def _projection(
+    blocks: torch.Tensor, qtype: str, adapter: Adapter | None, bias: torch.Tensor | None
+) -> _Projection:
+    """One projection's record: its blocks, its adapter's factors and its bias (null
+    without)."""
     part = _Projection(blocks.data_ptr(), blocks.shape[0], blocks.stride(0), KERNEL_TYPES[qtype])
     if adapter is not None:
         part.lora_a, part.lora_b = adapter.lora_a.data_ptr(), adapter.lora_b.data_ptr()
         part.rank, part.scale = adapter.lora_a.shape[0], adapter.scale
+    if bias is not None:
+        if not (bias.dtype == torch.float32 and bias.is_contiguous()):
+            raise ValueError("the decoding step needs contiguous float32 biases")
+        part.bias = bias.data_ptr()
     return part
 
 

@@ -19,6 +19,7 @@
 //   rope      NORM pairs (2i, 2i + 1); NEOX pairs (i, i + head_dim / 2)
 //   adapter   a projection's LoRA update y += scale * B (A x) (llamatrain.ops.lora's formula,
 //             PEFT's), A (rank, in) and B (out, rank), after the base product; null A: none
+//   bias      a projection's bias (out), added last (qwen2's q/k/v), as the modules add it
 // Built with -ffp-contract=off (kernel_build): no fused multiply-adds the source did not write.
 #include <algorithm>
 #include <cmath>
@@ -40,6 +41,7 @@ struct lt_projection {
     const float* lora_b;  // (rows, rank)
     int64_t rank;
     double scale;
+    const float* bias;  // (rows), or null: none
 };
 
 struct lt_layer {
@@ -200,8 +202,12 @@ int project(lt_matmul_fn matmul, const lt_projection& p, const float* x, int64_t
             float* y, int threads, std::vector<float>& u) {
     const int failed =
         matmul(static_cast<int>(p.type), p.blocks, p.rows, p.row_stride, x, m, k, y, threads);
-    if (!failed && p.lora_a != nullptr) add_low_rank(p, x, m, k, y, threads, u);
-    return failed;
+    if (failed) return failed;
+    if (p.lora_a != nullptr) add_low_rank(p, x, m, k, y, threads, u);
+    if (p.bias != nullptr)
+        for (int64_t b = 0; b < m; ++b)
+            for (int64_t o = 0; o < p.rows; ++o) y[b * p.rows + o] += p.bias[o];
+    return 0;
 }
 
 // q, k rotated, k and v written into the cache at slot `length`, the attention of every head
