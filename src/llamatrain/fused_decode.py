@@ -47,6 +47,7 @@ from llamatrain.ops.decode_step import (
 from llamatrain.ops.grad_mode import records_graph
 from llamatrain.ops.quantized_matmul import kernel_rows
 from llamatrain.ops.rope import rope_angles
+from llamatrain.parallel import sharded
 
 __all__ = ["FusedDecodeBlocks", "fuse_decoding", "fused_decoding"]
 
@@ -190,11 +191,13 @@ def fused_decoding(model: torch.nn.Module) -> Iterator[bool]:
     The swap is :func:`fuse_decoding`'s over the very blocks (no parameter, buffer or name
     changes), undone on exit, so training, checkpoints and exports never see it; checkpointed
     blocks are wrapped as they are (they checkpoint nothing while a cache decodes) and put
-    back. A model that is not a plain ``Llama`` (a DDP or FSDP wrapper, a compiled one) or
-    is fused already is left as it is. The adapters' factors are read through pointers laid
-    out per KV cache, i.e. per rollout: an optimizer's in-place update is seen by the next."""
+    back. A model that is not a plain ``Llama`` (a DDP wrapper, a compiled one), one that
+    FSDP shards (its blocks' parameters are shards between their forwards, which the step
+    would skip), or one fused already is left as it is. The adapters' factors are read
+    through pointers laid out per KV cache, i.e. per rollout: an optimizer's in-place update
+    is seen by the next."""
     blocks = getattr(model, "blk", None)
-    plain = isinstance(model, Llama) and isinstance(blocks, Blocks)
+    plain = isinstance(model, Llama) and isinstance(blocks, Blocks) and not sharded(model)
     if not plain or isinstance(blocks, FusedDecodeBlocks):
         yield False
         return
