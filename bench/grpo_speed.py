@@ -22,7 +22,9 @@ Method, in turns in one process (``--rounds`` rounds, the best of each side repo
   once, its tokens tagged with its G sequence ids), a sampler chain (temperature 1, then
   ``dist``) per step, ``--threads`` threads;
 - tokens/s = B x ``--tokens`` / wall seconds of the whole rollout, prompt evaluation
-  included; ``x`` = ours / llama.cpp's;
+  included; ``x`` = ours / llama.cpp's; again over the calling thread's CPU seconds
+  (``time.thread_time``), which with ``--threads 1`` are each side's work alone, what a
+  shared machine's load leaves comparable;
 - the step split: ``llamatrain.api.fit`` on the same file, ``objective = "grpo"``, QLoRA rank 8,
   P prompts x G, ``max_completion_length = --tokens``, 3 steps; each logged step's
   ``rollout_s`` and its whole time (completion tokens / ``tokens_per_s``), the last step
@@ -30,9 +32,9 @@ Method, in turns in one process (``--rounds`` rounds, the best of each side repo
 - a profile (``torch.profiler``) of one of our rollouts: the top operators by self CPU time.
 
 Usage: ``python bench/grpo_speed.py [--prompts 4] [--generations 8] [--prompt-tokens 32]
-[--tokens 64] [--threads 2] [--rounds 2]``; JSON to bench/results/grpo_speed.json (or
-``--json PATH``) and a table on stdout. The machine's load average is recorded with it: timings
-from a machine others are using measure them too.
+[--tokens 64] [--threads 2] [--rounds 2] [--dtype auto]``; JSON to
+bench/results/grpo_speed.json (or ``--json PATH``) and a table on stdout. The machine's load
+average is recorded with it: timings from a machine others are using measure them too.
 """
 
 from __future__ import annotations
@@ -77,15 +79,17 @@ def ours(model: torch.nn.Module, prompts: list[list[int]], groups: int, tokens: 
     return seconds
 
 
-def qlora_model(path: Path, work: Path) -> torch.nn.Module:
+def qlora_model(path: Path, work: Path, dtype: str) -> torch.nn.Module:
     """The model a GRPO QLoRA run over ``path`` decodes with (one step's run, its model)."""
-    return grpo_fit(path, work / "probe", prompts=1, groups=2, tokens=2, steps=1).model
+    return grpo_fit(path, work / "probe", prompts=1, groups=2, tokens=2, steps=1, dtype=dtype).model
 
 
 def grpo_fit(
-    path: Path, work: Path, prompts: int, groups: int, tokens: int, steps: int
+    path: Path, work: Path, prompts: int, groups: int, tokens: int, steps: int, dtype: str
 ) -> api.FitResult:
-    """A GRPO QLoRA run over ``path``: ``prompts`` x ``groups`` completions a step."""
+    """A GRPO QLoRA run over ``path``: ``prompts`` x ``groups`` completions a step, computing
+    in ``dtype`` (``train.dtype``: ``auto`` is bf16 autocast on a CPU with AMX, whose rollouts
+    run the blocks; ``float32``, the default without AMX, decodes through the C++ step)."""
     work.mkdir(parents=True, exist_ok=True)
     rows = [{"prompt": f"Count to {n}:", "answer": str(n)} for n in range(2, 40)]
     data = work / "prompts.jsonl"
@@ -100,6 +104,7 @@ def grpo_fit(
         f"train.n_batch={prompts * groups * n_ctx}", f"train.steps={steps}", "train.log_every=1",
         "train.eval_every=0", "train.save_every=0", "train.sample_tokens=0", "lora.rank=8",
         "lora.alpha=16", 'lora.base_dtype="quantized"', f'output.dir="{work / "run"}"',
+        f'train.dtype="{dtype}"',
         "output.export=false",
     ]  # fmt: skip
     return api.fit(None, overrides=overrides, progress=False)
@@ -135,6 +140,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="the GRPO runs' train.dtype")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "grpo_speed.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -148,25 +154,33 @@ def main() -> None:
     figures: dict = {
         "model": path.name, "batch": rows, "prompts": args.prompts,
         "generations": args.generations, "prompt_tokens": args.prompt_tokens,
-        "tokens": args.tokens, "threads": args.threads, "load_before": load,
+        "tokens": args.tokens, "threads": args.threads, "dtype": args.dtype, "load_before": load,
     }  # fmt: skip
     print(
         f"{rows} rows ({args.prompts} prompts x {args.generations}), prompt "
         f"{args.prompt_tokens} + {args.tokens} tokens, {args.threads} threads, {path.name}"
     )
     with tempfile.TemporaryDirectory() as work:
-        qlora = qlora_model(path, Path(work))
-        timings: dict[str, list[float]] = {"llama.cpp": [], "ours f32": [], "ours qlora": []}
+        qlora = qlora_model(path, Path(work), args.dtype)
+        sides = {
+            "llama.cpp": lambda r: cpp.rollout(prompts, args.generations, args.tokens, r),
+            "ours f32": lambda _: ours(f32.eval(), prompts, args.generations, args.tokens),
+            "ours qlora": lambda _: ours(qlora, prompts, args.generations, args.tokens),
+        }
+        timings: dict[str, list[float]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
         for r in range(args.rounds):  # in turns, so a change in load touches all three
-            timings["llama.cpp"].append(cpp.rollout(prompts, args.generations, args.tokens, r))
-            timings["ours f32"].append(ours(f32.eval(), prompts, args.generations, args.tokens))
-            timings["ours qlora"].append(ours(qlora, prompts, args.generations, args.tokens))
+            for name, rollout in sides.items():
+                start = time.thread_time()
+                timings[name].append(rollout(r))
+                cpu[name].append(time.thread_time() - start)
         cpp.close()
         figures |= rollout_figures(timings, rows * args.tokens)
+        figures["thread_cpu"] = rollout_figures(cpu, rows * args.tokens, "thread CPU s")
         save(figures, args.json)  # each figure as soon as it is measured: a long run's
-        split = step_split(  # early rows survive an interruption
-            grpo_fit(path, Path(work) / "step", args.prompts, args.generations, args.tokens, 3)
-        )
+        step_work = Path(work) / "step"  # early rows survive an interruption
+        sizes = (args.prompts, args.generations, args.tokens)
+        split = step_split(grpo_fit(path, step_work, *sizes, 3, args.dtype))
     figures["grpo_step"] = split
     print(
         f"GRPO step (QLoRA): {split['step_s']:.2f} s = rollout {split['rollout_s']:.2f} s + "
@@ -182,12 +196,15 @@ def main() -> None:
     save(figures, args.json)
 
 
-def rollout_figures(timings: dict[str, list[float]], tokens: int) -> dict:
-    """Each decoder's best time, tokens/s and speed over llama.cpp's, printed as a table."""
+def rollout_figures(timings: dict[str, list[float]], tokens: int, clock: str = "wall s") -> dict:
+    """Each decoder's best time, tokens/s and speed over llama.cpp's, printed as a table.
+    ``clock``: what the times are: wall seconds, or this thread's CPU seconds (with one
+    thread a side, the work alone: llama.cpp computes on its caller's thread then, and a
+    shared machine's load does not count in them)."""
     best = {name: min(seconds) for name, seconds in timings.items()}
-    print(f"{'decoder':<12}{'best s':>8}{'tokens/s':>10}{'x llama.cpp':>13}")
+    print(f"{'decoder':<12}{'best ' + clock:>16}{'tokens/s':>10}{'x llama.cpp':>13}")
     for name, s in best.items():
-        print(f"{name:<12}{s:8.2f}{tokens / s:10.1f}{best['llama.cpp'] / s:13.2f}", flush=True)
+        print(f"{name:<12}{s:16.2f}{tokens / s:10.1f}{best['llama.cpp'] / s:13.2f}", flush=True)
     return {
         "seconds": timings,
         "tokens_per_s": {name: tokens / s for name, s in best.items()},

@@ -9,26 +9,36 @@ Python calls; the C++ step leaves the products and a few microseconds a layer.
 the same parameter names, as ``activation_checkpointing`` swaps it): a forward takes the C++
 step when it is a decoding step the step computes as the blocks do (:meth:`FusedDecodeBlocks
 .step_layers`): one new token per row on a float32 KV cache, no graph recorded, no autocast,
-and every layer a plain llama block (rope on every layer, no window, no q/k norms, biases or
+and every layer a plain llama block (rope on every layer, no window, no q/k norms or
 sandwich norms, SwiGLU) whose seven projections are frozen blocks that the quantized kernels
-multiply at this batch (``ops.quantized_matmul.kernel_rows``). Anything else (a prompt, an
-adapted projection, training) runs the blocks as before.
+multiply at this batch (``ops.quantized_matmul.kernel_rows``), each with or without a
+float32 bias (qwen2's q/k/v) and a LoRA update the step adds (``lora.LoraLinear``: float32
+factors, no dropout drawn; switched off by ``lora.adapters_disabled``: the base alone).
+Anything else (a prompt, a float weight, dropout in training mode, training) runs the blocks
+as before.
+
+:func:`fused_decoding` does the same swap for the length of a ``with``, for a model built to
+be trained (GRPO's rollouts sample from it).
 
 The layers' pointers are laid out once per KV cache (a generation or a rollout makes its own):
-the model's weights must not be replaced while one cache decodes (``lora.decoded_base``
+the model's weights and adapter factors may change in place between caches (an optimizer's
+step), but must not be replaced while one cache decodes (``lora.decoded_base``
 swaps them around a whole rollout, before its cache exists).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 
 import torch
 
-from llamatrain.lora import FrozenLinear
+from llamatrain.lora import FrozenLinear, LoraLinear
 from llamatrain.model import Block, Blocks, KVCache, Llama, Rope
 from llamatrain.ops.decode_step import (
+    Adapter,
     LayerWeights,
     StepLayers,
     decode_step,
@@ -37,8 +47,9 @@ from llamatrain.ops.decode_step import (
 from llamatrain.ops.grad_mode import records_graph
 from llamatrain.ops.quantized_matmul import kernel_rows
 from llamatrain.ops.rope import rope_angles
+from llamatrain.parallel import sharded
 
-__all__ = ["FusedDecodeBlocks", "fuse_decoding"]
+__all__ = ["FusedDecodeBlocks", "fuse_decoding", "fused_decoding"]
 
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 """A block's projections in ``ops.decode_step.PROJECTIONS`` order."""
@@ -57,22 +68,50 @@ def _plain_block(block: Block) -> bool:
     )
 
 
+def _steps_adapter(module: LoraLinear) -> bool:
+    """Whether the step computes ``module``'s update as the module does: no dropout drawn
+    (eval mode, or none configured), contiguous float32 factors (adapters of a bf16 Linear
+    are bf16)."""
+    factors = (module.lora_a, module.lora_b)
+    plain = all(t.dtype == torch.float32 and t.is_contiguous() for t in factors)
+    return plain and not (module.training and module.dropout)
+
+
+def _projection(
+    module: torch.nn.Module, rows: int
+) -> tuple[torch.Tensor, str, Adapter | None, torch.Tensor | None] | None:
+    """(blocks, qtype, LoRA update or None, bias or None) of a projection the step computes
+    at ``rows`` rows, or None: a float weight or one the kernels do not multiply, a bias not
+    float32, an update the step does not compute. Switched-off adapters
+    (``lora.adapters_disabled``): the base's."""
+    if not isinstance(module, FrozenLinear | LoraLinear):
+        return None
+    bias = module.bias
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    adapter = None
+    if isinstance(module, LoraLinear):
+        if not _steps_adapter(module):
+            return None
+        if not module.disabled:
+            adapter = Adapter(module.lora_a.detach(), module.lora_b.detach(), module.scale)
+    weight = module.weight
+    n_in = module.lora_a.shape[1] if isinstance(module, LoraLinear) else module.in_features
+    if not (weight.is_contiguous() and kernel_rows(weight, module.qtype, n_in, rows)):
+        return None
+    return weight, module.qtype, adapter, None if bias is None else bias.detach()
+
+
 def _layer_weights(block: Block, rows: int) -> LayerWeights | None:
     """The block's tensors as the C++ step takes them, or None where a projection is not
-    frozen blocks the kernels multiply at ``rows`` rows (a float or adapted one, a bias)."""
-    projections = [getattr(block, name) for name in _PROJECTIONS]
-    for module in projections:
-        if not isinstance(module, FrozenLinear) or module.bias is not None:
-            return None
-        weight = module.weight
-        if not (
-            weight.is_contiguous() and kernel_rows(weight, module.qtype, module.in_features, rows)
-        ):
-            return None
+    frozen blocks the kernels multiply at ``rows`` rows, with or without a LoRA update and a
+    bias (:func:`_projection`)."""
+    projections = [_projection(getattr(block, name), rows) for name in _PROJECTIONS]
     norms = (block.attn_norm.weight, block.ffn_norm.weight)
-    if any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+    if None in projections or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
         return None
-    return LayerWeights([m.weight for m in projections], [m.qtype for m in projections], *norms)
+    blocks, qtypes, adapters, biases = zip(*projections, strict=True)
+    return LayerWeights(blocks, qtypes, *norms, adapters=adapters, biases=biases)
 
 
 class FusedDecodeBlocks(Blocks):
@@ -141,3 +180,29 @@ def fuse_decoding(model: Llama) -> Llama:
     if not isinstance(model.blk, FusedDecodeBlocks):
         model.blk = FusedDecodeBlocks(model.blk)
     return model
+
+
+@contextlib.contextmanager
+def fused_decoding(model: torch.nn.Module) -> Iterator[bool]:
+    """Within it, ``model``'s decoding steps take the C++ step where it computes them (a
+    training model's rollouts: GRPO samples from the model it trains, which
+    ``model_source.inference_model`` did not build); yields whether the blocks were swapped.
+
+    The swap is :func:`fuse_decoding`'s over the very blocks (no parameter, buffer or name
+    changes), undone on exit, so training, checkpoints and exports never see it; checkpointed
+    blocks are wrapped as they are (they checkpoint nothing while a cache decodes) and put
+    back. A model that is not a plain ``Llama`` (a DDP wrapper, a compiled one), one that
+    FSDP shards (its blocks' parameters are shards between their forwards, which the step
+    would skip), or one fused already is left as it is. The adapters' factors are read
+    through pointers laid out per KV cache, i.e. per rollout: an optimizer's in-place update
+    is seen by the next."""
+    blocks = getattr(model, "blk", None)
+    plain = isinstance(model, Llama) and isinstance(blocks, Blocks) and not sharded(model)
+    if not plain or isinstance(blocks, FusedDecodeBlocks):
+        yield False
+        return
+    model.blk = FusedDecodeBlocks(blocks)
+    try:
+        yield True
+    finally:
+        model.blk = blocks

@@ -46,7 +46,7 @@ from llamatrain.data import SONNETS_PATH
 from llamatrain.generate import generate
 from llamatrain.gguf.adapter import read_lora_adapter, write_lora_adapter
 from llamatrain.lora import FrozenLinear, FrozenTable, apply_lora, load_lora_state_dict, merge_lora
-from llamatrain.model import Llama
+from llamatrain.model import KVCache, Llama
 from llamatrain.model_config import tensor_shapes
 from llamatrain.sampling import SamplingParams
 
@@ -116,6 +116,23 @@ def stored_types(model: Llama) -> dict[str, str | None]:
             frozen = isinstance(module, FrozenLinear | FrozenTable) or hasattr(module, "lora_a")
             held[f"{name}.weight"] = getattr(module, "qtype", None) if frozen else None
     return held
+
+
+def test_the_decoding_steps_over_base_and_adapter_are_llama_cpps(files, llama_cpp) -> None:
+    """Token by token over a KV cache, a Q8_0 base with its adapter unmerged decodes through
+    the C++ step (``fused_decode``, the LoRA update inside it), each position's logits
+    llama.cpp's over ``-m base.gguf --lora adapter.gguf`` within :data:`Q8_0_BOUND`."""
+    quantized, tokenizer = api.load(files["q8_0"], lora=files["adapter"])
+    ids = prompt(tokenizer)
+    theirs = cpp_logits(llama_cpp, files["q8_0"], ids, lora=files["adapter"])
+    cache = KVCache(quantized.cfg, 1, len(ids), "cpu", torch.float32)
+    ours = []
+    with torch.no_grad():
+        for i, token in enumerate(ids):
+            assert quantized.blk.step_layers(torch.zeros(1, 1, quantized.cfg.dim), cache)
+            out = quantized(torch.tensor([[token]]), cache=cache, positions=torch.tensor([[i]]))
+            ours.append(out[0, -1].double().numpy())
+    assert np.abs(np.stack(ours) - theirs).max() < Q8_0_BOUND
 
 
 @pytest.mark.usefixtures("decoded_products")  # exact: no 8-bit activations

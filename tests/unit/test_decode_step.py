@@ -26,11 +26,20 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from random_models import move_off_neutral
 
-from llamatrain import fused_decode
-from llamatrain.fused_decode import FusedDecodeBlocks, fuse_decoding
-from llamatrain.lora import apply_lora, store_frozen_targets
+from llamatrain import activation_checkpointing, fused_decode
+from llamatrain.config import TrainSection
+from llamatrain.fused_decode import FusedDecodeBlocks, fuse_decoding, fused_decoding
+from llamatrain.lora import apply_lora, load_lora_state_dict, lora_state_dict, store_frozen_targets
 from llamatrain.model import KVCache, Llama, ModelConfig, Rope
-from llamatrain.ops.decode_step import LayerWeights, StepLayers, decode_step, step_available
+from llamatrain.objectives.grpo.rollout import sample_completions
+from llamatrain.objectives.grpo.rules import rollout_params
+from llamatrain.ops.decode_step import (
+    Adapter,
+    LayerWeights,
+    StepLayers,
+    decode_step,
+    step_available,
+)
 from llamatrain.ops.dequantize import dequantize
 from llamatrain.ops.rope import rope_angles
 
@@ -41,13 +50,13 @@ VOCAB, ROWS, CAPACITY, PROMPT = 50, 3, 12, 5
 LOGIT_BOUND = 1e-2
 
 
-def quantized_pair(qtype: str) -> tuple[Llama, Llama]:
-    """(a model whose projections are ``qtype`` blocks, the same model with them decoded to
-    float32 ``Linear`` weights)."""
+def quantized_pair(qtype: str, arch: str = "llama") -> tuple[Llama, Llama]:
+    """(a model of ``arch`` whose projections are ``qtype`` blocks, the same model with them
+    decoded to float32 ``Linear`` weights); qwen2's q/k/v biases random, nonzero."""
     torch.manual_seed(0)
     cfg = ModelConfig(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=VOCAB,
-        max_seq_len=64,
+        max_seq_len=64, arch=arch,
     )  # fmt: skip
     dense = move_off_neutral(Llama(cfg)).eval()
     kept = copy.deepcopy(dense)
@@ -60,6 +69,21 @@ def quantized_pair(qtype: str) -> tuple[Llama, Llama]:
             blocks = torch.from_numpy(gguf_quants.quantize(state[name].numpy(), ggml_type))
             kept.get_submodule(name.removesuffix(".weight")).weight.copy_(blocks)
             state[name].copy_(dequantize(blocks, qtype, state[name].shape[1]))
+    return kept, dense
+
+
+@torch.no_grad()
+def adapted_pair(qtype: str, rank: int, arch: str = "llama") -> tuple[Llama, Llama]:
+    """:func:`quantized_pair` with LoRA of ``rank`` on every projection of both, the same
+    random nonzero factors on each (PEFT's B is zero: a fresh adapter would change nothing)."""
+    kept, dense = quantized_pair(qtype, arch)
+    for model in (kept, dense):
+        apply_lora(model, rank, alpha=2.0 * rank).eval()
+    generator = torch.Generator().manual_seed(2)
+    factors = lora_state_dict(dense)
+    for tensor in factors.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    load_lora_state_dict(kept, factors)
     return kept, dense
 
 
@@ -87,7 +111,8 @@ def exact_matmul(model: Llama) -> _MATMUL:
     for block in model.blk:
         for name in TARGETS:
             module = getattr(block, name)
-            weight = dequantize(module.weight, module.qtype, module.in_features)
+            n_in = module.lora_a.shape[1] if hasattr(module, "lora_a") else module.in_features
+            weight = dequantize(module.weight, module.qtype, n_in)
             decoded[module.weight.data_ptr()] = weight.double()
 
     def product(_type, blocks, n, _stride, x, m, k, y, _threads) -> int:  # noqa: ANN001
@@ -100,22 +125,41 @@ def exact_matmul(model: Llama) -> _MATMUL:
 
 
 def step_layers(model: Llama, cache: KVCache) -> StepLayers:
-    layers = [
-        LayerWeights(
-            [getattr(b, t).weight for t in TARGETS],
-            [getattr(b, t).qtype for t in TARGETS],
-            b.attn_norm.weight,
-            b.ffn_norm.weight,
-        )  # fmt: skip
-        for b in model.blk
-    ]
+    layers = []
+    for b in model.blk:
+        adapters = [
+            Adapter(m.lora_a.detach(), m.lora_b.detach(), m.scale) if hasattr(m, "lora_a") else None
+            for m in (getattr(b, t) for t in TARGETS)
+        ]
+        layers.append(
+            LayerWeights(
+                [getattr(b, t).weight for t in TARGETS],
+                [getattr(b, t).qtype for t in TARGETS],
+                b.attn_norm.weight,
+                b.ffn_norm.weight,
+                adapters,
+                [getattr(b, t).bias for t in TARGETS],
+            )  # fmt: skip
+        )
     return StepLayers(layers, cache.k, cache.v)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-@pytest.mark.parametrize("mode", ["norm", "neox"])
-def test_the_steps_small_ops_are_the_blocks(qtype: str, mode: str) -> None:
-    kept, dense = quantized_pair(qtype)
+@pytest.mark.parametrize(
+    ("qtype", "mode", "rank", "arch"),
+    [
+        ("Q4_0", "norm", None, "llama"), ("Q8_0", "norm", None, "llama"),
+        ("Q4_0", "neox", None, "llama"), ("Q8_0", "neox", None, "llama"),
+        ("Q4_0", "norm", 1, "llama"), ("Q8_0", "neox", 8, "llama"),
+        ("Q4_0", "neox", None, "qwen2"), ("Q8_0", "neox", 8, "qwen2"),
+    ],
+)  # fmt: skip
+def test_the_steps_small_ops_are_the_blocks(
+    qtype: str, mode: str, rank: int | None, arch: str
+) -> None:
+    """With a LoRA update of ``rank`` on every projection (the blocks' ``ops.lora_linear``
+    over float32 weights) or none; qwen2's q/k/v biases."""
+    pair = quantized_pair(qtype, arch) if rank is None else adapted_pair(qtype, rank, arch)
+    kept, dense = pair
     ours, theirs = filled_cache(dense), filled_cache(dense)
     pos = torch.tensor([[PROMPT], [PROMPT - 2], [PROMPT]])
     rope = Rope(pos, dense.cfg.rope_theta, mode=mode)
@@ -142,9 +186,12 @@ def rope_tables(rope: Rope, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_angles(rope.pos, head_dim, **settings)
 
 
-def test_a_fused_model_decodes_as_its_blocks_do(monkeypatch) -> None:
-    """Generation's model (kernels on both sides) over a ragged batch, step after step."""
-    kept, _ = quantized_pair("Q4_0")
+@pytest.mark.parametrize(("rank", "arch"), [(None, "llama"), (8, "llama"), (8, "qwen2")])
+def test_a_fused_model_decodes_as_its_blocks_do(monkeypatch, rank: int | None, arch: str) -> None:
+    """Generation's model (kernels on both sides) over a ragged batch, step after step,
+    with the adapters of a QLoRA run unmerged or none (qwen2: with q/k/v biases)."""
+    pair = quantized_pair("Q4_0", arch) if rank is None else adapted_pair("Q4_0", rank, arch)
+    kept = pair[0]
     fused = fuse_decoding(copy.deepcopy(kept))
     steps = []
     monkeypatch.setattr(
@@ -177,9 +224,12 @@ def test_the_blocks_run_where_the_step_does_not_compute_them() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert blocks.step_layers(one, cache) is None
     assert blocks.step_layers(one.requires_grad_(), cache) is None  # a graph
-    adapted = apply_lora(kept, rank=2, alpha=4.0)  # adapted projections: the blocks' own
+    adapted = apply_lora(kept, rank=2, alpha=4.0, dropout=0.1)  # dropout drawn in training
+    cache = filled_cache(adapted)
     with torch.no_grad():
-        assert adapted.blk.step_layers(one.detach(), filled_cache(adapted)) is None
+        assert adapted.blk.step_layers(one.detach(), cache) is None
+        adapted.eval()  # none drawn: the step's (a new cache, laid out again)
+        assert adapted.blk.step_layers(one.detach(), filled_cache(adapted)) is not None
 
 
 def test_a_finished_generations_cache_is_not_kept_by_the_step() -> None:
@@ -193,3 +243,43 @@ def test_a_finished_generations_cache_is_not_kept_by_the_step() -> None:
     del cache
     gc.collect()
     assert gone() is None
+
+
+def decode_once(model: Llama) -> torch.Tensor:
+    """The logits of one decoding step after :func:`filled_cache`'s prompt (a new cache)."""
+    cache = filled_cache(model)
+    at = torch.tensor([[PROMPT], [PROMPT - 2], [PROMPT]])
+    with torch.no_grad():
+        return model(torch.tensor([[4], [9], [17]]), cache=cache, positions=at)
+
+
+def test_a_training_models_rollout_takes_the_step_with_its_current_adapters(monkeypatch) -> None:
+    """GRPO samples from the model it trains (checkpointed blocks, training mode): the rollout
+    decodes through the step, each rollout with the factors as the optimizer left them (in
+    place, or replaced), and the model is given back with its own blocks and mode."""
+    kept, _ = adapted_pair("Q4_0", 8)
+    activation_checkpointing.apply(kept, "full")
+    own = kept.blk
+    kept.train()
+    steps = []
+    monkeypatch.setattr(
+        fused_decode, "decode_step", lambda *a, **k: steps.append(1) or decode_step(*a, **k)
+    )
+    params = rollout_params(TrainSection(temperature=1.0))
+    out = sample_completions(kept, [[1, 2, 3], [4, 5]], 4, params, frozenset(), lambda i: i)
+    assert [len(c.tokens) for c in out] == [4, 4] and len(steps) == 3
+    assert kept.blk is own and kept.training
+    for update in ("in place", "replaced"):
+        module = kept.blk[1].ffn_down
+        with torch.no_grad():
+            if update == "in place":  # as an optimizer's step
+                module.lora_b.mul_(-3.0)
+            else:
+                module.lora_b.data = module.lora_b.detach() * 2.0
+        kept.eval()
+        expected = decode_once(kept)
+        with fused_decoding(kept) as swapped:
+            got = decode_once(kept)
+        assert swapped and kept.blk is own
+        bound = LOGIT_BOUND * expected.abs().max()
+        torch.testing.assert_close(got, expected, atol=bound, rtol=0)

@@ -15,6 +15,11 @@ them. The arithmetic is the same in float32, summed in another order (the norm's
 double, as ggml sums them), so its outputs equal the PyTorch ops' to float rounding, and the
 products see their 8-bit activations rounded from those (``tests/unit/test_decode_step.py``).
 
+A projection may carry a LoRA update (:class:`Adapter`: a QLoRA run's adapters, unmerged),
+which the step adds after the base product as ``ops.lora`` does, through the rank-r
+bottleneck in float32: ``u = A·x``, then ``y += scale·B·u`` (no dropout: the step decodes),
+and a bias, added last (qwen2's q/k/v).
+
 The tensor side only: which layers qualify and when a step takes this path is the model's
 (``llamatrain.fused_decode``).
 """
@@ -31,7 +36,7 @@ import torch
 from llamatrain.ops.kernel_build import load_kernels
 from llamatrain.ops.quantized_matmul import KERNEL_TYPES
 
-__all__ = ["PROJECTIONS", "LayerWeights", "StepLayers", "decode_step", "step_available"]
+__all__ = ["PROJECTIONS", "Adapter", "LayerWeights", "StepLayers", "decode_step", "step_available"]
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 """A layer's projections, in the C++ layer record's order."""
@@ -43,6 +48,11 @@ class _Projection(ctypes.Structure):
         ("rows", ctypes.c_int64),
         ("row_stride", ctypes.c_int64),
         ("type", ctypes.c_int64),
+        ("lora_a", ctypes.c_void_p),
+        ("lora_b", ctypes.c_void_p),
+        ("rank", ctypes.c_int64),
+        ("scale", ctypes.c_double),
+        ("bias", ctypes.c_void_p),
     ]
 
 
@@ -68,14 +78,35 @@ class _Shape(ctypes.Structure):
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A projection's LoRA update, ``y += scale·B·(A·x)`` after its base product (``ops.lora``'s
+    formula): A (rank, in) and B (out, rank), float32 and contiguous."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scale: float
+
+    def __post_init__(self) -> None:
+        a, b = self.lora_a, self.lora_b
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (a, b)):
+            raise ValueError("the decoding step needs contiguous float32 LoRA factors")
+        if b.shape[1] != a.shape[0]:
+            raise ValueError(f"LoRA factors of ranks {a.shape[0]} and {b.shape[1]}")
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One layer's tensors: the seven projections' blocks (uint8 (out, row bytes), contiguous
-    rows) with their ggml types, in :data:`PROJECTIONS` order, and the two norms' weights."""
+    rows) with their ggml types, in :data:`PROJECTIONS` order, the two norms' weights, each
+    projection's :class:`Adapter` or None and its bias (float32 (out,), contiguous) or None
+    (empty sequences: none at all)."""
 
     blocks: Sequence[torch.Tensor]
     qtypes: Sequence[str]
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
+    adapters: Sequence[Adapter | None] = ()
+    biases: Sequence[torch.Tensor | None] = ()
 
 
 @functools.cache
@@ -108,7 +139,9 @@ def step_available() -> bool:
 class StepLayers:
     """The layers' pointers laid out once for one KV cache's buffers (k, v: (layers, batch,
     kv_heads, capacity, head_dim) float32, contiguous), as the C++ step reads them; the
-    tensors are held so that the pointers stay valid."""
+    tensors are held so that the pointers stay valid. The step reads the weights and adapter
+    factors through these pointers at each call: updated in place (an optimizer's step), the
+    next call sees the new values; replaced by other tensors, it does not."""
 
     def __init__(self, layers: Sequence[LayerWeights], k: torch.Tensor, v: torch.Tensor) -> None:
         if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32):
@@ -119,13 +152,31 @@ class StepLayers:
         self.hidden = layers[0].blocks[PROJECTIONS.index("gate")].shape[0]
         for i, layer in enumerate(layers):
             record = self.array[i]
-            for name, blocks, qtype in zip(PROJECTIONS, layer.blocks, layer.qtypes, strict=True):
-                part = _Projection(blocks.data_ptr(), blocks.shape[0], blocks.stride(0))
-                part.type = KERNEL_TYPES[qtype]
-                setattr(record, name, part)
+            none = [None] * len(PROJECTIONS)
+            extras = zip(layer.adapters or none, layer.biases or none, strict=True)
+            for name, blocks, qtype, (adapter, bias) in zip(
+                PROJECTIONS, layer.blocks, layer.qtypes, extras, strict=True
+            ):
+                setattr(record, name, _projection(blocks, qtype, adapter, bias))
             record.attn_norm = layer.attn_norm.data_ptr()
             record.ffn_norm = layer.ffn_norm.data_ptr()
             record.k_cache, record.v_cache = k[i].data_ptr(), v[i].data_ptr()
+
+
+def _projection(
+    blocks: torch.Tensor, qtype: str, adapter: Adapter | None, bias: torch.Tensor | None
+) -> _Projection:
+    """One projection's record: its blocks, its adapter's factors and its bias (null
+    without)."""
+    part = _Projection(blocks.data_ptr(), blocks.shape[0], blocks.stride(0), KERNEL_TYPES[qtype])
+    if adapter is not None:
+        part.lora_a, part.lora_b = adapter.lora_a.data_ptr(), adapter.lora_b.data_ptr()
+        part.rank, part.scale = adapter.lora_a.shape[0], adapter.scale
+    if bias is not None:
+        if not (bias.dtype == torch.float32 and bias.is_contiguous()):
+            raise ValueError("the decoding step needs contiguous float32 biases")
+        part.bias = bias.data_ptr()
+    return part
 
 
 def decode_step(

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from llamatrain import parallel
 from llamatrain.chat_template import ChatTemplate
 from llamatrain.errors import DataError
+from llamatrain.fused_decode import fused_decoding
 from llamatrain.lora import decoded_base, kernels_serve
 from llamatrain.memory import available_memory
 from llamatrain.model import Llama
@@ -174,7 +175,7 @@ def sample_completions(
     row_seeds = [seeds(i) for i in range(len(prompts))]
     with _evaluating(model), autocast or contextlib.nullcontext(), bar:
         budget = _decoding_budget(model, len(prompts))  # under the rollout's autocast
-        with decoded_base(model, budget):
+        with decoded_base(model, budget), fused_decoding(model):
             return decode_turns(
                 model,
                 prompts,

@@ -17,6 +17,9 @@
 //   q rows    (batch, heads * head_dim), query head h at columns h * head_dim, reading kv head
 //             h / (heads / kv_heads) (the grouping of flash_attn and of SDPA's enable_gqa)
 //   rope      NORM pairs (2i, 2i + 1); NEOX pairs (i, i + head_dim / 2)
+//   adapter   a projection's LoRA update y += scale * B (A x) (llamatrain.ops.lora's formula,
+//             PEFT's), A (rank, in) and B (out, rank), after the base product; null A: none
+//   bias      a projection's bias (out), added last (qwen2's q/k/v), as the modules add it
 // Built with -ffp-contract=off (kernel_build): no fused multiply-adds the source did not write.
 #include <algorithm>
 #include <cmath>
@@ -34,6 +37,11 @@ struct lt_projection {
     int64_t rows;
     int64_t row_stride;
     int64_t type;
+    const float* lora_a;  // (rank, in), or null: no adapter
+    const float* lora_b;  // (rows, rank)
+    int64_t rank;
+    double scale;
+    const float* bias;  // (rows), or null: none
 };
 
 struct lt_layer {
@@ -165,7 +173,7 @@ void swiglu(float* __restrict gate, const float* __restrict up, int64_t n) {
 }
 
 struct Scratch {
-    std::vector<float> normed, q, k, v, attended, projected, gate, up, scores;
+    std::vector<float> normed, q, k, v, attended, projected, gate, up, scores, low_rank;
     explicit Scratch(const lt_step_shape& s)
         : normed(s.batch * s.dim), q(s.batch * s.heads * s.head_dim),
           k(s.batch * s.kv_heads * s.head_dim), v(s.batch * s.kv_heads * s.head_dim),
@@ -174,9 +182,32 @@ struct Scratch {
           scores(s.batch * s.heads * (s.length + 1)) {}
 };
 
+// y += scale * (x A^T) B^T for the m rows of x (m, k): the rank-r bottleneck first, as
+// ops.lora computes it (u = x A^T, then y + scale * u B^T), never a (rows, k) B A.
+void add_low_rank(const lt_projection& p, const float* x, int64_t m, int64_t k, float* y,
+                  int threads, std::vector<float>& u) {
+    const int64_t r = p.rank, n = p.rows;
+    u.resize(m * r);
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < m; ++b)
+        for (int64_t j = 0; j < r; ++j) u[b * r + j] = dot(x + b * k, p.lora_a + j * k, k);
+    const float scale = static_cast<float>(p.scale);
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < m; ++b)
+        for (int64_t o = 0; o < n; ++o)
+            y[b * n + o] += scale * dot(&u[b * r], p.lora_b + o * r, r);
+}
+
 int project(lt_matmul_fn matmul, const lt_projection& p, const float* x, int64_t m, int64_t k,
-            float* y, int threads) {
-    return matmul(static_cast<int>(p.type), p.blocks, p.rows, p.row_stride, x, m, k, y, threads);
+            float* y, int threads, std::vector<float>& u) {
+    const int failed =
+        matmul(static_cast<int>(p.type), p.blocks, p.rows, p.row_stride, x, m, k, y, threads);
+    if (failed) return failed;
+    if (p.lora_a != nullptr) add_low_rank(p, x, m, k, y, threads, u);
+    if (p.bias != nullptr)
+        for (int64_t b = 0; b < m; ++b)
+            for (int64_t o = 0; o < p.rows; ++o) y[b * p.rows + o] += p.bias[o];
+    return 0;
 }
 
 // q, k rotated, k and v written into the cache at slot `length`, the attention of every head
@@ -213,23 +244,26 @@ int one_layer(lt_matmul_fn matmul, const lt_layer& layer, const lt_step_shape& s
               const float* cos, const float* sin, const uint8_t* padding, Scratch& t) {
     const int64_t m = s.batch, dim = s.dim, threads = s.threads;
     const int64_t qd = s.heads * s.head_dim;
+    auto product = [&](const lt_projection& p, const float* in, int64_t k, float* out) {
+        return project(matmul, p, in, m, k, out, static_cast<int>(threads), t.low_rank);
+    };
     for (int64_t b = 0; b < m; ++b)
         rms_norm(x + b * dim, layer.attn_norm, dim, s.eps, &t.normed[b * dim]);
-    int failed = project(matmul, layer.q, t.normed.data(), m, dim, t.q.data(), threads);
-    failed |= project(matmul, layer.k, t.normed.data(), m, dim, t.k.data(), threads);
-    failed |= project(matmul, layer.v, t.normed.data(), m, dim, t.v.data(), threads);
+    int failed = product(layer.q, t.normed.data(), dim, t.q.data());
+    failed |= product(layer.k, t.normed.data(), dim, t.k.data());
+    failed |= product(layer.v, t.normed.data(), dim, t.v.data());
     if (failed) return failed;
     attention(layer, s, cos, sin, padding, t);
-    failed = project(matmul, layer.o, t.attended.data(), m, qd, t.projected.data(), threads);
+    failed = product(layer.o, t.attended.data(), qd, t.projected.data());
     if (failed) return failed;
     for (int64_t i = 0; i < m * dim; ++i) x[i] += t.projected[i];
     for (int64_t b = 0; b < m; ++b)
         rms_norm(x + b * dim, layer.ffn_norm, dim, s.eps, &t.normed[b * dim]);
-    failed = project(matmul, layer.gate, t.normed.data(), m, dim, t.gate.data(), threads);
-    failed |= project(matmul, layer.up, t.normed.data(), m, dim, t.up.data(), threads);
+    failed = product(layer.gate, t.normed.data(), dim, t.gate.data());
+    failed |= product(layer.up, t.normed.data(), dim, t.up.data());
     if (failed) return failed;
     swiglu(t.gate.data(), t.up.data(), m * s.hidden);
-    failed = project(matmul, layer.down, t.gate.data(), m, s.hidden, t.projected.data(), threads);
+    failed = product(layer.down, t.gate.data(), s.hidden, t.projected.data());
     if (failed) return failed;
     for (int64_t i = 0; i < m * dim; ++i) x[i] += t.projected[i];
     return 0;
