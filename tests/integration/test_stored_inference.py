@@ -292,7 +292,9 @@ sys.exit(cli.main(sys.argv[3:]))
     "command",
     [
         ["load", "generate", "{path}", "--prompt", "Shall I", "--max-tokens", "2"],
-        ["load", "eval", "{path}", "--data", str(SONNETS_PATH)],
+        pytest.param(  # generate's opener, over the sonnets: 10-40 s
+            ["load", "eval", "{path}", "--data", str(SONNETS_PATH)], marks=pytest.mark.slow
+        ),
         ["model_to_export", "export", "{path}", "-o", "{path}.out", "--type", "q8_0"],
     ],
     ids=["generate", "eval", "export"],
