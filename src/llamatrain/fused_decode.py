@@ -42,6 +42,7 @@ from llamatrain.ops.decode_step import (
     LayerWeights,
     StepLayers,
     decode_step,
+    reads,
     step_available,
 )
 from llamatrain.ops.grad_mode import records_graph
@@ -72,9 +73,7 @@ def _steps_adapter(module: LoraLinear) -> bool:
     """Whether the step computes ``module``'s update as the module does: no dropout drawn
     (eval mode, or none configured), contiguous float32 factors (adapters of a bf16 Linear
     are bf16)."""
-    factors = (module.lora_a, module.lora_b)
-    plain = all(t.dtype == torch.float32 and t.is_contiguous() for t in factors)
-    return plain and not (module.training and module.dropout)
+    return reads(module.lora_a, module.lora_b) and not (module.training and module.dropout)
 
 
 def _projection(
@@ -87,7 +86,7 @@ def _projection(
     if not isinstance(module, FrozenLinear | LoraLinear):
         return None
     bias = module.bias
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and not reads(bias):
         return None
     adapter = None
     if isinstance(module, LoraLinear):
@@ -108,7 +107,7 @@ def _layer_weights(block: Block, rows: int) -> LayerWeights | None:
     bias (:func:`_projection`)."""
     projections = [_projection(getattr(block, name), rows) for name in _PROJECTIONS]
     norms = (block.attn_norm.weight, block.ffn_norm.weight)
-    if None in projections or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+    if None in projections or not reads(*norms):
         return None
     blocks, qtypes, adapters, biases = zip(*projections, strict=True)
     return LayerWeights(blocks, qtypes, *norms, adapters=adapters, biases=biases)

@@ -36,7 +36,10 @@ import torch
 from llamatrain.ops.kernel_build import load_kernels
 from llamatrain.ops.quantized_matmul import KERNEL_TYPES
 
-__all__ = ["PROJECTIONS", "Adapter", "LayerWeights", "StepLayers", "decode_step", "step_available"]
+__all__ = [
+    "PROJECTIONS", "Adapter", "LayerWeights", "StepLayers", "decode_step", "reads",
+    "step_available",
+]  # fmt: skip
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 """A layer's projections, in the C++ layer record's order."""
@@ -77,6 +80,12 @@ class _Shape(ctypes.Structure):
     ]  # fmt: skip
 
 
+def reads(*tensors: torch.Tensor) -> bool:
+    """Whether the step can read ``tensors`` through their pointers as they are: float32 and
+    contiguous (the C++ side walks raw float arrays)."""
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
 @dataclass(frozen=True)
 class Adapter:
     """A projection's LoRA update, ``y += scale·B·(A·x)`` after its base product (``ops.lora``'s
@@ -88,7 +97,7 @@ class Adapter:
 
     def __post_init__(self) -> None:
         a, b = self.lora_a, self.lora_b
-        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (a, b)):
+        if not reads(a, b):
             raise ValueError("the decoding step needs contiguous float32 LoRA factors")
         if b.shape[1] != a.shape[0]:
             raise ValueError(f"LoRA factors of ranks {a.shape[0]} and {b.shape[1]}")
@@ -144,7 +153,7 @@ class StepLayers:
     next call sees the new values; replaced by other tensors, it does not."""
 
     def __init__(self, layers: Sequence[LayerWeights], k: torch.Tensor, v: torch.Tensor) -> None:
-        if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32):
+        if not reads(k, v):
             raise ValueError("the decoding step needs contiguous float32 k and v caches")
         self.array = (_Layer * len(layers))()
         self.count = len(layers)
@@ -173,7 +182,7 @@ def _projection(
         part.lora_a, part.lora_b = adapter.lora_a.data_ptr(), adapter.lora_b.data_ptr()
         part.rank, part.scale = adapter.lora_a.shape[0], adapter.scale
     if bias is not None:
-        if not (bias.dtype == torch.float32 and bias.is_contiguous()):
+        if not reads(bias):
             raise ValueError("the decoding step needs contiguous float32 biases")
         part.bias = bias.data_ptr()
     return part
@@ -205,7 +214,7 @@ def decode_step(
     assert function is not None and matmul is not None  # step_available said so
     _, k, _ = layers.held
     batch, kv_heads, capacity, head_dim = k.shape[1:]
-    if not (x.is_contiguous() and x.dtype == torch.float32 and x.shape[0] == batch):
+    if not (reads(x) and x.shape[0] == batch):
         raise ValueError(f"the decoding step needs x ({batch}, dim) contiguous float32")
     if cos.shape != (batch, head_dim // 2) or sin.shape != cos.shape:
         raise ValueError(f"the decoding step needs cos and sin ({batch}, {head_dim // 2})")
