@@ -25,8 +25,10 @@ step needs more slots than it has.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
+from types import FrameType
 
 import torch
 
@@ -164,10 +166,30 @@ def _generators(seeds: Seeds, rows: int, device: torch.device) -> torch.Generato
 
 def _warn_past_context(capacity: int, context: int) -> None:
     """Warn that decoding goes past the context the model was trained on (see
-    :class:`RowDecoder`); the warning points at the line that built the decoder."""
+    :class:`RowDecoder`), pointing at the line that asked for the tokens: the first frame
+    outside llamatrain and torch (the decoder is built by ``generate_stream``, run through
+    torch's ``no_grad`` wrapper, or by a rollout, so no fixed depth names that line)."""
     if capacity > context:
         warnings.warn(
             f"generating {capacity} tokens, past the {context} the model was trained on "
             "(llama.context_length); llama.cpp continues too, quality may drop",
-            stacklevel=3,
+            stacklevel=_callers_level(),
         )
+
+
+_INNER_PACKAGES = ("llamatrain", "torch")
+"""Packages whose frames a warning about the caller's request looks past."""
+
+
+def _callers_level() -> int:
+    """``warnings.warn``'s stacklevel, from the function that calls this one, of the first
+    frame outside :data:`_INNER_PACKAGES` (the outermost frame if every one is inside)."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and _package(frame) in _INNER_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _package(frame: FrameType) -> str:
+    """The top-level package of the module ``frame`` runs in."""
+    return frame.f_globals.get("__name__", "").partition(".")[0]
