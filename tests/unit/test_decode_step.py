@@ -283,3 +283,25 @@ def test_a_training_models_rollout_takes_the_step_with_its_current_adapters(monk
         assert swapped and kept.blk is own
         bound = LOGIT_BOUND * expected.abs().max()
         torch.testing.assert_close(got, expected, atol=bound, rtol=0)
+
+
+def test_a_rollout_under_bf16_autocast_decodes_in_the_step_as_float32_does(monkeypatch) -> None:
+    """A QLoRA run on a CPU with AMX trains under bf16 autocast by default; its rollouts
+    decode without it where the kernels serve every stored weight (they compute in float32
+    anyway), so they take the C++ step and draw the float32 rollout's tokens."""
+    kept, _ = adapted_pair("Q4_0", 8)
+    steps = []
+    monkeypatch.setattr(
+        fused_decode, "decode_step", lambda *a, **k: steps.append(1) or decode_step(*a, **k)
+    )
+    params = rollout_params(TrainSection(temperature=1.0))
+
+    def rollout(autocast):
+        out = sample_completions(
+            kept, [[1, 2, 3], [4, 5]], 4, params, frozenset(), lambda i: i, autocast=autocast
+        )
+        return [c.tokens for c in out]
+
+    plain = rollout(None)
+    assert len(steps) == 3
+    assert rollout(torch.autocast("cpu", dtype=torch.bfloat16)) == plain and len(steps) == 6

@@ -173,7 +173,7 @@ def sample_completions(
         total=len(prompts), desc="rollout", unit="completion", leave=False, disable=not progress
     )
     row_seeds = [seeds(i) for i in range(len(prompts))]
-    with _evaluating(model), autocast or contextlib.nullcontext(), bar:
+    with _evaluating(model), _decoding_autocast(model, len(prompts), autocast), bar:
         budget = _decoding_budget(model, len(prompts))  # under the rollout's autocast
         with decoded_base(model, budget), fused_decoding(model):
             return decode_turns(
@@ -186,6 +186,20 @@ def sample_completions(
                 responder,
                 ended=lambda _row: bar.update(1),
             )
+
+
+def _decoding_autocast(
+    model: Llama, rows: int, autocast: contextlib.AbstractContextManager | None
+) -> contextlib.AbstractContextManager:
+    """The autocast a rollout decodes under: the training step's, except where the quantized
+    kernels multiply every stored weight in float32 at ``rows`` rows (``lora.kernels_serve``,
+    asked outside any autocast). Those compute in float32 whatever the autocast (under bf16
+    their results were only cast down and back up), and the C++ decoding step
+    (:mod:`~llamatrain.fused_decode`) serves float32 alone: on a CPU with AMX, where a QLoRA
+    run trains in bf16 by default, its rollouts otherwise decoded layer by layer in PyTorch."""
+    if autocast is None or kernels_serve(model, rows):
+        return contextlib.nullcontext()
+    return autocast
 
 
 def _decoding_budget(model: Llama, rows: int) -> int | None:
