@@ -42,6 +42,11 @@ the AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
 
     forward     0.10-0.19  0.16-0.21  0.21-0.26  0.28-0.32  0.38-0.41  0.47-0.52  0.58-0.63
     backward    0.46-0.67  0.37-0.53  0.41-0.54  0.53-0.68  0.64-0.81  0.84-0.95  1.04-1.11
+    (aligned)                                               0.64-0.82  0.77-0.88  0.92-1.04
+
+(the last row, Q4_0 and Q6_K at load 1.1: after the kernels' buffers were aligned to cache
+lines, ``kernels/aligned.h``, which halved the backward's panel decode; the figures above it
+predate that).
 
 and under bf16 autocast, where the decoded path's GEMM runs on AMX tiles (M=8..64)::
 
@@ -110,7 +115,7 @@ def _signed(library: ctypes.CDLL) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
         ctypes.c_void_p,  # W's blocks
         ctypes.c_int64,  # n: W's rows
         ctypes.c_int64,  # bytes from one row of blocks to the next
-        ctypes.c_void_p,  # x (m, k), or gt (n, m)
+        ctypes.c_void_p,  # x (m, k), or G (m, n)
         ctypes.c_int64,  # m
         ctypes.c_int64,  # k
         ctypes.c_void_p,  # y (m, n), or dx (m, k)
@@ -184,9 +189,9 @@ def blocks_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Te
 def blocks_matmul_t(g: torch.Tensor, blocks: torch.Tensor, qtype: str, n_in: int) -> torch.Tensor:
     """``G·W`` as float32 (M, in) for G (M, out) and W's ``qtype`` blocks (out, row bytes),
     W decoded a panel at a time, G unrounded. Call where :func:`kernel_rows` says yes."""
-    gt = g.detach().to(torch.float32).t().contiguous()
-    dx = torch.zeros(g.shape[0], n_in, dtype=torch.float32)
-    _call(1, blocks, qtype, gt, g.shape[0], n_in, dx)
+    g = g.detach().to(torch.float32).contiguous()
+    dx = torch.empty(g.shape[0], n_in, dtype=torch.float32)
+    _call(1, blocks, qtype, g, g.shape[0], n_in, dx)
     return dx
 
 

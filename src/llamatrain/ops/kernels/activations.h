@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "aligned.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -14,7 +16,7 @@ namespace {
 
 // x quantized per 32 values: int8 quants, the scale d and d * sum(q) of each block.
 struct Activations {
-    std::vector<int8_t> q;
+    AlignedVector<int8_t> q;
     std::vector<float> d, s;
 };
 

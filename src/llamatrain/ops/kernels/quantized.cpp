@@ -2,7 +2,7 @@
 // (llamatrain.ops.quantized_matmul).
 //
 // lt_matmul:   y  = x . W^T   x (m, k) float32 -> y (m, n)   W (n, k) as its blocks
-// lt_matmul_t: dx = G . W     G given transposed, gt (n, m)  -> dx (m, k), added into
+// lt_matmul_t: dx = G . W     G (m, n)                        -> dx (m, k)
 //
 // lt_matmul takes lt_matmul_panels (below) past a format's direct_rows rows of x, and up to
 // them lt_matmul_rows (rows_dot.h: each weight row straight from its blocks, as decoding's
@@ -46,7 +46,7 @@ constexpr int kRowTile = 4;        // (16 vector registers)
 // A panel's sub-blocks repacked: per sub-block 8 groups of 32 bytes, group g holding quants
 // 4g .. 4g+3 of each row (row j at bytes 4j .. 4j+3), then per sub-block each row's scales.
 struct Panel {
-    std::vector<int8_t> q;
+    AlignedVector<int8_t> q;
     std::vector<float> lo, hi, off;
 };
 
@@ -436,20 +436,19 @@ void add_panel_rows(int rows_m, const float* slice, int64_t rows, const float* g
     add_panel<R>(slice, rows, g, dx, k);
 }
 
-// G (gt's n rows of m) packed once for every tile of kGradRows of G's rows, tile by tile as
-// out[tile][o][r] (zeros past G's last row): a tile's reads over a panel are contiguous.
-void pack_gradient(const float* gt, int64_t n, int64_t m, std::vector<float>* out,
+// G (m rows of n) packed once for every tile of kGradRows of its rows, tile by tile as
+// out[tile][o][r] (zeros past G's last row): a tile's reads over a panel are contiguous. Read
+// row by row, as G is laid out (not transposed first: a copy of G per call).
+void pack_gradient(const float* g, int64_t n, int64_t m, AlignedVector<float>* out,
                    int threads) {
     const int64_t tiles = (m + kGradRows - 1) / kGradRows;
     out->resize(tiles * kGradRows * n);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < n; ++o) {
-        for (int64_t t = 0; t < tiles; ++t) {
-            float* packed = out->data() + (t * n + o) * kGradRows;
-            for (int r = 0; r < kGradRows; ++r) {
-                const int64_t row = t * kGradRows + r;
-                packed[r] = row < m ? gt[o * m + row] : 0.0f;
-            }
+    for (int64_t t = 0; t < tiles; ++t) {
+        float* packed = out->data() + t * n * kGradRows;
+        for (int r = 0; r < kGradRows; ++r) {
+            const int64_t row = t * kGradRows + r;
+            for (int64_t o = 0; o < n; ++o) packed[o * kGradRows + r] = row < m ? g[row * n + o] : 0.0f;
         }
     }
 }
@@ -514,10 +513,10 @@ int lt_matmul(int type, const uint8_t* w, int64_t n, int64_t row_stride, const f
     return product(type, w, n, row_stride, x, m, k, y, threads);
 }
 
-// dx (m, k) += G . W with G given as gt (n, m); W as lt_matmul's. 0, or -1 as lt_matmul.
-// Each task owns a tile of dx's columns (whole blocks, up to kTileValues) and walks W's rows
-// a panel at a time: the panel decoded once, then added into every row of dx.
-int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* gt,
+// dx (m, k) = G . W for G (m, n); W as lt_matmul's. 0, or -1 as lt_matmul. Each task owns a
+// tile of dx's columns (whole blocks, up to kTileValues), sets it to zero and walks W's rows a
+// panel at a time: the panel decoded once, then added into every row of dx.
+int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const float* g,
                 int64_t m, int64_t k, float* dx, int threads) {
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
     const Format& f = kFormats[type];
@@ -528,24 +527,26 @@ int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const
     const int64_t tile_blocks = std::max<int64_t>(1, kTileValues / f.values);
     const int64_t panel_rows = kPanelValues / (tile_blocks * f.values);
     const int64_t tiles = (k / f.values + tile_blocks - 1) / tile_blocks;
-    static thread_local std::vector<float> packed;  // kept, as lt_matmul's activations
-    pack_gradient(gt, n, m, &packed, threads);
-    const float* g = packed.data();
+    static thread_local AlignedVector<float> packed;  // kept, as lt_matmul's activations
+    pack_gradient(g, n, m, &packed, threads);
+    const float* g_packed = packed.data();
 #pragma omp parallel num_threads(threads)
     {
-        static thread_local std::vector<float> panel(kPanelValues);
+        static thread_local AlignedVector<float> panel(kPanelValues);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tiles; ++t) {
             const int64_t first = t * tile_blocks;
             const int64_t blocks = std::min(tile_blocks, k / f.values - first);
             const int64_t width = blocks * f.values;
+            for (int64_t r = 0; r < m; ++r)
+                std::fill_n(dx + r * k + first * f.values, width, 0.0f);
             for (int64_t o0 = 0; o0 < n; o0 += panel_rows) {
                 const int64_t rows = std::min(panel_rows, n - o0);
                 f.decode_blocks(w + o0 * row_stride + first * f.bytes, row_stride, rows, blocks,
                                 panel.data());
                 for (int64_t c = 0; c < width; c += kSlice) {
                     over_tiles<kGradRows>(m, [&](int64_t m0, int tile) {
-                        const float* g_tile = g + m0 * n + o0 * kGradRows;
+                        const float* g_tile = g_packed + m0 * n + o0 * kGradRows;
                         add_panel_rows(tile, panel.data() + c * rows, rows, g_tile,
                                        dx + m0 * k + first * f.values + c, k);
                     });
