@@ -11,6 +11,7 @@ import pickle
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 import torch
 from random_models import BYTE_BPE, tiny_llama
 
-from llamatrain import api
+from llamatrain import api, cli
 from llamatrain.checkpoint import load_checkpoint
 from llamatrain.errors import CheckpointError, LlamatrainError, LlamatrainWarning, OutputError
 from llamatrain.gguf.file import (
@@ -244,7 +245,18 @@ def export_cli(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_export_never_writes_through_a_pipe_a_link_or_over_another_file(quick_run, tmp_path):
+def test_export_never_writes_through_a_pipe_a_link_or_over_another_file(
+    quick_run, tmp_path, capsys, monkeypatch
+):
+    """The command as a user runs it once (its own process: exit status, no traceback), the
+    other targets through the same ``cli.main`` in this process (seconds, not a Python start
+    each)."""
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main sets it
+
+    def export(target: Path) -> tuple[int, str]:
+        status = cli.main(["export", str(quick_run.run_dir), "-o", str(target)])
+        return status, capsys.readouterr().err
+
     fifo = tmp_path / "pipe.gguf"
     os.mkfifo(fifo)
     notes = tmp_path / "notes.txt"
@@ -253,13 +265,13 @@ def test_export_never_writes_through_a_pipe_a_link_or_over_another_file(quick_ru
     link.symlink_to(notes)
     dangling = tmp_path / "dangling.gguf"
     dangling.symlink_to(tmp_path / "elsewhere.gguf")
-    for target, what in ((fifo, "named pipe"), (link, "symbolic link"),
-                         (dangling, "symbolic link"), (notes, "not a GGUF file"),
-                         (Path("/dev/null"), "device")):  # fmt: skip
-        done = export_cli(str(quick_run.run_dir), "-o", str(target))
-        assert done.returncode == 1, target
-        assert what in done.stderr and "Traceback" not in done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1
+    done = export_cli(str(quick_run.run_dir), "-o", str(fifo))
+    assert done.returncode == 1 and "named pipe" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    for target, what in ((link, "symbolic link"), (dangling, "symbolic link"),
+                         (notes, "not a GGUF file"), (Path("/dev/null"), "device")):  # fmt: skip
+        status, err = export(target)
+        assert status == 1 and what in err and len(err.strip().splitlines()) == 1, target
     assert notes.read_text() == "keep me\n" and link.is_symlink() and fifo.is_fifo()
     assert not (tmp_path / "elsewhere.gguf").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
@@ -267,7 +279,7 @@ def test_export_never_writes_through_a_pipe_a_link_or_over_another_file(quick_ru
     )  # no temporary file left behind
     good = tmp_path / "model.gguf"
     for _ in range(2):  # an existing GGUF is replaced
-        assert export_cli(str(quick_run.run_dir), "-o", str(good)).returncode == 0
+        assert export(good)[0] == 0
 
 
 @pytest.mark.parametrize("planted", [".lock", "config.toml", "metrics.jsonl"])
