@@ -153,12 +153,15 @@ def _continuation(
     seed: int | None,
     allowed: torch.Tensor | None = None,
 ) -> Iterator[str]:
-    """The text after ``prompt_ids``, decoded as it grows, until a ``stop`` token."""
+    """The text after ``prompt_ids``, decoded as it grows, until a ``stop`` token. Bytes of a
+    character still arriving are held back; at the end, those of one that never completed
+    are given as replacement characters (as the tokenizer decodes them), not dropped: a
+    reply of stray bytes shows as what it is, not as nothing."""
     model.eval()
     prompt = torch.tensor([prompt_ids])
     stream = generate_stream(model, prompt, max_tokens, params, seed, stop, allowed)
     new: list[int] = []
-    shown = tokenizer.decode(prompt_ids)
+    shown = text = tokenizer.decode(prompt_ids)
     for token in stream:
         if token.item() in stop:
             break
@@ -168,6 +171,8 @@ def _continuation(
             continue  # a multi-byte character is still arriving byte token by byte token
         yield text[len(shown) :]
         shown = text
+    if len(text) > len(shown):
+        yield text[len(shown) :]
 
 
 def check_prompt(n_tokens: int, context: int) -> None:

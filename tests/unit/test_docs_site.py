@@ -2,18 +2,23 @@
 a missing anchor, a page left out of the nav or a docstring mkdocstrings cannot render fails
 it), the example notebooks executed in their seconds-long version and rendered with their
 outputs, the API and ops pages rendered from the docstrings. One build, shared by the checks;
-most of its time is the notebooks' kernels (tests/integration/test_notebooks.py checks what
-they compute; here, that they are on the site with their outputs)."""
+most of its time is the notebooks' kernels, so the default suite checks what they compute
+here, from the SUMMARY lines the pages show (tests/notebook_checks.py; the slow
+tests/integration/test_notebooks.py runs each again from a folder of its own)."""
 
 from __future__ import annotations
 
+import html as html_lib
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from mkdocs.config import load_config
+from notebook_checks import CHECKS
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "examples").glob("*.ipynb"))
@@ -65,11 +70,22 @@ def test_every_page_of_the_nav_is_built(site):
     assert in_docs <= set(pages), f"pages missing from the nav: {sorted(in_docs - set(pages))}"
 
 
+def rendered_summary(html: str, name: str) -> dict:
+    """The notebook's ``SUMMARY {json}`` line as the page shows it (one line of its last
+    cell's output, HTML-escaped)."""
+    lines = re.findall(r"^SUMMARY (\{.*\})$", html_lib.unescape(html), flags=re.MULTILINE)
+    assert lines, f"{name}: its SUMMARY output is missing"
+    return json.loads(lines[-1])
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebooks_are_rendered_with_their_outputs(site, path):
+def test_notebooks_are_rendered_with_their_outputs_and_pass_their_checks(site, path):
+    """The build executed each notebook (quick version): its page shows the outputs, and its
+    SUMMARY passes the checks tests/integration/test_notebooks.py applies (which, slow,
+    executes each again from a folder of its own)."""
     html = built(site, f"examples/{path.name}")
     assert "jp-OutputArea-output" in html
-    assert 'SUMMARY {"' in html, f"{path.name}: its SUMMARY output is missing"
+    CHECKS[path.name](rendered_summary(html, path.name))
     assert (site / "examples" / path.stem / path.name).is_file()  # offered for download
 
 

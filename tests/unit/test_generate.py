@@ -142,3 +142,12 @@ def test_decoding_under_bf16_autocast_reads_the_cache_in_the_steps_dtype() -> No
             whole = torch.cat([whole, logits.argmax(-1, keepdim=True)], dim=1)
     assert out.shape == (2, 9)
     assert torch.equal(out[:, :6], whole[:, :6])  # the prompt pass: the same bf16 products
+
+
+def test_bytes_of_a_character_that_never_completes_are_shown_not_dropped(byte_model) -> None:
+    """A reply of stray bytes (a small model's: byte tokens that form no UTF-8 character) ends
+    as the replacement characters the tokenizer decodes them to, not as an empty reply."""
+    lead = torch.zeros(Bytes.vocab_size, dtype=torch.bool)
+    lead[3 + 0xED] = True  # the first byte of a three-byte character, again and again
+    pieces = generate_text(byte_model, Bytes(), "hi", max_tokens=3, params=GREEDY, allowed=lead)
+    assert "".join(pieces) == Bytes().decode([3 + 0xED] * 3) == "\ufffd" * 3
