@@ -199,7 +199,7 @@ void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b
 
 // A type's format: U decodes (the backward), Forward unpacks for the forward's repacking.
 template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run,
-          int DirectRows, typename Rows = Unpacker<Forward, V>>
+          int DirectRows, typename Rows>
 constexpr Format format() {
     return {V,          B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>,
             DirectRows, rows_product<Rows, V, B, Offset, Run == 0>};
@@ -215,9 +215,9 @@ const Format kFormats[] = {
            Q4_0Rows>(),
     format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, 4, Q4_1Rows>(),
     format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0, 4, Q8_0Rows>(),
-    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8, 2>(),
-    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4, 2>(),
-    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0, 4>(),
+    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8, 2, Q4_KRows>(),
+    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4, 2, Q5_KRows>(),
+    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0, 4, Q6_KRows>(),
     format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4, 2,
            Q5_0Rows>(),
     format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4, 2, Q5_1Rows>(),

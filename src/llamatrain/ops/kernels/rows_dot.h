@@ -14,6 +14,8 @@
 // rounding.
 #pragma once
 #include "activations.h"
+#include <utility>
+
 #include "blocks.h"
 
 namespace {
@@ -59,35 +61,111 @@ inline __m256i q8_0_quants(const uint8_t* b) {
 template <__m256i (*Read)(const uint8_t*), int Bias, bool Min>
 struct StoredBlock {
     static constexpr int kSubs = 1;
+    static constexpr bool kSplit = false;
     __m256i q;
     float d, offset;
     explicit StoredBlock(const uint8_t* b)
         : q(Read(b)),
           d(blocks::half_to_float(b)),
           offset(Min ? blocks::half_to_float(b + 2) : -static_cast<float>(Bias) * d) {}
-    __m256i quants(int) const { return q; }
+    template <int>
+    __m256i quants() const {
+        return q;
+    }
     float lo(int) const { return d; }
     float hi(int) const { return d; }
     float off(int) const { return offset; }
 };
-#endif
 
-template <blocks::Unpack U, int V>
-struct Unpacker {
-    static constexpr int kSubs = V / 32;
-    alignas(32) int8_t q[V];
-    float lo_[kSubs], hi_[kSubs], off_[kSubs];
-    explicit Unpacker(const uint8_t* b) { U(b, {q, lo_, hi_, off_}); }
-#if defined(__AVX2__)
-    __m256i quants(int s) const {
-        return _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * s));
+// 32 bytes from p, each byte's bits shifted by Shift (left if positive) within its 16-bit
+// lane and masked by Mask: with a mask inside the byte no bit crosses from one to the next.
+template <int Shift, int Mask>
+inline __m256i shifted_bits(const uint8_t* p) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    __m256i moved = bytes;
+    if constexpr (Shift > 0) moved = _mm256_slli_epi16(bytes, Shift);
+    if constexpr (Shift < 0) moved = _mm256_srli_epi16(bytes, -Shift);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(Mask)));
+}
+
+// 8 bytes as 8 floats times ``scale``: a K super-block's eight 32-value scales (or mins) as
+// blocks.h's unpackers round them, d * float(q).
+inline void scaled_bytes(uint64_t bytes, float scale, float* out) {
+    const __m256i ints = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)));
+    _mm256_store_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(scale)));
+}
+
+// Q4_K/Q5_K: the super-block's eight scales d * sc and offsets -(dmin * m), the six-bit sc
+// and m unpacked from the 12 bytes at b + 4 four at a time (blocks.h's k_scale_min for
+// sub-blocks 0-3 from words 0 and 1; 4-7 take their low four bits from word 2 and their high
+// two from bits 6-7 of words 0 and 1).
+inline void k_scale_vectors(const uint8_t* b, float* scales, float* offsets) {
+    uint32_t w[3];
+    std::memcpy(w, b + 4, 12);
+    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+    const uint32_t sc_low = w[0] & kLow6, m_low = w[1] & kLow6;
+    const uint32_t sc_high = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
+    const uint32_t m_high = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
+    scaled_bytes(sc_low | static_cast<uint64_t>(sc_high) << 32, blocks::half_to_float(b), scales);
+    scaled_bytes(m_low | static_cast<uint64_t>(m_high) << 32, blocks::half_to_float(b + 2),
+                 offsets);
+    const __m256 mins = _mm256_load_ps(offsets);  // negated exactly: the sign bit flipped
+    _mm256_store_ps(offsets, _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)));
+}
+
+// A Q4_K or Q5_K super-block read straight from its bytes: sub-block s's quants (unsigned)
+// made in a register when asked (s a constant once add_block's loop is unrolled): 32 bytes
+// of qs at b + 48 (Q5_K) or b + 16 (Q4_K), their low nibbles for even s and high for odd,
+// and Q5_K's fifth bit s of each of qh's 32 bytes (b + 16) moved to bit 4. The scales and
+// offsets decoded once for the eight.
+template <bool Fifth>
+struct StoredKBlock {
+    static constexpr int kSubs = 8;
+    static constexpr bool kSplit = false;
+    const uint8_t* b;
+    alignas(32) float scale[8];
+    alignas(32) float offset[8];
+    explicit StoredKBlock(const uint8_t* block) : b(block) { k_scale_vectors(b, scale, offset); }
+    template <int S>
+    __m256i quants() const {
+        const uint8_t* qs = b + (Fifth ? 48 : 16) + 32 * (S / 2);
+        const __m256i low = shifted_bits<S % 2 ? -4 : 0, 0x0F>(qs);
+        if constexpr (!Fifth) return low;
+        return _mm256_or_si256(low, shifted_bits<4 - S, 0x10>(b + 16));
     }
-#endif
-    const int8_t* bytes(int s) const { return q + 32 * s; }
-    float lo(int s) const { return lo_[s]; }
-    float hi(int s) const { return hi_[s]; }
-    float off(int s) const { return off_[s]; }
+    float lo(int s) const { return scale[s]; }
+    float hi(int s) const { return scale[s]; }
+    __m256 offsets() const { return _mm256_load_ps(offset); }
 };
+
+// A Q6_K super-block read straight from its bytes: sub-block s = 4h + j (h the half of 128
+// values) takes the low (j < 2) or high nibbles of ql's 32 bytes at 64h + 32(j % 2), bits
+// 2j, 2j+1 of qh's 32 bytes at 128 + 32h as bits 4-5, less 32 (signed quants); values 0-15
+// scaled by d * scales[2s], 16-31 by d * scales[2s + 1], decoded once for the sixteen.
+struct StoredQ6KBlock {
+    static constexpr int kSubs = 8;
+    static constexpr bool kSplit = true;
+    const uint8_t* b;
+    alignas(32) float scale[16];
+    explicit StoredQ6KBlock(const uint8_t* block) : b(block) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+        const __m256 d = _mm256_set1_ps(blocks::half_to_float(b + 208));
+        const __m256i low = _mm256_cvtepi8_epi32(bytes);
+        const __m256i high = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes));
+        _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtepi32_ps(low), d));
+        _mm256_store_ps(scale + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(high), d));
+    }
+    template <int S>
+    __m256i quants() const {
+        constexpr int kHalf = S / 4, kJ = S % 4;
+        const __m256i low = shifted_bits<kJ < 2 ? 0 : -4, 0x0F>(b + 64 * kHalf + 32 * (kJ % 2));
+        const __m256i high = shifted_bits<4 - 2 * kJ, 0x30>(b + 128 + 32 * kHalf);
+        return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+    }
+    float lo(int s) const { return scale[2 * s]; }
+    float hi(int s) const { return scale[2 * s + 1]; }
+};
+#endif
 
 #if defined(__AVX2__)
 inline float sum_lanes(__m256 v) {
@@ -96,51 +174,80 @@ inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// acc[r] += block b's terms for R rows of x: per 32 values an integer dot product in eight
-// int32 lanes (lanes 0-3 values 0-15, 4-7 values 16-31), scaled per lane by w's scale times
-// x's d; the offsets' terms off * (d * sum(qx)) into one float sum beside them.
-template <typename Block, int B, bool Offset, bool Signed, int R>
-inline void add_block(const uint8_t* row, int64_t b, const RowsArgs& t, __m256* acc,
-                      float* offsets) {
-    const Activations& a = *t.a;
-    const int64_t x_subs = t.k / 32;
-    const Block block(row + b * B);
-    for (int s = 0; s < Block::kSubs; ++s) {
-        const int64_t sub = b * Block::kSubs + s;
-        const __m256i w = block.quants(s);
-        const __m256i magnitude = Signed ? _mm256_sign_epi8(w, w) : w;
-        const __m256 w_scale = _mm256_set_m128(_mm_set1_ps(block.hi(s)), _mm_set1_ps(block.lo(s)));
-        for (int r = 0; r < R; ++r) {
-            const int64_t at = (t.m0 + r) * x_subs + sub;
-            __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[at * 32]));
-            if (Signed) x = _mm256_sign_epi8(x, w);
-            const __m256i sums = dot_acc(_mm256_setzero_si256(), magnitude, x);
-            const __m256 scale = _mm256_mul_ps(w_scale, _mm256_set1_ps(a.d[at]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-            if (Offset) offsets[r] += block.off(s) * a.s[at];
-        }
+// acc[r] += sub-block S's terms for R rows of x (x's sub-block index at[r] + S): the integer
+// dot product in eight int32 lanes (lanes 0-3 values 0-15, 4-7 values 16-31), scaled per lane
+// by w's scale (lo, hi) times x's d; a 32-value type's offset term off * (d * sum(qx)) into
+// the float sums beside them.
+template <typename Block, bool Offset, bool Signed, int R, int S>
+inline void add_sub(const Block& block, const Activations& a, const int64_t* at, __m256* acc,
+                    float* offsets) {
+    const __m256i w = block.template quants<S>();
+    const __m256i magnitude = Signed ? _mm256_sign_epi8(w, w) : w;
+    const __m256 w_scale = _mm256_set_m128(_mm_set1_ps(block.hi(S)), _mm_set1_ps(block.lo(S)));
+    for (int r = 0; r < R; ++r) {
+        const int64_t i = at[r] + S;
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[i * 32]));
+        if (Signed) x = _mm256_sign_epi8(x, w);
+        const __m256i sums = dot_acc(_mm256_setzero_si256(), magnitude, x);
+        const __m256 scale = Block::kSplit ? _mm256_mul_ps(w_scale, _mm256_set1_ps(a.d[i]))
+                                           : _mm256_set1_ps(block.lo(S) * a.d[i]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+        if constexpr (Offset && Block::kSubs == 1) offsets[r] += block.off(S) * a.s[i];
     }
 }
 
-// y_r = row . x_r for R rows of x: even and odd blocks into two sets of sums (two chains of
-// dependent adds, not one, for the 32-value types' one sub-block a block), added at the end.
+// Block b's terms for R rows of x, its even sub-blocks into ``first`` and odd ones into
+// ``second`` (two chains of dependent adds); a super-block's eight offset terms
+// off * (d * sum(qx)) in one vector product per row, into ``first``'s lanes.
+template <typename Block, int B, bool Offset, bool Signed, int R, int... S>
+inline void add_block(const uint8_t* row, int64_t b, const RowsArgs& t, __m256* first,
+                      __m256* second, float* offsets, std::integer_sequence<int, S...>) {
+    const Activations& a = *t.a;
+    const Block block(row + b * B);
+    int64_t at[R];
+    for (int r = 0; r < R; ++r) at[r] = (t.m0 + r) * (t.k / 32) + b * Block::kSubs;
+    (add_sub<Block, Offset, Signed, R, S>(block, a, at, S % 2 ? second : first, offsets), ...);
+    if constexpr (Offset && Block::kSubs == 8) {
+        const __m256 off = block.offsets();
+        for (int r = 0; r < R; ++r)
+            first[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(&a.s[at[r]]), first[r]);
+    }
+}
+
+// y_r = row . x_r for R rows of x: even and odd blocks (and sub-blocks) into two sets of
+// sums, added at the end.
 template <typename Block, int B, bool Offset, bool Signed, int R>
 void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stride) {
+    constexpr auto kSubs = std::make_integer_sequence<int, Block::kSubs>{};
     __m256 even[R], odd[R];
     float even_offsets[R] = {}, odd_offsets[R] = {};
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < t.blocks; b += 2) {
-        add_block<Block, B, Offset, Signed, R>(row, b, t, even, even_offsets);
-        add_block<Block, B, Offset, Signed, R>(row, b + 1, t, odd, odd_offsets);
+        add_block<Block, B, Offset, Signed, R>(row, b, t, even, odd, even_offsets, kSubs);
+        add_block<Block, B, Offset, Signed, R>(row, b + 1, t, odd, even, odd_offsets, kSubs);
     }
-    if (b < t.blocks) add_block<Block, B, Offset, Signed, R>(row, b, t, even, even_offsets);
+    if (b < t.blocks)
+        add_block<Block, B, Offset, Signed, R>(row, b, t, even, odd, even_offsets, kSubs);
     for (int r = 0; r < R; ++r) {
         const float offsets = even_offsets[r] + odd_offsets[r];
         out[r * out_stride] = sum_lanes(_mm256_add_ps(even[r], odd[r])) + offsets;
     }
 }
 #else
+// Without AVX2 every type's block is unpacked (blocks.h) into a buffer on the stack.
+template <blocks::Unpack U, int V>
+struct Unpacker {
+    static constexpr int kSubs = V / 32;
+    int8_t q[V];
+    float lo_[kSubs], hi_[kSubs], off_[kSubs];
+    explicit Unpacker(const uint8_t* b) { U(b, {q, lo_, hi_, off_}); }
+    const int8_t* bytes(int s) const { return q + 32 * s; }
+    float lo(int s) const { return lo_[s]; }
+    float hi(int s) const { return hi_[s]; }
+    float off(int s) const { return off_[s]; }
+};
+
 // y_r = row . x_r for R rows of x, plain C++: the GEMM fallback's order, per 32 values the
 // integer sums of values 0-15 and 16-31 scaled and added in float.
 template <typename Block, int B, bool Offset, bool Signed, int R>
@@ -201,19 +308,25 @@ void rows_product(const uint8_t* w, int64_t n, int64_t row_stride, const Activat
     }
 }
 
-// The 32-value types' blocks read straight from their bytes (AVX2), else unpacked.
+// Each type's blocks read straight from their bytes (AVX2), else unpacked.
 #if defined(__AVX2__)
 using Q4_0Rows = StoredBlock<q4_0_quants, 8, false>;
 using Q4_1Rows = StoredBlock<q4_1_quants, 0, true>;
 using Q5_0Rows = StoredBlock<q5_0_quants, 16, false>;
 using Q5_1Rows = StoredBlock<q5_1_quants, 0, true>;
 using Q8_0Rows = StoredBlock<q8_0_quants, 0, false>;
+using Q4_KRows = StoredKBlock<false>;
+using Q5_KRows = StoredKBlock<true>;
+using Q6_KRows = StoredQ6KBlock;
 #else
 using Q4_0Rows = Unpacker<blocks::unpack_q4_0_unsigned, 32>;
 using Q4_1Rows = Unpacker<blocks::unpack_q4_1, 32>;
 using Q5_0Rows = Unpacker<blocks::unpack_q5_0_unsigned, 32>;
 using Q5_1Rows = Unpacker<blocks::unpack_q5_1, 32>;
 using Q8_0Rows = Unpacker<blocks::unpack_q8_0, 32>;
+using Q4_KRows = Unpacker<blocks::unpack_q4_k, 256>;
+using Q5_KRows = Unpacker<blocks::unpack_q5_k, 256>;
+using Q6_KRows = Unpacker<blocks::unpack_q6_k, 256>;
 #endif
 
 using RowsProduct = void (*)(const uint8_t* w, int64_t n, int64_t row_stride,
