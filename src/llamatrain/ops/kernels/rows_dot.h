@@ -55,13 +55,17 @@ inline __m256i q8_0_quants(const uint8_t* b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
 
+// How a block's scales meet x's: scale_products(xd, out) writes, for one row of x (xd its
+// scales from the block's first sub-block on), each weight scale times x's scale of its
+// sub-block, the float products the panels take (w's scale * x's d); lane_scale<S>(out) is
+// sub-block S's as the eight lanes of its integer sums want them (lanes 0-3: values 0-15).
+
 // A 32-value block read straight from its bytes into a register: its quants by Read
 // (unsigned for Q4/Q5, as the forward's unpackers leave them), the float16 d at byte 0, and
 // the offset the float16 m at byte 2 (Min: Q4_1, Q5_1) or -Bias * d (Q4_0: 8, Q5_0: 16).
 template <__m256i (*Read)(const uint8_t*), int Bias, bool Min>
 struct StoredBlock {
     static constexpr int kSubs = 1;
-    static constexpr bool kSplit = false;
     __m256i q;
     float d, offset;
     explicit StoredBlock(const uint8_t* b)
@@ -72,8 +76,11 @@ struct StoredBlock {
     __m256i quants() const {
         return q;
     }
-    float lo(int) const { return d; }
-    float hi(int) const { return d; }
+    void scale_products(const float* xd, float* out) const { out[0] = d * xd[0]; }
+    template <int>
+    static __m256 lane_scale(const float* products) {
+        return _mm256_set1_ps(products[0]);
+    }
     float off(int) const { return offset; }
 };
 
@@ -88,44 +95,46 @@ inline __m256i shifted_bits(const uint8_t* p) {
     return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(Mask)));
 }
 
-// 8 bytes as 8 floats times ``scale``: a K super-block's eight 32-value scales (or mins) as
-// blocks.h's unpackers round them, d * float(q).
-inline void scaled_bytes(uint64_t bytes, float scale, float* out) {
-    const __m256i ints = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)));
-    _mm256_store_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(scale)));
+// 8 bytes as 8 floats times ``scale``: d * float(q), as blocks.h's unpackers round it.
+inline __m256 scaled_bytes(__m128i bytes, float scale) {
+    const __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    return _mm256_mul_ps(values, _mm256_set1_ps(scale));
 }
 
-// Q4_K/Q5_K: the super-block's eight scales d * sc and offsets -(dmin * m), the six-bit sc
-// and m unpacked from the 12 bytes at b + 4 four at a time (blocks.h's k_scale_min for
-// sub-blocks 0-3 from words 0 and 1; 4-7 take their low four bits from word 2 and their high
-// two from bits 6-7 of words 0 and 1).
-inline void k_scale_vectors(const uint8_t* b, float* scales, float* offsets) {
-    uint32_t w[3];
-    std::memcpy(w, b + 4, 12);
-    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-    const uint32_t sc_low = w[0] & kLow6, m_low = w[1] & kLow6;
-    const uint32_t sc_high = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
-    const uint32_t m_high = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
-    scaled_bytes(sc_low | static_cast<uint64_t>(sc_high) << 32, blocks::half_to_float(b), scales);
-    scaled_bytes(m_low | static_cast<uint64_t>(m_high) << 32, blocks::half_to_float(b + 2),
-                 offsets);
-    const __m256 mins = _mm256_load_ps(offsets);  // negated exactly: the sign bit flipped
-    _mm256_store_ps(offsets, _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)));
+// Q4_K/Q5_K's 12 bytes of six-bit scales and mins (at b + 4) as 16 bytes, the eight scales
+// then the eight mins (blocks.h's k_scale_min): sub-blocks 0-3 take bytes 0-3 (scales) and
+// 4-7 (mins) less their top two bits; 4-7 the low (scales) or high (mins) nibbles of bytes
+// 8-11, and as bits 4-5 the top two bits of bytes 0-3 (scales) or 4-7 (mins).
+inline __m128i k_scales_and_mins(const uint8_t* b) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i low = _mm_shuffle_epi8(
+        packed, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(
+        packed, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low_six_or_four = _mm_and_si128(
+        low, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i high_four = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_set1_epi8(0x0f));
+    const __m128i bits = _mm_blend_epi32(low_six_or_four, high_four, 0b1000);
+    return _mm_or_si128(bits, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
 }
 
-// A Q4_K or Q5_K super-block read straight from its bytes: sub-block s's quants (unsigned)
-// made in a register when asked (s a constant once add_block's loop is unrolled): 32 bytes
-// of qs at b + 48 (Q5_K) or b + 16 (Q4_K), their low nibbles for even s and high for odd,
-// and Q5_K's fifth bit s of each of qh's 32 bytes (b + 16) moved to bit 4. The scales and
-// offsets decoded once for the eight.
+// A Q4_K or Q5_K super-block read straight from its bytes: sub-block S's quants (unsigned)
+// made in a register when asked (S a constant: add_block's sub-blocks are a pack expansion):
+// 32 bytes of qs at b + 48 (Q5_K) or b + 16 (Q4_K), their low nibbles for even S and high
+// for odd, and Q5_K's fifth bit S of each of qh's 32 bytes (b + 16) moved to bit 4. The eight
+// scales d * sc and offsets -(dmin * m) decoded once.
 template <bool Fifth>
 struct StoredKBlock {
     static constexpr int kSubs = 8;
-    static constexpr bool kSplit = false;
     const uint8_t* b;
-    alignas(32) float scale[8];
-    alignas(32) float offset[8];
-    explicit StoredKBlock(const uint8_t* block) : b(block) { k_scale_vectors(b, scale, offset); }
+    __m256 scales, offsets;
+    explicit StoredKBlock(const uint8_t* block) : b(block) {
+        const __m128i scales_and_mins = k_scales_and_mins(b);
+        scales = scaled_bytes(scales_and_mins, blocks::half_to_float(b));
+        const __m256 mins =
+            scaled_bytes(_mm_srli_si128(scales_and_mins, 8), blocks::half_to_float(b + 2));
+        offsets = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f));  // negated exactly
+    }
     template <int S>
     __m256i quants() const {
         const uint8_t* qs = b + (Fifth ? 48 : 16) + 32 * (S / 2);
@@ -133,27 +142,30 @@ struct StoredKBlock {
         if constexpr (!Fifth) return low;
         return _mm256_or_si256(low, shifted_bits<4 - S, 0x10>(b + 16));
     }
-    float lo(int s) const { return scale[s]; }
-    float hi(int s) const { return scale[s]; }
-    __m256 offsets() const { return _mm256_load_ps(offset); }
+    void scale_products(const float* xd, float* out) const {
+        _mm256_store_ps(out, _mm256_mul_ps(scales, _mm256_loadu_ps(xd)));
+    }
+    template <int S>
+    static __m256 lane_scale(const float* products) {
+        return _mm256_broadcast_ss(products + S);
+    }
 };
 
-// A Q6_K super-block read straight from its bytes: sub-block s = 4h + j (h the half of 128
+// A Q6_K super-block read straight from its bytes: sub-block S = 4h + j (h the half of 128
 // values) takes the low (j < 2) or high nibbles of ql's 32 bytes at 64h + 32(j % 2), bits
 // 2j, 2j+1 of qh's 32 bytes at 128 + 32h as bits 4-5, less 32 (signed quants); values 0-15
-// scaled by d * scales[2s], 16-31 by d * scales[2s + 1], decoded once for the sixteen.
+// scaled by d * scales[2S], 16-31 by d * scales[2S + 1], the sixteen decoded once.
 struct StoredQ6KBlock {
     static constexpr int kSubs = 8;
-    static constexpr bool kSplit = true;
     const uint8_t* b;
-    alignas(32) float scale[16];
+    __m256 scales[2];  // sub-blocks 0-3, then 4-7: each one's lo and hi
     explicit StoredQ6KBlock(const uint8_t* block) : b(block) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
         const __m256 d = _mm256_set1_ps(blocks::half_to_float(b + 208));
         const __m256i low = _mm256_cvtepi8_epi32(bytes);
         const __m256i high = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes));
-        _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtepi32_ps(low), d));
-        _mm256_store_ps(scale + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(high), d));
+        scales[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(low), d);
+        scales[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(high), d);
     }
     template <int S>
     __m256i quants() const {
@@ -162,8 +174,20 @@ struct StoredQ6KBlock {
         const __m256i high = shifted_bits<4 - 2 * kJ, 0x30>(b + 128 + 32 * kHalf);
         return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
     }
-    float lo(int s) const { return scale[2 * s]; }
-    float hi(int s) const { return scale[2 * s + 1]; }
+    // out[2s + h] = scale (lo h = 0, hi h = 1) of sub-block s * xd[s]
+    void scale_products(const float* xd, float* out) const {
+        const __m256 x = _mm256_loadu_ps(xd);
+        const __m256 first = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+        const __m256 last = _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+        _mm256_store_ps(out, _mm256_mul_ps(scales[0], first));
+        _mm256_store_ps(out + 8, _mm256_mul_ps(scales[1], last));
+    }
+    template <int S>
+    static __m256 lane_scale(const float* products) {
+        const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(products + 2 * S)));
+        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair),
+                                        _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    }
 };
 #endif
 
@@ -174,23 +198,21 @@ inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// acc[r] += sub-block S's terms for R rows of x (x's sub-block index at[r] + S): the integer
-// dot product in eight int32 lanes (lanes 0-3 values 0-15, 4-7 values 16-31), scaled per lane
-// by w's scale (lo, hi) times x's d; a 32-value type's offset term off * (d * sum(qx)) into
-// the float sums beside them.
+// acc[r] += sub-block S's terms for R rows of x (x's sub-block at[r] + S; ``products[r]`` its
+// scale products): the integer dot product in eight int32 lanes (lanes 0-3 values 0-15, 4-7
+// values 16-31), scaled per lane; a 32-value type's offset term off * (d * sum(qx)) into the
+// float sums beside them.
 template <typename Block, bool Offset, bool Signed, int R, int S>
-inline void add_sub(const Block& block, const Activations& a, const int64_t* at, __m256* acc,
-                    float* offsets) {
+inline void add_sub(const Block& block, const Activations& a, const int64_t* at,
+                    const float (*products)[16], __m256* acc, float* offsets) {
     const __m256i w = block.template quants<S>();
     const __m256i magnitude = Signed ? _mm256_sign_epi8(w, w) : w;
-    const __m256 w_scale = _mm256_set_m128(_mm_set1_ps(block.hi(S)), _mm_set1_ps(block.lo(S)));
     for (int r = 0; r < R; ++r) {
         const int64_t i = at[r] + S;
         __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[i * 32]));
         if (Signed) x = _mm256_sign_epi8(x, w);
         const __m256i sums = dot_acc(_mm256_setzero_si256(), magnitude, x);
-        const __m256 scale = Block::kSplit ? _mm256_mul_ps(w_scale, _mm256_set1_ps(a.d[i]))
-                                           : _mm256_set1_ps(block.lo(S) * a.d[i]);
+        const __m256 scale = Block::template lane_scale<S>(products[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
         if constexpr (Offset && Block::kSubs == 1) offsets[r] += block.off(S) * a.s[i];
     }
@@ -205,10 +227,16 @@ inline void add_block(const uint8_t* row, int64_t b, const RowsArgs& t, __m256* 
     const Activations& a = *t.a;
     const Block block(row + b * B);
     int64_t at[R];
-    for (int r = 0; r < R; ++r) at[r] = (t.m0 + r) * (t.k / 32) + b * Block::kSubs;
-    (add_sub<Block, Offset, Signed, R, S>(block, a, at, S % 2 ? second : first, offsets), ...);
+    alignas(32) float products[R][16];
+    for (int r = 0; r < R; ++r) {
+        at[r] = (t.m0 + r) * (t.k / 32) + b * Block::kSubs;
+        block.scale_products(&a.d[at[r]], products[r]);
+    }
+    (add_sub<Block, Offset, Signed, R, S>(block, a, at, products, S % 2 ? second : first,
+                                           offsets),
+     ...);
     if constexpr (Offset && Block::kSubs == 8) {
-        const __m256 off = block.offsets();
+        const __m256 off = block.offsets;
         for (int r = 0; r < R; ++r)
             first[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(&a.s[at[r]]), first[r]);
     }
