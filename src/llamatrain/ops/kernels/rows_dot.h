@@ -26,10 +26,29 @@ constexpr int kDirectRows = 4;  // x rows sharing each weight block loaded
 // One weight row against up to kDirectRows rows of x, starting at sub-block 0.
 struct RowsArgs {
     const Activations* a;
-    int64_t m0;      // x's first row
-    int64_t k;       // values per row
-    int64_t blocks;  // weight blocks per row
+    int64_t m0;          // x's first row
+    int64_t k;           // values per row
+    int64_t blocks;      // weight blocks per row
+    const uint8_t* end;  // W's last byte + 1: none past it is prefetched
 };
+
+// Weight bytes asked from memory kAheadBytes ahead of the dot products that read them, a few
+// lines every block or two, into L2 (prefetcht1): a decoding step streams every weight from
+// memory once, and the hardware prefetcher alone left it waiting. Llama-3.2-1B's every matrix
+// at M=1 in file order (a decoding step's stream; thread CPU, native, load ~3-4): whole rows
+// 4 ahead into L1 (the previous scheme) Q4_0 96 ms, Q8_0 161, Q4_K_M 103; into L2 84 / 136 /
+// 99; spread through the dot products, 3 KiB ahead, 74-78 / 122 / 87 (AVX2 build: Q8_0 162
+// -> 132, Q4_K_M 112 -> 92); 1 KiB ahead 84 (Q4_0), 8 KiB 75; into L1 83.
+constexpr int64_t kAheadBytes = 3072;
+
+inline void prefetch(const uint8_t* bytes, int64_t count) {
+    for (int64_t at = 0; at < count; at += 64) __builtin_prefetch(bytes + at, 0, 2);
+}
+
+// The ``count`` bytes kAheadBytes past ``at`` asked for, those before ``end``.
+inline void prefetch_ahead(const uint8_t* at, int64_t count, const uint8_t* end) {
+    if (end - at > kAheadBytes) prefetch(at + kAheadBytes, std::min(count, end - at - kAheadBytes));
+}
 
 #if defined(__AVX2__)
 // acc + sums over each 4 consecutive byte products of |w| (unsigned) and x signed as w.
@@ -258,6 +277,7 @@ void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stri
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < t.blocks; b += 2) {
+        prefetch_ahead(row + b * B, 2 * B, t.end);
         add_block<Block, B, Offset, Signed, R>(row, b, t, even, odd, even_offsets, kSubs);
         add_block<Block, B, Offset, Signed, R>(row, b + 1, t, odd, even, odd_offsets, kSubs);
     }
@@ -290,6 +310,7 @@ void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stri
     const int64_t x_subs = t.k / 32;
     float total[R] = {};
     for (int64_t b = 0; b < t.blocks; ++b) {
+        prefetch_ahead(row + b * B, B, t.end);
         const Block block(row + b * B);
         for (int s = 0; s < Block::kSubs; ++s) {
             const int8_t* w = block.bytes(s);
@@ -316,19 +337,6 @@ void rows_for(int rows, const uint8_t* row, const RowsArgs& t, float* out, int64
     row_dot<Block, B, Offset, Signed, R>(row, t, out, stride);
 }
 
-// Weight rows asked from memory ahead of their dot products: a decoding step streams every
-// weight from memory once, and the hardware prefetcher alone left it waiting (Q4_0 1536x576,
-// M=1, weights not in cache, thread CPU: 190 -> 88 us AVX2, 157 -> 81 us AVX-512; 2 rows
-// ahead 95 / 86). Into L2 (prefetcht1), not L1: a row's lines asked at once into L1 wait
-// on its few fill buffers (Llama-3.2-1B's every matrix at M=1 in file order, native, thread
-// CPU: Q4_0 96 -> 84 ms, Q8_0 161 -> 136, Q4_K_M 103 -> 99; 8 rows ahead or prefetcht2 no
-// better).
-constexpr int64_t kAheadRows = 4;
-
-inline void prefetch(const uint8_t* bytes, int64_t count) {
-    for (int64_t at = 0; at < count; at += 64) __builtin_prefetch(bytes + at, 0, 2);
-}
-
 // y (m, n) = x . W^T over x's quantized rows ``a``, W's rows one at a time (threads split
 // them; one thread, no OpenMP region at all), each against up to kDirectRows rows of x.
 template <typename Block, int V, int B, bool Offset, bool Signed>
@@ -336,10 +344,9 @@ void rows_product(const uint8_t* w, int64_t n, int64_t row_stride, const Activat
                   int64_t m, int64_t k, float* y, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t o = 0; o < n; ++o) {
-        if (o + kAheadRows < n) prefetch(w + (o + kAheadRows) * row_stride, row_stride);
         for (int64_t m0 = 0; m0 < m; m0 += kDirectRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kDirectRows, m - m0));
-            const RowsArgs t{&a, m0, k, k / V};
+            const RowsArgs t{&a, m0, k, k / V, w + n * row_stride};
             rows_for<Block, B, Offset, Signed>(rows, w + o * row_stride, t, y + m0 * n + o, n);
         }
     }
