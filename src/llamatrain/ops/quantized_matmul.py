@@ -12,7 +12,7 @@ faster. These are the same scheme (``ops/kernels/quantized.cpp``, built on first
   float. Not the exact product of x with the decoded W: off by x's rounding to 8 bits, as
   llama.cpp's own. A GEMM, as llama.cpp's prompt processing: W's rows repacked eight at a time
   so that one integer instruction gives eight rows' partial sums, a tile of 4 (AVX2) or 8
-  (AVX-512) rows of x sharing each load. Up to 3-8 rows of x (decoding; by type) each weight
+  (AVX-512) rows of x sharing each load. Up to 2-5 rows of x (decoding; by type) each weight
   row is dotted straight from its blocks instead (``kernels/rows_dot.h``): the repack costs
   more than it saves with few x rows to share it.
 - :func:`blocks_matmul_t`, ``dx = G·W``: W decoded a panel at a time (ggml's float

@@ -214,20 +214,20 @@ constexpr Format format() {
 // Indexed by the type ids of quantized_matmul.KERNEL_TYPES. Unsigned quants where the type's
 // are (or, Q4_0, are made so with an offset): they multiply x's signed quants directly, where
 // signed ones need x's signs flipped per weight first (Q8_0's -128..127, Q6_K's per-16 scales).
-// Direct rows: the most M at which the direct path took at most ~0.97x the panels' time in
-// both builds (native AVX-512 VNNI and -march=haswell; `bench/kernel_rows.py --direct`,
-// bench/README.md). Past kDirectRows it passes over each weight row again, from L1.
+// Direct rows: the most M at which the direct path took no longer than the panels (within
+// 2%) in both builds, native AVX-512 VNNI and -march=haswell (`bench/kernel_rows.py
+// --direct`, bench/README.md). Past kDirectRows it passes over each weight row again.
 const Format kFormats[] = {
-    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8, 5,
+    format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8, 4,
            Q4_0Rows>(),
-    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, 4, Q4_1Rows>(),
-    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0, 8, Q8_0Rows>(),
+    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, 3, Q4_1Rows>(),
+    format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0, 4, Q8_0Rows>(),
     format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8, 5, Q4_KRows>(),
     format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4, 5, Q5_KRows>(),
     format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0, 4, Q6_KRows>(),
-    format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4, 3,
+    format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4, 2,
            Q5_0Rows>(),
-    format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4, 3, Q5_1Rows>(),
+    format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4, 2, Q5_1Rows>(),
 };
 constexpr int kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
