@@ -75,10 +75,12 @@ inline __m256i q8_0_quants(const uint8_t* b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
 
-// How a block's scales meet x's: scale_products(xd, out) writes, for one row of x (xd its
-// scales from the block's first sub-block on), each weight scale times x's scale of its
-// sub-block, the float products the panels take (w's scale * x's d); lane_scale<S>(out) is
-// sub-block S's as the eight lanes of its integer sums want them (lanes 0-3: values 0-15).
+// A block read from its bytes (StoredBlock, StoredKBlock, StoredQ6KBlock) offers: kSubs, its
+// 32-value sub-blocks; quants<S>(), sub-block S's 32 quants in a register; scale_products(xd,
+// out), for one row of x (xd its scales from the block's first sub-block on), each weight
+// scale times x's scale of its sub-block, the float products the panels take (w's scale *
+// x's d); lane_scale<S>(out), sub-block S's as the eight int32 lanes of its integer sums want
+// them (lanes 0-3: values 0-15); and its offsets, off(S) or a vector of eight (K types).
 
 // A 32-value block read straight from its bytes into a register: its quants by Read
 // (unsigned for Q4/Q5, as the forward's unpackers leave them), the float16 d at byte 0, and
@@ -210,9 +212,7 @@ struct StoredQ6KBlock {
                                         _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
     }
 };
-#endif
 
-#if defined(__AVX2__)
 inline float sum_lanes(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
