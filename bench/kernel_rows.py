@@ -12,14 +12,20 @@ rounds, kernel and decoded in turns; one thread unless ``--threads``; W random b
 Prints kernel ms, decoded ms and their ratio per M. The AVX2 picture on a newer CPU:
 ``LLAMATRAIN_KERNEL_ARCH=-march=haswell MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2``.
 
+``--direct``: the forward alone by the kernels' two paths instead, ``rows`` (each weight row
+dotted straight from its blocks, ``kernels/rows_dot.h``) and ``panels`` (the repacked GEMM),
+at M=1..8 unless ``--rows``: rows ms, panels ms and their ratio, whence each type's
+``direct_rows`` in ``kernels/quantized.cpp``.
+
 Usage: ``python bench/kernel_rows.py [--types Q4_0,Q4_K] [--rows 1,8,16,32,64,256]
-[--rounds 5] [--threads 1] [--bf16]``.
+[--rounds 5] [--threads 1] [--bf16] [--direct]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -35,7 +41,7 @@ from llamatrain.ops.decode_kernels import compiled_decoding
 SHAPES = [(2048, 8192), (8192, 2048)]
 
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2)}
-F16_FIELDS["Q6_K"] = (208,)
+F16_FIELDS |= {"Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
 """Byte offsets of each type's float16 scales, set finite in otherwise random blocks."""
 
 
@@ -74,26 +80,57 @@ def products(qtype: str, blocks: torch.Tensor, n_in: int, m: int) -> dict[str, C
     }
 
 
+def direct_products(qtype: str, blocks: torch.Tensor, n_in: int, m: int) -> dict[str, Callable]:
+    """The forward of M rows by each of the kernels' two paths, whatever M is."""
+    x = torch.randn(m, n_in)
+    return {
+        path: functools.partial(quantized_matmul.blocks_matmul, x, blocks, qtype, path)
+        for path in ("rows", "panels")
+    }
+
+
+def print_direct(types: list[str], rows: list[int], rounds: int) -> None:
+    """Rows ms / panels ms (ratio) per type, shape and M."""
+    print("type   shape       M   rows / panels ms (ratio)")
+    for qtype in types:
+        for n_out, n_in in SHAPES:
+            blocks = random_blocks(qtype, n_out, n_in)
+            for m in rows:
+                ms = thread_ms(direct_products(qtype, blocks, n_in, m), rounds)
+                ratio = ms["rows"] / ms["panels"]
+                print(
+                    f"{qtype:5}  {n_out}x{n_in:<5} {m:4}   "
+                    f"{ms['rows']:7.2f} / {ms['panels']:7.2f} ({ratio:.2f})",
+                    flush=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--types", default="Q4_0,Q4_K")
-    parser.add_argument("--rows", default="1,8,16,32,64,256")
+    parser.add_argument("--rows", help="M values (default 1,8,16,32,64,256; --direct 1..8)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="under bf16 autocast")
+    parser.add_argument("--direct", action="store_true", help="the forward's two paths")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load {os.getloadavg()[0]:.2f}, threads {args.threads}, bf16 {args.bf16}")
+    types = args.types.split(",")
+    if args.direct:
+        print_direct(types, [*map(int, (args.rows or "1,2,3,4,5,6,7,8").split(","))], args.rounds)
+        return
+    rows = [*map(int, (args.rows or "1,8,16,32,64,256").split(","))]
     print("type   shape       M   fwd kernel/decoded ms (ratio)   bwd kernel/decoded ms (ratio)")
     autocast = torch.autocast("cpu", torch.bfloat16) if args.bf16 else contextlib.nullcontext()
     # the decoded path's products: M past any kernel limit, so lora takes its chunks
     quantized_matmul.MAX_ROWS.update(forward=0, backward=0)
     quantized_matmul.AMX_BF16_MAX_ROWS.update(forward=0, backward=0)
     with compiled_decoding("compiled", "cpu"), autocast, torch.no_grad():
-        for qtype in args.types.split(","):
+        for qtype in types:
             for n_out, n_in in SHAPES:
                 blocks = random_blocks(qtype, n_out, n_in)
-                for m in map(int, args.rows.split(",")):
+                for m in rows:
                     ms = thread_ms(products(qtype, blocks, n_in, m), args.rounds)
                     fwd = ms["fwd kernel"] / ms["fwd decoded"]
                     bwd = ms["bwd kernel"] / ms["bwd decoded"]

@@ -139,7 +139,7 @@ def one_path(path: str, x: torch.Tensor, w_blocks: torch.Tensor, qtype: str) -> 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
 def test_the_direct_rows_and_the_panels_agree(qtype: str) -> None:
-    """lt_matmul takes the direct path up to 2 or 4 rows of x by type (a decoding step's) and
+    """lt_matmul takes the direct path up to 2-5 rows of x by type (a decoding step's) and
     the GEMM past them: the same integer sums and scale products, summed in another order, so
     the two agree to float32 rounding of Σ|x̂·w| on each side of the threshold (rows 1-5)."""
     n_in = 512

@@ -12,9 +12,9 @@ faster. These are the same scheme (``ops/kernels/quantized.cpp``, built on first
   float. Not the exact product of x with the decoded W: off by x's rounding to 8 bits, as
   llama.cpp's own. A GEMM, as llama.cpp's prompt processing: W's rows repacked eight at a time
   so that one integer instruction gives eight rows' partial sums, a tile of 4 (AVX2) or 8
-  (AVX-512) rows of x sharing each load. Up to 2-4 rows of x (decoding; by type) each weight
+  (AVX-512) rows of x sharing each load. Up to 2-5 rows of x (decoding; by type) each weight
   row is dotted straight from its blocks instead (``kernels/rows_dot.h``): the repack costs
-  more than it saves with no x rows to share it.
+  more than it saves with few x rows to share it.
 - :func:`blocks_matmul_t`, ``dx = G·W``: W decoded a panel at a time (ggml's float
   arithmetic), G kept float32, a register-tiled float micro-kernel over each panel: the exact
   product up to float32 summation order (QLoRA's backward).
@@ -107,9 +107,13 @@ def max_rows(direction: str) -> int | None:
     return AMX_BF16_MAX_ROWS[direction] if amx and amx() else None
 
 
+_PRODUCTS = ("lt_matmul", "lt_matmul_t", "lt_matmul_rows", "lt_matmul_panels")
+"""The library's products: x·Wᵀ, G·W, and x·Wᵀ by each of lt_matmul's two paths."""
+
+
 @functools.cache
-def _signed(library: ctypes.CDLL) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
-    """The library's two products with their C signatures (set once per library loaded)."""
+def _signed(library: ctypes.CDLL) -> dict[str, ctypes._CFuncPtr]:
+    """The library's products with their C signatures (set once per library loaded)."""
     signature = [
         ctypes.c_int,  # type id
         ctypes.c_void_p,  # W's blocks
@@ -121,14 +125,14 @@ def _signed(library: ctypes.CDLL) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
         ctypes.c_void_p,  # y (m, n), or dx (m, k)
         ctypes.c_int,  # threads
     ]
-    products = (library.lt_matmul, library.lt_matmul_t)
-    for function in products:
+    products = {name: getattr(library, name) for name in _PRODUCTS}
+    for function in products.values():
         function.argtypes, function.restype = signature, ctypes.c_int
     return products
 
 
-def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-    """The library's two products, or None without the library."""
+def _functions() -> dict[str, ctypes._CFuncPtr] | None:
+    """The library's products by name, or None without the library."""
     library = load_kernels()
     return None if library is None else _signed(library)
 
@@ -158,7 +162,7 @@ def kernel_rows(
     return (limit is None or rows <= limit) and _functions() is not None
 
 
-def _call(which: int, blocks: torch.Tensor, qtype: str, operand, m: int, k: int, out) -> None:
+def _call(which: str, blocks: torch.Tensor, qtype: str, operand, m: int, k: int, out) -> None:
     functions = _functions()
     assert functions is not None  # kernel_rows said the library is there
     status = functions[which](
@@ -176,13 +180,18 @@ def _call(which: int, blocks: torch.Tensor, qtype: str, operand, m: int, k: int,
         raise ValueError(f"{qtype} kernel: rows of {k} values are not whole blocks")
 
 
-def blocks_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+def blocks_matmul(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, path: str = "auto"
+) -> torch.Tensor:
     """``x·Wᵀ`` as float32 (M, out) for x (M, in) and W's ``qtype`` blocks (out, row bytes),
     x quantized to 8 bits per 32 values (module docstring). Call where :func:`kernel_rows`
-    says yes."""
+    says yes. ``path``: ``"auto"`` the faster for M and the type; ``"rows"`` (each weight row
+    dotted straight from its blocks) or ``"panels"`` (the repacked GEMM) whatever M is, for
+    benches (``bench/kernel_rows.py --direct``) that set the threshold between them."""
     x = x.detach().to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-    _call(0, blocks, qtype, x, x.shape[0], x.shape[1], y)
+    which = "lt_matmul" if path == "auto" else f"lt_matmul_{path}"
+    _call(which, blocks, qtype, x, x.shape[0], x.shape[1], y)
     return y
 
 
@@ -191,7 +200,7 @@ def blocks_matmul_t(g: torch.Tensor, blocks: torch.Tensor, qtype: str, n_in: int
     W decoded a panel at a time, G unrounded. Call where :func:`kernel_rows` says yes."""
     g = g.detach().to(torch.float32).contiguous()
     dx = torch.empty(g.shape[0], n_in, dtype=torch.float32)
-    _call(1, blocks, qtype, g, g.shape[0], n_in, dx)
+    _call("lt_matmul_t", blocks, qtype, g, g.shape[0], n_in, dx)
     return dx
 
 

@@ -51,7 +51,7 @@ struct Panel {
 };
 
 using Repack = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first,
-                        int64_t count, Panel* out);
+                        int64_t count, int64_t ahead, Panel* out);
 using DecodeBlocks = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows,
                               int64_t blocks, float* out);
 
@@ -64,7 +64,7 @@ struct Format {
                   // products AVX2 may sum in int16 before widening; 0: signed quants
     Repack repack;
     DecodeBlocks decode_blocks;
-    int direct_rows;   // x rows up to which lt_matmul takes ``rows`` (at most kDirectRows)
+    int direct_rows;   // x rows up to which lt_matmul takes ``rows``
     RowsProduct rows;  // the forward for a few rows of x (rows_dot.h)
 };
 
@@ -146,11 +146,14 @@ constexpr int kSlice = 2 * kVec;  // dx columns a micro-kernel call holds (32 di
 }
 
 // Blocks first .. first+count of up to 8 weight rows unpacked and repacked into ``out``;
-// missing rows (the last panel of W) are zeros. A template over the type's unpack, so it is
-// inlined.
+// missing rows (the last panel of W) are zeros. The same blocks of the next panel's first
+// ``ahead`` rows are asked from memory meanwhile, block by block (rows_dot.h's prefetch: a
+// whole panel asked at once before its repack, as before, left a 1B decoding step's matrices
+// at M=8 1.14-1.32x slower, Q4_0 and Q4_K_M, both builds). A template over the type's
+// unpack, so it is inlined.
 template <Unpack U, int V, int B>
 void repack(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first, int64_t count,
-            Panel* out) {
+            int64_t ahead, Panel* out) {
     constexpr int kSubs = V / 32;
     out->q.resize(count * kSubs * 256);
     out->lo.resize(count * kSubs * kPanelRows);
@@ -159,8 +162,11 @@ void repack(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first, i
     alignas(32) int8_t q[kPanelRows][V] = {};
     float lo[kPanelRows][kSubs] = {}, hi[kPanelRows][kSubs] = {}, off[kPanelRows][kSubs] = {};
     for (int64_t b = 0; b < count; ++b) {
-        for (int j = 0; j < rows; ++j)
-            U(w + j * row_stride + (first + b) * B, {q[j], lo[j], hi[j], off[j]});
+        for (int j = 0; j < rows; ++j) {
+            const uint8_t* block = w + j * row_stride + (first + b) * B;
+            if (j < ahead) prefetch(block + kPanelRows * row_stride, B);
+            U(block, {q[j], lo[j], hi[j], off[j]});
+        }
         for (int s = 0; s < kSubs; ++s) {
             const int64_t sub = b * kSubs + s;
             transpose_groups(&q[0][32 * s], V, &out->q[sub * 256]);
@@ -199,7 +205,7 @@ void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b
 
 // A type's format: U decodes (the backward), Forward unpacks for the forward's repacking.
 template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run,
-          int DirectRows, typename Rows = Unpacker<Forward, V>>
+          int DirectRows, typename Rows>
 constexpr Format format() {
     return {V,          B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>,
             DirectRows, rows_product<Rows, V, B, Offset, Run == 0>};
@@ -208,16 +214,17 @@ constexpr Format format() {
 // Indexed by the type ids of quantized_matmul.KERNEL_TYPES. Unsigned quants where the type's
 // are (or, Q4_0, are made so with an offset): they multiply x's signed quants directly, where
 // signed ones need x's signs flipped per weight first (Q8_0's -128..127, Q6_K's per-16 scales).
-// Direct rows (bench/README.md's kernel_rows figures): up to 4 where the direct path reads
-// the stored bytes (and Q6_K, whose panels are slow), 2 where it unpacks to a buffer.
+// Direct rows: the most M at which the direct path took no longer than the panels (within
+// 2%) in both builds, native AVX-512 VNNI and -march=haswell (`bench/kernel_rows.py
+// --direct`, bench/README.md). Past kDirectRows it passes over each weight row again.
 const Format kFormats[] = {
     format<blocks::unpack_q4_0, blocks::unpack_q4_0_unsigned, 32, 18, true, false, 8, 4,
            Q4_0Rows>(),
-    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, 4, Q4_1Rows>(),
+    format<blocks::unpack_q4_1, blocks::unpack_q4_1, 32, 20, true, false, 8, 3, Q4_1Rows>(),
     format<blocks::unpack_q8_0, blocks::unpack_q8_0, 32, 34, false, false, 0, 4, Q8_0Rows>(),
-    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8, 2>(),
-    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4, 2>(),
-    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0, 4>(),
+    format<blocks::unpack_q4_k, blocks::unpack_q4_k, 256, 144, true, false, 8, 5, Q4_KRows>(),
+    format<blocks::unpack_q5_k, blocks::unpack_q5_k, 256, 176, true, false, 4, 5, Q5_KRows>(),
+    format<blocks::unpack_q6_k, blocks::unpack_q6_k, 256, 210, false, true, 0, 4, Q6_KRows>(),
     format<blocks::unpack_q5_0, blocks::unpack_q5_0_unsigned, 32, 22, true, false, 4, 2,
            Q5_0Rows>(),
     format<blocks::unpack_q5_1, blocks::unpack_q5_1, 32, 24, true, false, 4, 2, Q5_1Rows>(),
@@ -473,13 +480,12 @@ int lt_matmul_panels(int type, const uint8_t* w, int64_t n, int64_t row_stride, 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t o0 = 0; o0 < n; o0 += kPanelRows) {
             const int cols = static_cast<int>(std::min<int64_t>(kPanelRows, n - o0));
-            // the next panel's rows asked from memory meanwhile (rows_dot.h's prefetch: a
-            // decoding step at batch 8, SmolLM2-135M Q4_0, 52-54 -> 42 ms)
-            const int64_t next = std::min<int64_t>(kPanelRows, n - o0 - kPanelRows);
-            if (next > 0) prefetch(w + (o0 + kPanelRows) * row_stride, next * row_stride);
+            // the next panel's rows asked from memory meanwhile (a decoding step at batch 8,
+            // SmolLM2-135M Q4_0, 52-54 -> 42 ms with whole panels; now through the repack)
+            const int64_t next = std::clamp<int64_t>(n - o0 - kPanelRows, 0, kPanelRows);
             for (int64_t first = 0; first < blocks_in_row; first += chunk_blocks) {
                 const int64_t count = std::min(chunk_blocks, blocks_in_row - first);
-                f.repack(w + o0 * row_stride, row_stride, cols, first, count, &panel);
+                f.repack(w + o0 * row_stride, row_stride, cols, first, count, next, &panel);
                 const int64_t s0 = first * f.values / 32;
                 over_tiles<kRowTile>(m, [&](int64_t m0, int tile) {
                     const TileArgs t{&panel,          count * f.values / 32,
