@@ -137,11 +137,11 @@ void rotate(float* head, const float* cos, const float* sin, int64_t head_dim, b
 void attend(const float* q, int64_t group, const float* keys, const float* values,
             const uint8_t* hidden, const lt_step_shape& s, float* scores, float* out) {
     const int64_t hd = s.head_dim, last = s.length, width = last + 1;
+    const float scale = static_cast<float>(s.scale);
     for (int64_t j = 0; j <= last; ++j) {
         const bool masked = hidden != nullptr && hidden[j] && j != last;
         for (int64_t h = 0; h < group; ++h)
-            scores[h * width + j] =
-                masked ? -INFINITY : dot(q + h * hd, keys + j * hd, hd) * static_cast<float>(s.scale);
+            scores[h * width + j] = masked ? -INFINITY : dot(q + h * hd, keys + j * hd, hd) * scale;
     }
     for (int64_t h = 0; h < group; ++h) {
         float* row = scores + h * width;

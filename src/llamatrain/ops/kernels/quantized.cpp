@@ -118,7 +118,8 @@ constexpr int kSlice = 2 * kVec;  // dx columns a micro-kernel call holds (32 di
 // group-major: out[g][j] = src[j][g], an 8 x 8 transpose of int32s. Inlined by force: GCC
 // otherwise stops inlining it into repack once the file holds rows_dot.h too (the AVX2
 // panels' M=8 1.2-1.4x slower).
-[[gnu::always_inline]] inline void transpose_groups(const int8_t* src, int64_t stride, int8_t* out) {
+[[gnu::always_inline]] inline void transpose_groups(const int8_t* src, int64_t stride,
+                                                   int8_t* out) {
 #if defined(__AVX2__)
     __m256i r[8], t[8], u[8];
     for (int j = 0; j < 8; ++j)
@@ -455,7 +456,8 @@ void pack_gradient(const float* g, int64_t n, int64_t m, AlignedVector<float>* o
         float* packed = out->data() + t * n * kGradRows;
         for (int r = 0; r < kGradRows; ++r) {
             const int64_t row = t * kGradRows + r;
-            for (int64_t o = 0; o < n; ++o) packed[o * kGradRows + r] = row < m ? g[row * n + o] : 0.0f;
+            for (int64_t o = 0; o < n; ++o)
+                packed[o * kGradRows + r] = row < m ? g[row * n + o] : 0.0f;
         }
     }
 }
