@@ -53,7 +53,7 @@ struct Panel {
 using Repack = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first,
                         int64_t count, int64_t ahead, Panel* out);
 using DecodeBlocks = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows,
-                              int64_t blocks, float* out);
+                              int64_t blocks, int64_t ahead, float* out);
 
 struct Format {
     int values;   // per block
@@ -183,17 +183,21 @@ void repack(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first, i
 // The first ``blocks`` blocks of a run of weight rows as floats, in slices of kSlice columns:
 // value v of row r at out[(v / kSlice) * rows + r][v % kSlice], so that the micro-kernel
 // walks one slice's rows contiguously (rows a power-of-two apart would share cache sets);
-// ggml's float arithmetic. A row's blocks are read in order, its bytes contiguous.
+// ggml's float arithmetic. Block by block, each down the run's rows: consecutive stores land
+// side by side in a slice (a row at a time scattered them a slice apart, every store a line
+// of its own set), and the next ``ahead`` rows' same block is asked from memory meanwhile.
+// 2048 x 8192 Q4_0 at one row of G, AVX2 build: 3.8 -> 2.8 ms, the backward at 64 rows ~8%.
 template <Unpack U, int V, int B>
 void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t blocks,
-                   float* out) {
+                   int64_t ahead, float* out) {
     int8_t q[V];
     float lo[V / 32], hi[V / 32], off[V / 32];
     auto at = [&](int64_t r, int64_t v) {  // where value v of row r goes
         return out + ((v / kSlice) * rows + r) * kSlice + v % kSlice;
     };
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t r = 0; r < rows; ++r) {
+            if (r < ahead) prefetch(w + (rows + r) * row_stride + b * B, B);
             U(w + r * row_stride + b * B, {q, lo, hi, off});
             for (int s = 0; s < V / 32; ++s) {
                 const int64_t first = b * V + 32 * s;
@@ -550,8 +554,9 @@ int lt_matmul_t(int type, const uint8_t* w, int64_t n, int64_t row_stride, const
                 std::fill_n(dx + r * k + first * f.values, width, 0.0f);
             for (int64_t o0 = 0; o0 < n; o0 += panel_rows) {
                 const int64_t rows = std::min(panel_rows, n - o0);
+                const int64_t next = std::clamp<int64_t>(n - o0 - rows, 0, panel_rows);
                 f.decode_blocks(w + o0 * row_stride + first * f.bytes, row_stride, rows, blocks,
-                                panel.data());
+                                next, panel.data());
                 for (int64_t c = 0; c < width; c += kSlice) {
                     over_tiles<kGradRows>(m, [&](int64_t m0, int tile) {
                         const float* g_tile = g_packed + m0 * n + o0 * kGradRows;
