@@ -46,7 +46,13 @@ the AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
 
 (the last row, Q4_0 and Q6_K at load 1.1: after the kernels' buffers were aligned to cache
 lines, ``kernels/aligned.h``, which halved the backward's panel decode; the figures above it
-predate that).
+predate that). Then the panel decoded block by block down its rows, the next panel's rows
+prefetched (``kernels/quantized.cpp``'s ``decode_blocks``), Q4_0, Q4_K, Q6_K and Q8_0, both
+shapes, load ~0.9::
+
+                M=64       M=128      M=256      M=512
+    AVX2        0.56-0.69  0.70-0.82  0.88-0.97  1.01-1.11
+    AVX-512                0.65-0.84  0.84-0.99  1.03-1.21
 
 and under bf16 autocast, where the decoded path's GEMM runs on AMX tiles (M=8..64)::
 
@@ -56,8 +62,8 @@ and under bf16 autocast, where the decoded path's GEMM runs on AMX tiles (M=8..6
 The decoded times at small M swing most with the machine's load (a Q4_0 forward at M=1: 10-21
 ms decoded, 2.4-4.4 ms in the kernel; an earlier, less loaded run gave M=1 0.18-0.30). So the
 float32 forward takes the kernels at any M (a 256-token step's forward ~1.7x faster than
-decoding, and no float32 copy of W at all), the float32 backward up to M=128 (past that
-PyTorch's GEMM over decoded chunks is as fast: its decode paid once per 16 MiB chunk, its GEMM
+decoding, and no float32 copy of W at all), the float32 backward up to M=256 (past that
+PyTorch's GEMM over decoded chunks is faster: its decode paid once per 16 MiB chunk, its GEMM
 tuned), and bf16 on AMX the forward up to 64 and the backward up to 16
 (:data:`AMX_BF16_MAX_ROWS`). Where bf16 is emulated (no AMX) its GEMM is slower than the
 kernels at every M (AVX2: a Q4_0 backward of 64 rows 4.8 s decoded in bf16, 0.17 s in the
@@ -91,7 +97,7 @@ KERNEL_TYPES: dict[str, int] = {
 
 _BLOCK_VALUES = {qtype: 256 if qtype.endswith("_K") else 32 for qtype in KERNEL_TYPES}
 
-MAX_ROWS: dict[str, int | None] = {"forward": None, "backward": 128}
+MAX_ROWS: dict[str, int | None] = {"forward": None, "backward": 256}
 """Rows M up to which a float32 product takes the kernels, None: any (the module docstring's
 figures)."""
 AMX_BF16_MAX_ROWS: dict[str, int | None] = {"forward": 64, "backward": 16}

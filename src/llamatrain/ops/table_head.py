@@ -43,10 +43,9 @@ products run over the chunk's stored blocks (a chunk of the table is a range of 
 so a view of its bytes) where :func:`~llamatrain.ops.quantized_matmul.kernel_rows` says the
 kernels win at the scored rows' count, each product deciding alone: the forward at any
 count, so the logits are the same with and without grad (a GRPO ratio's old and new
-log-probs); with grad the backward up to 128 rows, past that over a decoded chunk (at 256
-rows the kernel is no faster; the forward over the blocks costs no more there either: the
-whole head 2.38 s against 2.42 decoded). Up to 128 rows no chunk is decoded, only the
-targets' rows. Z_c carries the rows' 8-bit rounding (h·log2(e) quantized per 32 values, as
+log-probs); with grad the backward too up to the kernels' backward limit (256 rows in
+float32), past that over a decoded chunk. Within it no chunk is decoded, only the targets'
+rows. Z_c carries the rows' 8-bit rounding (h·log2(e) quantized per 32 values, as
 the base's products over the blocks and llama.cpp's own logits do): the log-probs are the
 dense head's of those rounded rows to float32 rounding, and ~3e-3 of the largest log-prob
 from the exact head's (tests/unit/test_table_head.py's sizes); dH is the exact product of
