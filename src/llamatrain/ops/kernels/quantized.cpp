@@ -280,9 +280,14 @@ inline void add_unsigned(const int8_t* wq, const TileArgs& t, int64_t s, __m256i
 #pragma GCC unroll 8
         for (int g = g0; g < g0 + Run; ++g) {
             const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
-            for (int r = 0; r < R; ++r)
+            for (int r = 0; r < R; ++r) {
                 pairs[r] = _mm256_add_epi16(
                     pairs[r], _mm256_maddubs_epi16(w, broadcast_four(t, r, s, g)));
+                // each sum kept in its register here: GCC otherwise reorders the unrolled
+                // groups into all 32 products first, then a tree of adds, spilling most of
+                // them to the stack (2048 x 8192 Q4_0 at 64 rows, AVX2 build: 16.2 -> 11.5 ms)
+                asm("" : "+x"(pairs[r]));
+            }
         }
         for (int r = 0; r < R; ++r)
             sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
