@@ -46,10 +46,11 @@ the AVX2 build (maddubs, no VNNI) against AVX2 GEMMs (this CPU limited to them:
 
 (the last row, Q4_0 and Q6_K at load 1.1: after the kernels' buffers were aligned to cache
 lines, ``kernels/aligned.h``, which halved the backward's panel decode; the figures above it
-predate that). The AVX2 build again, after the panel was decoded block by block down its rows, the next panel's rows
-prefetched (``kernels/quantized.cpp``'s ``decode_blocks``), and the AVX2 forward's int16 sums
-kept in registers (they had been spilled to the stack), Q4_0, Q4_K and Q6_K, both shapes,
-load ~0.9, PyTorch's own kernels held to AVX2 too (``ATEN_CPU_CAPABILITY=avx2``)::
+predate that). The AVX2 build again, after the panel was decoded block by block down its
+rows, the next panel's rows prefetched (``kernels/quantized.cpp``'s ``decode_blocks``), and
+the AVX2 forward's int16 sums kept in registers (they had been spilled to the stack), Q4_0,
+Q4_K and Q6_K, both shapes, load ~0.9, PyTorch's own kernels held to AVX2 too
+(``ATEN_CPU_CAPABILITY=avx2``)::
 
                 M=1        M=8        M=16       M=32       M=64       M=128      M=256
     forward     0.08-0.14  0.20-0.29  0.27-0.33  0.29-0.40  0.34-0.54  0.39-0.75  0.43-0.84
