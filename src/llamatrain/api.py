@@ -42,6 +42,7 @@ from llamatrain.files import write_text_atomically
 from llamatrain.generate import Conversation as Conversation
 from llamatrain.generate import chat as chat
 from llamatrain.generate import generate_text as generate_text
+from llamatrain.generate import reply_stops as reply_stops
 from llamatrain.gguf.adapter import read_lora_adapter, target_suffixes, write_lora_adapter
 from llamatrain.gguf.describe import describe_gguf as describe_gguf
 from llamatrain.gguf.export_types import AUTO_EXPORT_TYPE, QUANTIZER_TYPES, merged_export_type

@@ -21,6 +21,7 @@ API = (
     "load_gguf",
     "load_tokenizer",
     "perplexity",
+    "reply_stops",
     "seen_tokens",
     "verify_gguf",
 )

@@ -224,13 +224,20 @@ def chat(
     """
     turns = [{"role": "user", "content": message}] if isinstance(message, str) else message
     prompt = template.render(list(turns), add_generation_prompt=True)
-    marker = template.end_of_turn
-    marker_ids = tokenizer.encode(marker, special=True)
-    stop = {tokenizer.eos_id} | ({marker_ids[0]} if len(marker_ids) == 1 else set())
     ids = prompt_ids(tokenizer, prompt)
     check_prompt(len(ids), model.cfg.max_seq_len)
-    pieces = _continuation(model, tokenizer, ids, frozenset(stop), max_tokens, params, seed)
-    return _reply(pieces, marker)
+    stop = reply_stops(tokenizer, template)
+    pieces = _continuation(model, tokenizer, ids, stop, max_tokens, params, seed)
+    return _reply(pieces, template.end_of_turn)
+
+
+def reply_stops(tokenizer: Tokenizer, template: ChatTemplate) -> frozenset[int]:
+    """The token ids a :func:`chat` reply ends at: EOS, and the template's end-of-turn marker
+    where the vocabulary spells it as one control token (a marker of several tokens is found
+    in the text instead). Public so that a comparison with another decoder (llama.cpp's greedy
+    tokens, in the example notebooks) stops where :func:`chat` stops."""
+    marker_ids = tokenizer.encode(template.end_of_turn, special=True)
+    return frozenset({tokenizer.eos_id, *(marker_ids if len(marker_ids) == 1 else ())})
 
 
 class Conversation:

@@ -8,7 +8,7 @@ import torch
 from llamatrain import Llama, ModelConfig
 from llamatrain.chat_template import chat_template_for
 from llamatrain.errors import ConfigError
-from llamatrain.generate import Conversation, chat, generate, generate_text
+from llamatrain.generate import Conversation, chat, generate, generate_text, reply_stops
 from llamatrain.sampling import SamplingParams
 
 SMALL = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
@@ -74,6 +74,24 @@ class Bytes:
 
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
+
+
+class MarkerToken(Bytes):
+    """Bytes, with chatml's end-of-turn marker as one control token (id 300) when parsed."""
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False, special: bool = False):
+        if special and text == "<|im_end|>":
+            return [300]
+        return super().encode(text, bos, eos, special)
+
+
+def test_a_reply_stops_at_eos_and_at_a_one_token_end_of_turn_marker() -> None:
+    """chat's stop tokens (public for the notebooks' llama.cpp comparisons): EOS always; the
+    end-of-turn marker only where the vocabulary spells it as one token (else chat cuts the
+    text at it instead)."""
+    template = chat_template_for("chatml", None, bos_token="", eos_token="")
+    assert reply_stops(MarkerToken(), template) == {Bytes.eos_id, 300}
+    assert reply_stops(Bytes(), template) == {Bytes.eos_id}  # "<|im_end|>" spelled in bytes
 
 
 @pytest.fixture(scope="module")
