@@ -27,6 +27,9 @@
 // float32) into an L2-sized buffer, then a register-tiled float micro-kernel (kGradRows rows
 // of dx by two vectors of columns) adds G[m, o] * W[o, cols] into dx. Built with
 // -ffp-contract=off, so the decoded values are ggml's, bit for bit.
+//
+// On aarch64 the same layouts and sums take NEON (neon.h: SDOT, or SMULL + SADALP; FMLA),
+// checked against a scalar reference under qemu only (tests/kernels/harness.cpp), not timed.
 #include <vector>
 
 #include "rows_dot.h"
@@ -39,6 +42,8 @@ constexpr int kPanelRows = 8;      // weight rows repacked together: one int32 l
 constexpr int kPanelSubs = 64;     // 32-value sub-blocks repacked at a time (16 KiB of quants)
 #if defined(__AVX512F__)
 constexpr int kRowTile = 8;        // x rows per pass over a panel (32 vector registers)
+#elif defined(__ARM_NEON)
+constexpr int kRowTile = 4;        // (32 registers of 4 lanes: neon.h)
 #else
 constexpr int kRowTile = 4;        // (16 vector registers)
 #endif
@@ -87,6 +92,8 @@ inline FloatVec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vadd_into(float* p, FloatVec v) { _mm256_storeu_ps(p, _mm256_add_ps(vload(p), v)); }
 constexpr int kGradRows = 6;  // 12 accumulators, 2 columns, 1 broadcast: 15 of 16 registers
+#elif defined(__ARM_NEON)
+// FloatVec (two q-registers), kVec, kGradRows and the vector operations: neon.h
 #else
 struct FloatVec {
     float v[8];
@@ -140,6 +147,8 @@ constexpr int kSlice = 2 * kVec;  // dx columns a micro-kernel call holds (32 di
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (g + 4)),
                             _mm256_permute2x128_si256(u[g], u[g + 4], 0x31));
     }
+#elif defined(__ARM_NEON)
+    transpose_groups_neon(src, stride, out);
 #else
     for (int g = 0; g < 8; ++g)
         for (int j = 0; j < 8; ++j) std::memcpy(out + 32 * g + 4 * j, src + j * stride + 4 * g, 4);
@@ -341,6 +350,11 @@ void panel_tile(const TileArgs& t) {
         float* out = t.y + r * t.n;
         for (int j = 0; j < t.cols; ++j) out[j] = t.accumulate ? out[j] + row[j] : row[j];
     }
+}
+#elif defined(__ARM_NEON)
+template <int R, bool Offset, bool Split, int Run>
+void panel_tile(const TileArgs& t) {  // signed or not, one path (neon.h)
+    panel_tile_neon<R, Offset, Split, kPanelRows>(t);
 }
 #else
 template <int R, bool Offset, bool Split, int Run>
