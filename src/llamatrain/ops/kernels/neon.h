@@ -67,11 +67,12 @@ inline void transpose_groups_neon(const int8_t* src, int64_t stride, int8_t* out
     }
 }
 
-// A tile of R x rows against a panel's 8 weight rows (quantized.cpp's panel_tile, its TileArgs
-// as Tile). Four rows of x: each holds two int32 sums (weight rows 0-3, 4-7), two float sums
-// and its sub-block's 32 quants (two registers), 24 of NEON's 32 q-registers, the rest for the
-// two registers of a weight group and the scales; eight rows would spill. One register of x
-// holds four groups, taken by lane: no broadcasts.
+// A tile's sums: R rows of x against a panel's 8 weight rows (quantized.cpp's panel_tile).
+// Four rows of x (quantized.cpp's kRowTile 4, its #else, suits NEON): each holds two int32
+// sums (weight rows 0-3, 4-7), two float sums and its sub-block's 32 quants (two registers),
+// 24 of NEON's 32 q-registers, the rest for the two registers of a weight group and the
+// scales; eight rows would spill. One register of x holds four groups, taken by lane: no
+// broadcasts.
 template <int R>
 struct NeonTileSums {
     int32x4_t sums[R][2];

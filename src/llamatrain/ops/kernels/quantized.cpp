@@ -26,10 +26,8 @@
 // columns and walks W's rows a panel at a time, decoding the panel (ggml's arithmetic,
 // float32) into an L2-sized buffer, then a register-tiled float micro-kernel (kGradRows rows
 // of dx by two vectors of columns) adds G[m, o] * W[o, cols] into dx. Built with
-// -ffp-contract=off, so the decoded values are ggml's, bit for bit.
-//
-// On aarch64 the same layouts and sums take NEON (neon.h: SDOT, or SMULL + SADALP; FMLA),
-// checked against a scalar reference under qemu only (tests/kernels/harness.cpp), not timed.
+// -ffp-contract=off, so the decoded values are ggml's, bit for bit. aarch64: the same on NEON
+// (neon.h: SDOT or SMULL + SADALP, FMLA), checked under qemu only (tests/kernels/), not timed.
 #include <vector>
 
 #include "rows_dot.h"
@@ -42,8 +40,6 @@ constexpr int kPanelRows = 8;      // weight rows repacked together: one int32 l
 constexpr int kPanelSubs = 64;     // 32-value sub-blocks repacked at a time (16 KiB of quants)
 #if defined(__AVX512F__)
 constexpr int kRowTile = 8;        // x rows per pass over a panel (32 vector registers)
-#elif defined(__ARM_NEON)
-constexpr int kRowTile = 4;        // (32 registers of 4 lanes: neon.h)
 #else
 constexpr int kRowTile = 4;        // (16 vector registers)
 #endif
@@ -352,10 +348,8 @@ void panel_tile(const TileArgs& t) {
     }
 }
 #elif defined(__ARM_NEON)
-template <int R, bool Offset, bool Split, int Run>
-void panel_tile(const TileArgs& t) {  // signed or not, one path (neon.h)
-    panel_tile_neon<R, Offset, Split, kPanelRows>(t);
-}
+template <int R, bool Offset, bool Split, int Run>  // signed or not, one path (neon.h)
+void panel_tile(const TileArgs& t) { panel_tile_neon<R, Offset, Split, kPanelRows>(t); }
 #else
 template <int R, bool Offset, bool Split, int Run>
 void panel_tile(const TileArgs& t) {
