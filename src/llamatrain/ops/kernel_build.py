@@ -12,6 +12,10 @@ compiler's version, so a changed source, header, flag or compiler builds afresh.
 written to a temporary name and renamed into place: two processes building at once each
 load a whole library, never a half-written one.
 
+On aarch64 GCC's ``-march=native`` gives the NEON paths (SDOT where the CPU has dotprod, else
+SMULL + SADALP). A compiler that cannot take these flags fails the build, and the fallback
+below applies: Apple's clang (no ``-fopenmp``), a cross compiler (no ``native``).
+
 Environment: ``CXX`` names the compiler (default ``c++``); ``LLAMATRAIN_KERNEL_ARCH`` replaces
 ``-march=native`` (e.g. ``-march=haswell``: the AVX2 path on a newer CPU, for tests and
 benches); ``LLAMATRAIN_KERNELS=0`` turns the kernels off. Anything that keeps the library

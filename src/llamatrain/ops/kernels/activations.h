@@ -10,6 +10,8 @@
 #include "aligned.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace {
@@ -49,6 +51,26 @@ inline int quantize_32(const float* v, int8_t* q, float* d) {
     sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
     sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 1));
     return _mm_cvtsi128_si32(sum);
+#elif defined(__ARM_NEON)
+    float32x4_t values[8], amax = vdupq_n_f32(0.0f);
+    for (int i = 0; i < 8; ++i) {
+        values[i] = vld1q_f32(v + 4 * i);
+        amax = vmaxq_f32(amax, vabsq_f32(values[i]));
+    }
+    const float top = vmaxvq_f32(amax);
+    *d = top / 127.0f;
+    const float scale = top > 0.0f ? 127.0f / top : 0.0f;
+    int32x4_t ints[8], total = vdupq_n_s32(0);
+    for (int i = 0; i < 8; ++i) {  // FCVTNS: to nearest, ties to even
+        ints[i] = vcvtnq_s32_f32(vmulq_n_f32(values[i], scale));
+        total = vaddq_s32(total, ints[i]);
+    }
+    int16x8_t words[4];
+    for (int i = 0; i < 4; ++i)
+        words[i] = vcombine_s16(vqmovn_s32(ints[2 * i]), vqmovn_s32(ints[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+        vst1q_s8(q + 16 * i, vcombine_s8(vqmovn_s16(words[2 * i]), vqmovn_s16(words[2 * i + 1])));
+    return vaddvq_s32(total);
 #else
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));

@@ -9,6 +9,8 @@
 #include <cstring>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace blocks {
@@ -18,6 +20,8 @@ inline float half_to_float(const uint8_t* p) {
     std::memcpy(&h, p, 2);
 #if defined(__F16C__)
     return _cvtsh_ss(h);
+#elif defined(__ARM_NEON)  // FCVT: every aarch64 CPU converts halves
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
 #else
     const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
     uint32_t bits;
@@ -65,6 +69,13 @@ inline void split_nibbles(const uint8_t* __restrict src, int8_t* __restrict low,
         const __m128i h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), offset);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(low + i), l);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(high + i), h);
+    }
+#elif defined(__ARM_NEON)
+    const int8x16_t offset = vdupq_n_s8(bias);
+    for (int i = 0; i < N; i += 16) {
+        const uint8x16_t v = vld1q_u8(src + i);
+        vst1q_s8(low + i, vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), offset));
+        vst1q_s8(high + i, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), offset));
     }
 #else
     for (int i = 0; i < N; ++i) {
@@ -236,6 +247,18 @@ inline void decode_32(const int8_t* q, float lo, float hi, float off, float* con
         const __m256 b = _mm256_mul_ps(_mm256_cvtepi32_ps(high), scales[half]);
         _mm256_storeu_ps(out[half], _mm256_add_ps(a, offset));
         _mm256_storeu_ps(out[half] + 8, _mm256_add_ps(b, offset));
+    }
+#elif defined(__ARM_NEON)  // a multiply then an add, each rounded, as above
+    const float scales[2] = {lo, hi};
+    for (int half = 0; half < 2; ++half) {
+        const int8x16_t bytes = vld1q_s8(q + 16 * half);
+        const int16x8_t words[2] = {vmovl_s8(vget_low_s8(bytes)), vmovl_high_s8(bytes)};
+        for (int i = 0; i < 4; ++i) {
+            const int16x8_t w = words[i / 2];
+            const int32x4_t ints = i % 2 ? vmovl_high_s16(w) : vmovl_s16(vget_low_s16(w));
+            const float32x4_t scaled = vmulq_n_f32(vcvtq_f32_s32(ints), scales[half]);
+            vst1q_f32(out[half] + 4 * i, vaddq_f32(scaled, vdupq_n_f32(off)));
+        }
     }
 #else
     for (int i = 0; i < 32; ++i) {

@@ -26,7 +26,8 @@
 // columns and walks W's rows a panel at a time, decoding the panel (ggml's arithmetic,
 // float32) into an L2-sized buffer, then a register-tiled float micro-kernel (kGradRows rows
 // of dx by two vectors of columns) adds G[m, o] * W[o, cols] into dx. Built with
-// -ffp-contract=off, so the decoded values are ggml's, bit for bit.
+// -ffp-contract=off, so the decoded values are ggml's, bit for bit. aarch64: the same on NEON
+// (neon.h: SDOT or SMULL + SADALP, FMLA), checked under qemu only (tests/kernels/), not timed.
 #include <vector>
 
 #include "rows_dot.h"
@@ -87,6 +88,8 @@ inline FloatVec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vadd_into(float* p, FloatVec v) { _mm256_storeu_ps(p, _mm256_add_ps(vload(p), v)); }
 constexpr int kGradRows = 6;  // 12 accumulators, 2 columns, 1 broadcast: 15 of 16 registers
+#elif defined(__ARM_NEON)
+// FloatVec (two q-registers), kVec, kGradRows and the vector operations: neon.h
 #else
 struct FloatVec {
     float v[8];
@@ -140,6 +143,8 @@ constexpr int kSlice = 2 * kVec;  // dx columns a micro-kernel call holds (32 di
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (g + 4)),
                             _mm256_permute2x128_si256(u[g], u[g + 4], 0x31));
     }
+#elif defined(__ARM_NEON)
+    transpose_groups_neon(src, stride, out);
 #else
     for (int g = 0; g < 8; ++g)
         for (int j = 0; j < 8; ++j) std::memcpy(out + 32 * g + 4 * j, src + j * stride + 4 * g, 4);
@@ -353,6 +358,9 @@ void panel_tile(const TileArgs& t) {
         for (int j = 0; j < t.cols; ++j) out[j] = t.accumulate ? out[j] + row[j] : row[j];
     }
 }
+#elif defined(__ARM_NEON)
+template <int R, bool Offset, bool Split, int Run>  // signed or not, one path (neon.h)
+void panel_tile(const TileArgs& t) { panel_tile_neon<R, Offset, Split, kPanelRows>(t); }
 #else
 template <int R, bool Offset, bool Split, int Run>
 void panel_tile(const TileArgs& t) {

@@ -7,7 +7,8 @@
 // x rows share it; at one row (decoding) that repack is most of the time. Here a block's
 // quants go from the stored bytes into a register, 32 values at a time (a K super-block's
 // scales decoded once for its eight sub-blocks, as ggml_vec_dot_q4_K_q8_K does), and meet
-// each x row there; without AVX2, through blocks.h's unpackers into a buffer on the stack.
+// each x row there; without AVX2, through blocks.h's unpackers into a buffer on the stack,
+// then NEON's integer dot products (neon.h) or plain C++.
 //
 // Numerics are the GEMM's: the same integer sums per 32 values (16 for Q6_K's scales) and the
 // same per-block float scale product (w's scale times x's d); only the order in which the
@@ -18,6 +19,7 @@
 
 #include "activations.h"
 #include "blocks.h"
+#include "neon.h"
 
 namespace {
 
@@ -290,6 +292,7 @@ void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stri
 }
 #else
 // Without AVX2 every type's block is unpacked (blocks.h) into a buffer on the stack.
+// (NEON could read each block straight into registers as the AVX2 readers do: not done yet.)
 template <blocks::Unpack U, int V>
 struct Unpacker {
     static constexpr int kSubs = V / 32;
@@ -302,6 +305,36 @@ struct Unpacker {
     float off(int s) const { return off_[s]; }
 };
 
+#if defined(__ARM_NEON)
+// y_r = row . x_r for R rows of x, NEON: per 32 values the integer sums of values 0-15 and
+// 16-31, four int32 lanes each, scaled (w's scale times x's d) into four float lanes; the
+// offset term off * (d * sum(qx)) summed beside them.
+template <typename Block, int B, bool Offset, bool Signed, int R>
+void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stride) {
+    const Activations& a = *t.a;
+    const int64_t x_subs = t.k / 32;
+    float32x4_t total[R];
+    float offsets[R] = {};
+    for (int r = 0; r < R; ++r) total[r] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < t.blocks; ++b) {
+        prefetch_ahead(row + b * B, B, t.end);
+        const Block block(row + b * B);
+        for (int s = 0; s < Block::kSubs; ++s) {
+            const int8x16_t w_lo = vld1q_s8(block.bytes(s)), w_hi = vld1q_s8(block.bytes(s) + 16);
+            for (int r = 0; r < R; ++r) {
+                const int64_t at = (t.m0 + r) * x_subs + b * Block::kSubs + s;
+                const int8_t* x = &a.q[at * 32];
+                const int32x4_t lo = dot_bytes(vdupq_n_s32(0), w_lo, vld1q_s8(x));
+                const int32x4_t hi = dot_bytes(vdupq_n_s32(0), w_hi, vld1q_s8(x + 16));
+                total[r] = vfmaq_n_f32(total[r], vcvtq_f32_s32(lo), block.lo(s) * a.d[at]);
+                total[r] = vfmaq_n_f32(total[r], vcvtq_f32_s32(hi), block.hi(s) * a.d[at]);
+                if (Offset) offsets[r] += block.off(s) * a.s[at];
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = vaddvq_f32(total[r]) + offsets[r];
+}
+#else
 // y_r = row . x_r for R rows of x, plain C++: the GEMM fallback's order, per 32 values the
 // integer sums of values 0-15 and 16-31 scaled and added in float.
 template <typename Block, int B, bool Offset, bool Signed, int R>
@@ -326,6 +359,7 @@ void row_dot(const uint8_t* row, const RowsArgs& t, float* out, int64_t out_stri
     }
     for (int r = 0; r < R; ++r) out[r * out_stride] = total[r];
 }
+#endif
 #endif
 
 // One of the row_dot kernels by its row count (1 .. kDirectRows).
