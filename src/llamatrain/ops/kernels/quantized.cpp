@@ -18,7 +18,8 @@
 // once, in eight int32 lanes, with no horizontal sums; every 32 values (16 for Q6_K's
 // scales) those sums are scaled in float, per lane, and accumulated in registers. A tile of
 // a few x rows shares each group loaded (kRowTile). Unsigned quants (4 and 5 bits) multiply
-// x's quants as they are; signed ones (Q8_0, Q6_K) as |w| times x with w's signs. The K
+// x's quants as they are; Q8_0's signed ones as |w| times x with w's signs; Q6_K's (-32 .. 31)
+// x's quants shifted to unsigned, 128 * sum(w) taken off the sums (add_shifted_half). The K
 // types' activations are quantized per 32 values too (llama.cpp's Q8_K uses 256): a finer
 // scale, one activation format.
 //
@@ -50,6 +51,7 @@ constexpr int kRowTile = 4;        // (16 vector registers)
 struct Panel {
     AlignedVector<int8_t> q;
     std::vector<float> lo, hi, off;
+    std::vector<int32_t> sums;  // split types (Q6_K): per sub-block, each half's sum of quants
 };
 
 using Repack = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first,
@@ -104,17 +106,43 @@ struct Format {
 #endif
 }
 
+// Each row's sum of a repacked sub-block's quants, per half (groups 0-3, 4-7): out[half][j].
+inline void sum_halves(const int8_t* groups, int32_t* out) {
+#if defined(__AVX2__)
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int half = 0; half < 2; ++half) {
+        __m256i total = _mm256_setzero_si256();
+        for (int g = 4 * half; g < 4 * half + 4; ++g) {
+            const __m256i w =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(groups + 32 * g));
+            total = _mm256_add_epi32(
+                total, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, w), _mm256_set1_epi16(1)));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + half * kPanelRows), total);
+    }
+#else
+    for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < kPanelRows; ++j) {
+            int32_t total = 0;
+            for (int g = 4 * half; g < 4 * half + 4; ++g)
+                for (int i = 0; i < 4; ++i) total += groups[32 * g + 4 * j + i];
+            out[half * kPanelRows + j] = total;
+        }
+#endif
+}
+
 // Blocks first .. first+count of up to 8 weight rows unpacked and repacked into ``out``;
 // missing rows (the last panel of W) are zeros. The same blocks of the next panel's first
 // ``ahead`` rows are asked from memory meanwhile, block by block (rows_dot.h's prefetch: a
 // whole panel asked at once before its repack, as before, left a 1B decoding step's matrices
 // at M=8 1.14-1.32x slower, Q4_0 and Q4_K_M, both builds). A template over the type's
 // unpack, so it is inlined.
-template <Unpack U, int V, int B>
+template <Unpack U, int V, int B, bool Split>
 void repack(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first, int64_t count,
             int64_t ahead, Panel* out) {
     constexpr int kSubs = V / 32;
     out->q.resize(count * kSubs * 256);
+    if (Split) out->sums.resize(count * kSubs * 2 * kPanelRows);
     out->lo.resize(count * kSubs * kPanelRows);
     out->hi.resize(out->lo.size());
     out->off.resize(out->lo.size());
@@ -134,6 +162,7 @@ void repack(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first, i
                 out->hi[sub * kPanelRows + j] = hi[j][s];
                 out->off[sub * kPanelRows + j] = off[j][s];
             }
+            if (Split) sum_halves(&out->q[sub * 256], &out->sums[2 * sub * kPanelRows]);
         }
     }
 }
@@ -170,13 +199,13 @@ void decode_blocks(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t b
 template <Unpack U, Unpack Forward, int V, int B, bool Offset, bool Split, int Run,
           int DirectRows, typename Rows>
 constexpr Format format() {
-    return {V,          B, Offset, Split, Run, repack<Forward, V, B>, decode_blocks<U, V, B>,
+    return {V,          B, Offset, Split, Run, repack<Forward, V, B, Split>, decode_blocks<U, V, B>,
             DirectRows, rows_product<Rows, V, B, Offset, Run == 0>};
 }
 
 // Indexed by the type ids of quantized_matmul.KERNEL_TYPES. Unsigned quants where the type's
 // are (or, Q4_0, are made so with an offset): they multiply x's signed quants directly, where
-// signed ones need x's signs flipped per weight first (Q8_0's -128..127, Q6_K's per-16 scales).
+// Q8_0's -128..127 need x's signs flipped per weight first (Q6_K's are split: add_shifted_half).
 // Direct rows: the most M at which the direct path took no longer than the panels (within
 // 2%) in both builds, native AVX-512 VNNI and -march=haswell (`bench/kernel_rows.py
 // --direct`, bench/README.md). Past kDirectRows it passes over each weight row again.
@@ -253,6 +282,40 @@ inline void add_unsigned(const int8_t* wq, const TileArgs& t, int64_t s, __m256i
 #endif
 }
 
+// The same for one half of a split type's sub-block (Q6_K: groups 0-3 or 4-7, 16 values a
+// scale): its signed quants (-32 .. 31) times x's quants shifted to unsigned (x + 128, which
+// lt_matmul_panels passes in t.xq), then 128 * sum(w) taken off each lane: dpbusd or maddubs
+// with no signs moved per group (|w| <= 32: two groups' products fit in int16). The signed
+// path's sign instructions made Q6_K's panels ~1.8x Q4_K's time on AVX2.
+template <int R>
+inline void add_shifted_half(const int8_t* wq, const TileArgs& t, int64_t s, int half,
+                             const int32_t* sums_of_w, __m256i* sums) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    for (int g = 4 * half; g < 4 * half + 4; ++g) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
+        for (int r = 0; r < R; ++r) sums[r] = dot_acc(sums[r], broadcast_four(t, r, s, g), w);
+    }
+#else
+    for (int g0 = 4 * half; g0 < 4 * half + 4; g0 += 2) {
+        __m256i pairs[R];
+        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+        for (int g = g0; g < g0 + 2; ++g) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
+            for (int r = 0; r < R; ++r) {
+                pairs[r] = _mm256_add_epi16(
+                    pairs[r], _mm256_maddubs_epi16(broadcast_four(t, r, s, g), w));
+                asm("" : "+x"(pairs[r]));  // as in add_unsigned
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+    }
+#endif
+    const __m256i offset = _mm256_slli_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums_of_w + half * kPanelRows)), 7);
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_sub_epi32(sums[r], offset);
+}
+
 template <int R, bool Offset, bool Split, int Run>
 void panel_tile(const TileArgs& t) {
     static_assert(!(Split && Run), "split scales come with signed quants (Q6_K)");
@@ -271,10 +334,17 @@ void panel_tile(const TileArgs& t) {
                 sums[r] = _mm256_setzero_si256();
             }
         };
-        if constexpr (Run > 0) {
+        if constexpr (Split) {
+            add_shifted_half<R>(wq, t, s, 0, &p.sums[2 * s * kPanelRows], sums);
+            scale_into_acc(p.lo.data());
+            add_shifted_half<R>(wq, t, s, 1, &p.sums[2 * s * kPanelRows], sums);
+        } else if constexpr (Run > 0) {
             add_unsigned<R, Run>(wq, t, s, sums);
-        } else {
-            auto add_group = [&](int g) {
+        } else {  // Q8_0: |w| times x with w's signs
+            // unrolled by two only: by eight, GCC spilled the products to the stack as in
+            // add_unsigned (2048 x 8192 Q8_0 at 64 rows, AVX2 build: 21.6 -> 18.2 ms)
+#pragma GCC unroll 2
+            for (int g = 0; g < 8; ++g) {
                 const __m256i w =
                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
                 const __m256i magnitude = _mm256_sign_epi8(w, w);
@@ -282,19 +352,6 @@ void panel_tile(const TileArgs& t) {
                     const __m256i x = _mm256_sign_epi8(broadcast_four(t, r, s, g), w);
                     sums[r] = dot_acc(sums[r], magnitude, x);
                 }
-            };
-            if constexpr (Split) {
-#pragma GCC unroll 8
-                for (int g = 0; g < 8; ++g) {
-                    if (g == 4) scale_into_acc(p.lo.data());
-                    add_group(g);
-                }
-            } else {
-                // unrolled by two only: by eight, GCC spilled the products to the stack as in
-                // add_unsigned (2048 x 8192 Q8_0 at 64 rows, AVX2 build: 21.6 -> 18.2 ms);
-                // Q6_K's split loop measured best unrolled whole
-#pragma GCC unroll 2
-                for (int g = 0; g < 8; ++g) add_group(g);
             }
         }
         scale_into_acc(Split ? p.hi.data() : p.lo.data());
@@ -367,6 +424,20 @@ void tile_rows(int rows, const Format& f, const TileArgs& t) {
 
 
 
+// x's quants as a split type's AVX2/VNNI panels take them, shifted to unsigned (x + 128, as
+// bytes: add_shifted_half); elsewhere (NEON's signed dots, plain C++) the quants themselves.
+inline const int8_t* shifted_for_split(const Activations& a, int64_t count) {
+#if defined(__AVX2__)
+    static thread_local AlignedVector<int8_t> shifted;
+    shifted.resize(count);
+    for (int64_t i = 0; i < count; ++i) shifted[i] = static_cast<int8_t>(a.q[i] ^ 0x80);
+    return shifted.data();
+#else
+    (void)count;
+    return a.q.data();
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -379,6 +450,7 @@ int lt_matmul_panels(int type, const uint8_t* w, int64_t n, int64_t row_stride, 
     if (type < 0 || type >= kFormatCount || k % kFormats[type].values) return -1;
     const Format& f = kFormats[type];
     Activations& a = quantized_rows(x, m, k, threads);
+    const int8_t* xq = f.split ? shifted_for_split(a, m * k) : a.q.data();
     const int64_t x_subs = k / 32, chunk_blocks = kPanelSubs * 32 / f.values;
     const int64_t blocks_in_row = k / f.values;
 #pragma omp parallel num_threads(threads)
@@ -396,7 +468,7 @@ int lt_matmul_panels(int type, const uint8_t* w, int64_t n, int64_t row_stride, 
                 const int64_t s0 = first * f.values / 32;
                 over_tiles<kRowTile>(m, [&](int64_t m0, int tile) {
                     const TileArgs t{&panel,          count * f.values / 32,
-                                     &a.q[m0 * k + s0 * 32], &a.d[m0 * x_subs + s0],
+                                     &xq[m0 * k + s0 * 32],  &a.d[m0 * x_subs + s0],
                                      &a.s[m0 * x_subs + s0], k,
                                      x_subs,          y + m0 * n + o0,
                                      n,               cols,
