@@ -53,8 +53,11 @@ Q4_K and Q6_K, both shapes, load ~0.9, PyTorch's own kernels held to AVX2 too
 (``ATEN_CPU_CAPABILITY=avx2``)::
 
                 M=1        M=8        M=16       M=32       M=64       M=128      M=256
-    forward     0.08-0.14  0.20-0.29  0.27-0.33  0.29-0.40  0.34-0.54  0.39-0.75  0.43-0.84
+    forward     0.07-0.12  0.17-0.26  0.22-0.30  0.28-0.31  0.33-0.37  0.38-0.46  0.41-0.55
     backward    0.29-0.50  0.32-0.53  0.34-0.58  0.44-0.64  0.60-0.72  0.71-0.77  0.88-0.93
+
+(the forward row after Q6_K's panels lost their sign instructions, load 0.2; before it, Q6_K
+gave the upper ends: 0.54 at 64 rows, 0.84 at 256)
 
 and the backward at 256 and 512 rows in both builds (Q4_0, Q4_K, Q6_K, Q8_0)::
 
