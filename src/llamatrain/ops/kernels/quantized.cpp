@@ -51,7 +51,7 @@ constexpr int kRowTile = 4;        // (16 vector registers)
 struct Panel {
     AlignedVector<int8_t> q;
     std::vector<float> lo, hi, off;
-    std::vector<int32_t> sums;  // split types (Q6_K): per sub-block, each half's sum of quants
+    std::vector<int32_t> sums;  // split types (Q6_K) on x86: each half's sum of quants (sum_halves)
 };
 
 using Repack = void (*)(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first,
@@ -106,9 +106,10 @@ struct Format {
 #endif
 }
 
-// Each row's sum of a repacked sub-block's quants, per half (groups 0-3, 4-7): out[half][j].
-inline void sum_halves(const int8_t* groups, int32_t* out) {
 #if defined(__AVX2__)
+// Each row's sum of a repacked sub-block's quants, per half (groups 0-3, 4-7): out[half][j],
+// for the x86 panels of a split type, which take x shifted (add_shifted_half).
+inline void sum_halves(const int8_t* groups, int32_t* out) {
     const __m256i ones = _mm256_set1_epi8(1);
     for (int half = 0; half < 2; ++half) {
         __m256i total = _mm256_setzero_si256();
@@ -120,16 +121,8 @@ inline void sum_halves(const int8_t* groups, int32_t* out) {
         }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + half * kPanelRows), total);
     }
-#else
-    for (int half = 0; half < 2; ++half)
-        for (int j = 0; j < kPanelRows; ++j) {
-            int32_t total = 0;
-            for (int g = 4 * half; g < 4 * half + 4; ++g)
-                for (int i = 0; i < 4; ++i) total += groups[32 * g + 4 * j + i];
-            out[half * kPanelRows + j] = total;
-        }
-#endif
 }
+#endif
 
 // Blocks first .. first+count of up to 8 weight rows unpacked and repacked into ``out``;
 // missing rows (the last panel of W) are zeros. The same blocks of the next panel's first
@@ -162,7 +155,9 @@ void repack(const uint8_t* w, int64_t row_stride, int64_t rows, int64_t first, i
                 out->hi[sub * kPanelRows + j] = hi[j][s];
                 out->off[sub * kPanelRows + j] = off[j][s];
             }
+#if defined(__AVX2__)  // NEON and plain C++ multiply the signed quants as they are
             if (Split) sum_halves(&out->q[sub * 256], &out->sums[2 * sub * kPanelRows]);
+#endif
         }
     }
 }
@@ -247,29 +242,33 @@ inline __m256i broadcast_four(const TileArgs& t, int r, int64_t s, int g) {
     return _mm256_set1_epi32(four);
 }
 
-// y[m0 + r, o0 + j] for R rows and the panel's 8 columns: per sub-block, the integer sums of
-// 8 groups in registers, then scaled (lo for groups 0-3, hi for 4-7) and added in float.
-// acc[r] += the 8 groups' byte products of unsigned w and x row r's quants: VNNI's dpbusd
-// takes them as they are; AVX2's maddubs sums Run groups' products in int16 (|w| <= 15 or
-// 31: no saturation) before widening them once.
-template <int R, int Run>
-inline void add_unsigned(const int8_t* wq, const TileArgs& t, int64_t s, __m256i* sums) {
+// sums[r] += the byte products of groups First .. First+Count-1 with x row r's quants, the
+// unsigned operand first as dpbusd / maddubs take it: w (the unsigned quants of 4 and 5 bits)
+// or, XShifted, x's quants shifted to unsigned (add_shifted_half). VNNI's dpbusd takes them as
+// they are; AVX2's maddubs sums Run groups' products in int16 (no saturation: |w| <= 15 or 31
+// against x, or |w| <= 32 against x + 128 with Run 2) before widening them once.
+template <int R, int Run, bool XShifted, int First, int Count>
+inline void add_groups(const int8_t* wq, const TileArgs& t, int64_t s, __m256i* sums) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
+    for (int g = First; g < First + Count; ++g) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
-        for (int r = 0; r < R; ++r) sums[r] = dot_acc(sums[r], w, broadcast_four(t, r, s, g));
+        for (int r = 0; r < R; ++r) {
+            const __m256i x = broadcast_four(t, r, s, g);
+            sums[r] = XShifted ? dot_acc(sums[r], x, w) : dot_acc(sums[r], w, x);
+        }
     }
 #else
-    for (int g0 = 0; g0 < 8; g0 += Run) {
+    for (int g0 = First; g0 < First + Count; g0 += Run) {
         __m256i pairs[R];
         for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int g = g0; g < g0 + Run; ++g) {
             const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
             for (int r = 0; r < R; ++r) {
-                pairs[r] = _mm256_add_epi16(
-                    pairs[r], _mm256_maddubs_epi16(w, broadcast_four(t, r, s, g)));
+                const __m256i x = broadcast_four(t, r, s, g);
+                pairs[r] = _mm256_add_epi16(pairs[r], XShifted ? _mm256_maddubs_epi16(x, w)
+                                                               : _mm256_maddubs_epi16(w, x));
                 // each sum kept in its register here: GCC otherwise reorders the unrolled
                 // groups into all 32 products first, then a tree of adds, spilling most of
                 // them to the stack (2048 x 8192 Q4_0 at 64 rows, AVX2 build: 16.2 -> 11.5 ms)
@@ -282,40 +281,21 @@ inline void add_unsigned(const int8_t* wq, const TileArgs& t, int64_t s, __m256i
 #endif
 }
 
-// The same for one half of a split type's sub-block (Q6_K: groups 0-3 or 4-7, 16 values a
-// scale): its signed quants (-32 .. 31) times x's quants shifted to unsigned (x + 128, which
-// lt_matmul_panels passes in t.xq), then 128 * sum(w) taken off each lane: dpbusd or maddubs
-// with no signs moved per group (|w| <= 32: two groups' products fit in int16). The signed
-// path's sign instructions made Q6_K's panels ~1.8x Q4_K's time on AVX2.
-template <int R>
-inline void add_shifted_half(const int8_t* wq, const TileArgs& t, int64_t s, int half,
+// One half of a split type's sub-block (Q6_K: groups 0-3 or 4-7, 16 values a scale): its
+// signed quants (-32 .. 31) times x's quants shifted to unsigned (x + 128, which
+// lt_matmul_panels passes in t.xq), then 128 * sum(w) taken off each lane: no signs moved per
+// group. The signed path's sign instructions made Q6_K's panels ~1.8x Q4_K's time on AVX2.
+template <int R, int Half>
+inline void add_shifted_half(const int8_t* wq, const TileArgs& t, int64_t s,
                              const int32_t* sums_of_w, __m256i* sums) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-    for (int g = 4 * half; g < 4 * half + 4; ++g) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
-        for (int r = 0; r < R; ++r) sums[r] = dot_acc(sums[r], broadcast_four(t, r, s, g), w);
-    }
-#else
-    for (int g0 = 4 * half; g0 < 4 * half + 4; g0 += 2) {
-        __m256i pairs[R];
-        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
-        for (int g = g0; g < g0 + 2; ++g) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * g));
-            for (int r = 0; r < R; ++r) {
-                pairs[r] = _mm256_add_epi16(
-                    pairs[r], _mm256_maddubs_epi16(broadcast_four(t, r, s, g), w));
-                asm("" : "+x"(pairs[r]));  // as in add_unsigned
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
-    }
-#endif
+    add_groups<R, 2, true, 4 * Half, 4>(wq, t, s, sums);
     const __m256i offset = _mm256_slli_epi32(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums_of_w + half * kPanelRows)), 7);
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums_of_w + Half * kPanelRows)), 7);
     for (int r = 0; r < R; ++r) sums[r] = _mm256_sub_epi32(sums[r], offset);
 }
 
+// y[m0 + r, o0 + j] for R rows and the panel's 8 columns: per sub-block, the integer sums of
+// 8 groups in registers, then scaled (lo for groups 0-3, hi for 4-7) and added in float.
 template <int R, bool Offset, bool Split, int Run>
 void panel_tile(const TileArgs& t) {
     static_assert(!(Split && Run), "split scales come with signed quants (Q6_K)");
@@ -335,14 +315,14 @@ void panel_tile(const TileArgs& t) {
             }
         };
         if constexpr (Split) {
-            add_shifted_half<R>(wq, t, s, 0, &p.sums[2 * s * kPanelRows], sums);
+            add_shifted_half<R, 0>(wq, t, s, &p.sums[2 * s * kPanelRows], sums);
             scale_into_acc(p.lo.data());
-            add_shifted_half<R>(wq, t, s, 1, &p.sums[2 * s * kPanelRows], sums);
+            add_shifted_half<R, 1>(wq, t, s, &p.sums[2 * s * kPanelRows], sums);
         } else if constexpr (Run > 0) {
-            add_unsigned<R, Run>(wq, t, s, sums);
+            add_groups<R, Run, false, 0, 8>(wq, t, s, sums);
         } else {  // Q8_0: |w| times x with w's signs
             // unrolled by two only: by eight, GCC spilled the products to the stack as in
-            // add_unsigned (2048 x 8192 Q8_0 at 64 rows, AVX2 build: 21.6 -> 18.2 ms)
+            // add_groups (2048 x 8192 Q8_0 at 64 rows, AVX2 build: 21.6 -> 18.2 ms)
 #pragma GCC unroll 2
             for (int g = 0; g < 8; ++g) {
                 const __m256i w =
