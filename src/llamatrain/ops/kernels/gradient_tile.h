@@ -1,19 +1,20 @@
 // The backward's float micro-kernel (quantized.cpp's lt_matmul_t): dx += G . W over a
-// decoded panel, on AVX-512, AVX2, NEON (neon.h) or plain C++ float vectors, and G packed into
+// decoded panel, on AVX-512, AVX2, NEON or plain C++ float vectors, and G packed into
 // the tiles it reads. Kept apart from quantized.cpp so that each file holds one direction.
 #pragma once
 #include <cstdint>
 #include <cstring>
 
 #include "aligned.h"
-#include "neon.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace {
 
-// The backward's float vectors: AVX-512, AVX2 or plain C++ (kVec floats).
+// The backward's float vectors: AVX-512, AVX2, NEON or plain C++ (kVec floats).
 #if defined(__AVX512F__)
 using FloatVec = __m512;
 constexpr int kVec = 16;
@@ -33,7 +34,21 @@ inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) { return _mm256_fmadd_p
 inline void vadd_into(float* p, FloatVec v) { _mm256_storeu_ps(p, _mm256_add_ps(vload(p), v)); }
 constexpr int kGradRows = 6;  // 12 accumulators, 2 columns, 1 broadcast: 15 of 16 registers
 #elif defined(__ARM_NEON)
-// FloatVec (two q-registers), kVec, kGradRows and the vector operations: neon.h
+// NEON: 8 floats in two q-registers, so that a slice is 16 columns (decode_32 writes halves
+// of 16); kGradRows 6: 24 accumulators, 4 for the columns, 1 broadcast, of its 32 registers.
+using FloatVec = float32x4x2_t;
+constexpr int kVec = 8;
+inline FloatVec vzero() { return {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}; }
+inline FloatVec vload(const float* p) { return {vld1q_f32(p), vld1q_f32(p + 4)}; }
+inline FloatVec vbroadcast(const float* p) { return {vld1q_dup_f32(p), vld1q_dup_f32(p)}; }
+inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) {
+    return {vfmaq_f32(c.val[0], a.val[0], b.val[0]), vfmaq_f32(c.val[1], a.val[1], b.val[1])};
+}
+inline void vadd_into(float* p, FloatVec v) {
+    vst1q_f32(p, vaddq_f32(vld1q_f32(p), v.val[0]));
+    vst1q_f32(p + 4, vaddq_f32(vld1q_f32(p + 4), v.val[1]));
+}
+constexpr int kGradRows = 6;
 #else
 struct FloatVec {
     float v[8];

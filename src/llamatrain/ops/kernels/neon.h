@@ -1,6 +1,6 @@
 // The kernels' aarch64 NEON pieces, used where x86's AVX2 ones are (quantized.cpp, rows_dot.h):
 // the forward's integer products, the same int32 sums per 16 or 32 values as the x86 paths
-// scaled in float the same way, and the backward's float vectors.
+// scaled in float the same way (the backward's float vectors: gradient_tile.h).
 //
 // Where the CPU has the dot product extension (__ARM_FEATURE_DOTPROD: armv8.2-a+dotprod, every
 // Apple M, Graviton 2 and later, Ampere) one SDOT (vdotq_s32, vdotq_laneq_s32) sums four
@@ -140,23 +140,6 @@ void panel_tile_neon(const Tile& t) {
         for (int j = 0; j < t.cols; ++j) out[j] = t.accumulate ? out[j] + row[j] : row[j];
     }
 }
-
-// The backward's float vectors (quantized.cpp's FloatVec): 8 floats in two q-registers, so that
-// a slice is 16 columns (decode_32 writes halves of 16); kGradRows 6: 24 accumulators, 4 for
-// the columns, 1 broadcast, of NEON's 32 registers.
-using FloatVec = float32x4x2_t;
-constexpr int kVec = 8;
-inline FloatVec vzero() { return {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}; }
-inline FloatVec vload(const float* p) { return {vld1q_f32(p), vld1q_f32(p + 4)}; }
-inline FloatVec vbroadcast(const float* p) { return {vld1q_dup_f32(p), vld1q_dup_f32(p)}; }
-inline FloatVec vfma(FloatVec a, FloatVec b, FloatVec c) {
-    return {vfmaq_f32(c.val[0], a.val[0], b.val[0]), vfmaq_f32(c.val[1], a.val[1], b.val[1])};
-}
-inline void vadd_into(float* p, FloatVec v) {
-    vst1q_f32(p, vaddq_f32(vld1q_f32(p), v.val[0]));
-    vst1q_f32(p + 4, vaddq_f32(vld1q_f32(p + 4), v.val[1]));
-}
-constexpr int kGradRows = 6;
 
 }  // namespace
 #endif

@@ -28,7 +28,8 @@
 // float32) into an L2-sized buffer, then a register-tiled float micro-kernel (gradient_tile.h:
 // kGradRows rows of dx by two vectors of columns) adds G[m, o] * W[o, cols] into dx. Built with
 // -ffp-contract=off, so the decoded values are ggml's, bit for bit. aarch64: the same on NEON
-// (neon.h: SDOT or SMULL + SADALP, FMLA), checked under qemu only (tests/kernels/), not timed.
+// (neon.h: SDOT or SMULL + SADALP; gradient_tile.h: FMLA), checked under qemu only
+// (tests/kernels/), not timed.
 #include <vector>
 
 #include "gradient_tile.h"
